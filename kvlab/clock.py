@@ -1,0 +1,42 @@
+"""Clocks. The pool stamps allocations and accesses with a clock; the default is logical (a step counter), so
+LRU order, replays and tests are deterministic. Inject :class:`WallClock` to see real seconds instead."""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Anything with ``now() -> int | float`` and ``tick()``; ``tick`` advances a logical clock and is a no-op
+    for a wall clock."""
+
+    def now(self) -> float: ...
+
+    def tick(self) -> float: ...
+
+
+class LogicalClock:
+    """A step counter: every ``tick()`` is one step later. The pool ticks once per public mutation."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.step = start
+
+    def now(self) -> int:
+        return self.step
+
+    def tick(self) -> int:
+        self.step += 1
+        return self.step
+
+
+class WallClock:
+    """Seconds from ``time.perf_counter``; ``tick`` just reads it."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    tick = now

@@ -1,0 +1,148 @@
+"""Typed events. Every pool mutation publishes one event stamped with the pool's logical step.
+
+Subscribers are called synchronously, in subscription order, while the pool lock is held: keep them short and
+do not call back into the pool from them. With no subscriber the pool does not even build the event.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of all events; ``step`` is the pool clock when it happened."""
+
+    step: float
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated(Event):
+    """Blocks left the free lists (``status`` is ALLOCATED, or PENDING for a reservation)."""
+    block_ids: tuple[int, ...]
+    size_class: int
+    owner: int
+    status: str
+    strategy: str  # "free" | "split" | "evict"
+
+
+@dataclass(frozen=True, slots=True)
+class Freed(Event):
+    """Blocks returned to the free lists; their data is gone."""
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cached(Event):
+    """Blocks reached refcount 0 but keep reusable data: they stay ALLOCATED and become evictable."""
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RefChanged(Event):
+    """Reference counts of ``block_ids`` changed by ``delta`` each; ``counts`` are the new values."""
+    block_ids: tuple[int, ...]
+    delta: int
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted(Event):
+    """A cached block was evicted. ``candidates`` are the policy's ranking ``(block_id, score)``, victim first."""
+    block_id: int
+    policy: str
+    reason: str
+    candidates: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusChanged(Event):
+    """Blocks moved along the state machine from ``old`` to ``new``."""
+    block_ids: tuple[int, ...]
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
+class Split(Event):
+    """A free block of ``size_class`` was split into two buddies of ``size_class - 1``."""
+    block_id: int
+    size_class: int
+    buddy: int
+
+
+@dataclass(frozen=True, slots=True)
+class Merged(Event):
+    """Two free buddies merged into ``block_id`` of ``size_class``."""
+    block_id: int
+    size_class: int
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated(Event):
+    """Data and metadata of ``src[i]`` moved to ``dst[i]`` (defragmentation, swap-in, copy-on-write)."""
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    reason: str
+
+
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """A list of subscribers. ``active`` is False when nobody listens, so publishers can skip building events."""
+
+    __slots__ = ("subscribers",)
+
+    def __init__(self) -> None:
+        self.subscribers: list[Subscriber] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.subscribers)
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Add ``fn``; returns a function that unsubscribes it."""
+        self.subscribers.append(fn)
+        return lambda: self.subscribers.remove(fn) if fn in self.subscribers else None
+
+    def publish(self, event: Event) -> None:
+        for fn in self.subscribers:
+            fn(event)
+
+
+class EventRecorder:
+    """Records every event of a bus (optionally only some kinds) for replay, counting and widgets."""
+
+    def __init__(self, bus: EventBus, kinds: tuple[type[Event], ...] = (Event,)) -> None:
+        self.events: list[Event] = []
+        self._kinds = kinds
+        self.close = bus.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, self._kinds):
+            self.events.append(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def counts(self) -> dict[str, int]:
+        """Number of recorded events per kind."""
+        out: dict[str, int] = {}
+        for e in self.events:
+            out[e.kind] = out.get(e.kind, 0) + 1
+        return out
+
+    def of(self, kind: type[Event]) -> list[Event]:
+        return [e for e in self.events if isinstance(e, kind)]

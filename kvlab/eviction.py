@@ -1,0 +1,197 @@
+"""Eviction policies (text §2.2.2, ``BlockPool.evict_block``).
+
+A policy orders the pool's *evictable* blocks: ALLOCATED blocks with refcount 0 that still hold reusable data
+(cached blocks). Referenced blocks are never in the set, so a policy can never pick one; when the pool vetoes a
+candidate (a prefix-cache head whose child is still cached) it simply takes the next one. Every policy can rank
+its candidates with scores (lower score = evicted sooner), which is what a widget shows to explain a choice.
+
+Cost per operation: LRU and FIFO-by-release are O(1) (an insertion-ordered dict); FIFO-by-creation and LFU use a
+heap with lazy deletion, O(log n); random is O(1) with a swap-remove list. The text's version scanned every
+active block with ``min`` on each eviction, O(n).
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+
+
+class EvictionPolicy:
+    """Interface: the pool calls ``add`` when a block becomes evictable, ``discard`` when it stops being
+    evictable (referenced again, freed or evicted), and ``order`` to walk candidates, best victim first."""
+
+    name = "base"
+
+    def bind(self, pool: "BlockPool") -> "EvictionPolicy":
+        self.pool = pool
+        return self
+
+    def add(self, block_id: int) -> None:
+        raise NotImplementedError
+
+    def discard(self, block_id: int) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __contains__(self, block_id: int) -> bool:
+        raise NotImplementedError
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        """Evictable blocks as ``(block_id, score)``, the block to evict first coming first."""
+        raise NotImplementedError
+
+    def rank(self, k: int = 8) -> list[tuple[int, float]]:
+        """The first ``k`` candidates with their scores."""
+        out = []
+        for item in self.order():
+            if len(out) == k:
+                break
+            out.append(item)
+        return out
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first. A block's last access is stamped when its last reference is dropped, so the
+    insertion order of the evictable set *is* LRU order; score = last access time."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._set: dict[int, None] = {}
+
+    def add(self, block_id: int) -> None:
+        self._set[block_id] = None
+
+    def discard(self, block_id: int) -> None:
+        self._set.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._set
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        last = self.pool._last
+        return ((b, float(last[b])) for b in self._set)
+
+
+class _HeapPolicy(EvictionPolicy):
+    """Evictable blocks in a heap keyed by ``key(block_id)``, with lazy deletion of stale entries."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[float, ...]] = {}
+        self._heap: list[tuple[tuple[float, ...], int]] = []
+
+    def key(self, block_id: int) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def add(self, block_id: int) -> None:
+        k = self.key(block_id)
+        self._keys[block_id] = k
+        heapq.heappush(self._heap, (k, block_id))
+        if len(self._heap) > 2 * len(self._keys) + 64:  # drop stale entries so the heap stays O(live)
+            self._heap = [(k, b) for b, k in self._keys.items()]
+            heapq.heapify(self._heap)
+
+    def discard(self, block_id: int) -> None:
+        self._keys.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._keys
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        heap, keys = self._heap, self._keys
+        while heap and keys.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        if not heap:
+            return
+        yield heap[0][1], float(heap[0][0][0])  # the common case wants only the victim: O(1) after cleaning
+        for k, b in sorted((k, b) for b, k in keys.items())[1:]:  # the heap top is the smallest live key
+            yield b, float(k[0])
+
+
+class FIFOPolicy(_HeapPolicy):
+    """Oldest block first (by creation time, the text's ``creation_time``); score = creation time."""
+
+    name = "fifo"
+
+    def key(self, block_id: int) -> tuple[float, ...]:
+        return (self.pool._created[block_id], block_id)
+
+
+class LFUPolicy(_HeapPolicy):
+    """Least frequently used first (allocations + references taken), ties broken by LRU; score = use count."""
+
+    name = "lfu"
+
+    def key(self, block_id: int) -> tuple[float, ...]:
+        return (self.pool._hits[block_id], self.pool._last[block_id], block_id)
+
+
+class RandomPolicy(EvictionPolicy):
+    """A uniformly random evictable block, from a seeded generator so runs replay; score = the random draw."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+        self._items: list[int] = []
+        self._pos: dict[int, int] = {}
+
+    def add(self, block_id: int) -> None:
+        if block_id not in self._pos:
+            self._pos[block_id] = len(self._items)
+            self._items.append(block_id)
+
+    def discard(self, block_id: int) -> None:
+        i = self._pos.pop(block_id, None)
+        if i is not None:
+            last = self._items.pop()
+            if last != block_id:
+                self._items[i], self._pos[last] = last, i
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._pos
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        """A random permutation, drawn lazily (the victim alone costs O(1)); score = draw number."""
+        if not self._items:
+            return
+        first = self._items[self._rng.randrange(len(self._items))]
+        yield first, 0.0
+        rest = [b for b in self._items if b != first]
+        self._rng.shuffle(rest)
+        for i, b in enumerate(rest, 1):
+            yield b, float(i)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "random": RandomPolicy,
+}
+
+
+def make_policy(policy: "str | EvictionPolicy", seed: int = 0) -> EvictionPolicy:
+    """A policy from its name (``lru``, ``fifo``, ``lfu``, ``random``) or an :class:`EvictionPolicy` instance."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if policy == "random":
+        return RandomPolicy(seed)
+    try:
+        return POLICIES[policy]()
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}") from None

@@ -1,0 +1,811 @@
+"""BlockPool: fixed-size blocks carved from one KV tensor (text §2.2.2 "块池管理", §2.2.5 batch operations).
+
+Lifecycle of a block (see :mod:`kvlab.block` for the enforced state machine)::
+
+    FREE --allocate--> ALLOCATED(refs=1) --incref/decref--> ALLOCATED(refs>=1)
+    ALLOCATED --free, refs->0, not reusable--> FREE                     (data gone)
+    ALLOCATED --free/decref, refs->0, reusable--> ALLOCATED(refs=0) = *cached*, evictable
+    cached --incref (e.g. a prefix-cache hit)--> ALLOCATED(refs=1)   (data reused, nothing recomputed)
+    cached --evict (policy's victim)--> FREE
+    FREE --reserve--> PENDING --commit--> ALLOCATED;  ALLOCATED --begin_eviction--> EVICTING --finish--> FREE
+
+Invariants (checked by :meth:`BlockPool.check_invariants`, after every step of the property tests):
+
+* every base block is in exactly one block, blocks are buddy-aligned, and FREE + PENDING + ALLOCATED + EVICTING
+  base blocks == ``num_blocks``;
+* a block is in a free list iff it is FREE, and in the eviction policy's set iff it is cached;
+* refcount >= 0 everywhere and FREE => refcount 0 and token_count 0.
+
+Metadata lives in flat ``array.array`` buffers (fast single-element access from Python) with zero-copy numpy
+views (vectorised batch operations, snapshots for widgets); a :class:`KVBlock` is only a view onto them.
+Size classes: a pool built with ``block_sizes=[16, 32, 64]`` has base blocks of 16 tokens and blocks of order
+``k`` spanning ``2**k`` base blocks, split from and merged back into larger buddies. A block's id is the index
+of its first base block. The default pool has one size (order 0 only): the uniform paged case.
+
+Every public mutation takes the pool's lock once (batch operations included), ticks the clock once, and
+publishes one typed event per effect (see :mod:`kvlab.events`).
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import events as ev
+from .block import BlockStatus, KVBlock
+from .clock import Clock, LogicalClock
+from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, OutOfBlocksError,
+                     RefcountUnderflowError, UnknownBlockError)
+from .eviction import EvictionPolicy, make_policy
+from .spec import KVSpec
+from .storage import KVStorage
+
+FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
+_NAMES = [s.name for s in BlockStatus]
+
+Ids = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _zeros(code: str, n: int) -> tuple[array, np.ndarray]:
+    a = array(code, bytes(n * array(code).itemsize))
+    return a, np.frombuffer(a, dtype=a.typecode if code != "q" else np.int64)
+
+
+class BlockPool:
+    """A pool of ``num_blocks`` fixed-size KV blocks (or of ``total_memory`` bytes) with states, refcounts,
+    an eviction policy, batch operations and events.
+
+    Args:
+        num_blocks: number of base blocks; or give ``total_memory`` (bytes) instead.
+        spec: the :class:`KVSpec` (model shape, block size, dtype, device). Default: a small spec.
+        total_memory: the text's budget in bytes; ``num_blocks = total_memory // spec.bytes_per_block``.
+        block_sizes: the text's size classes in tokens, each a power-of-two multiple of the smallest (which
+            becomes ``spec.block_size``). Default: one size, ``spec.block_size``.
+        eviction_policy: ``"lru"``, ``"fifo"``, ``"lfu"``, ``"random"`` or an :class:`EvictionPolicy`.
+        clock: default a :class:`LogicalClock` ticking once per public mutation.
+        with_storage: False builds a metadata-only pool (no tensor), for large simulations.
+        seed: seeds the random policy.
+    """
+
+    def __init__(self, num_blocks: int | None = None, *, spec: KVSpec | None = None,
+                 total_memory: int | None = None, block_sizes: Sequence[int] | None = None,
+                 eviction_policy: str | EvictionPolicy = "lru", clock: Clock | None = None,
+                 with_storage: bool = True, seed: int = 0) -> None:
+        spec = spec or KVSpec()
+        if block_sizes is not None:
+            sizes = sorted(set(block_sizes))
+            if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+                raise ConfigError(f"block_sizes must be positive ints, got {list(block_sizes)!r}")
+            base = sizes[0]
+            bad = [s for s in sizes if s % base or (s // base) & (s // base - 1)]
+            if bad:
+                raise ConfigError(f"block sizes {bad} are not power-of-two multiples of the smallest, {base}")
+            spec = replace(spec, block_size=base)
+            self.max_order = (sizes[-1] // base).bit_length() - 1
+        else:
+            self.max_order = 0
+        if (num_blocks is None) == (total_memory is None):
+            raise ConfigError("give exactly one of num_blocks or total_memory")
+        if total_memory is not None:
+            num_blocks = spec.blocks_for_budget(total_memory)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, spec.block_size
+        self.bytes_per_block = spec.bytes_per_block
+        self.block_sizes = [spec.block_size << k for k in range(self.max_order + 1)]
+        self.storage = KVStorage(spec, num_blocks) if with_storage else None
+
+        n = num_blocks
+        self._status, self.status_np = _zeros("B", n)
+        self._order, self.order_np = _zeros("B", n)
+        self._refs, self.refs_np = _zeros("i", n)
+        self._tokens, self.tokens_np = _zeros("i", n)
+        self._last, self.last_np = _zeros("q", n)
+        self._created, self.created_np = _zeros("q", n)
+        self._hits, self.hits_np = _zeros("q", n)
+        self._owner, self.owner_np = _zeros("i", n)
+        self.owner_np[:] = -1
+        self._reusable, self.reusable_np = _zeros("B", n)
+        # One free stack per order, popped from the end; lowest ids come out first.
+        self._free: list[array] = [array("i") for _ in range(self.max_order + 1)]
+        self._carve(0, n)
+        self._free_units = n
+
+        self.lock = threading.RLock()
+        self.clock: Clock = clock or LogicalClock()
+        self.events = ev.EventBus()
+        self.policy = make_policy(eviction_policy, seed).bind(self)
+        self.eviction_policy = self.policy.name
+        self.evict_guard: Callable[[int], bool] | None = None  # may veto a victim (prefix-chain order)
+        self.evict_hooks: list[Callable[[int], None]] = []  # told which block was evicted
+        self.relocation_hooks: list[Callable[[np.ndarray, np.ndarray], None]] = []  # told src -> dst moves
+        self.lock_acquisitions = 0
+        self._counts = {"allocations": 0, "frees": 0, "evictions": 0, "splits": 0, "merges": 0,
+                        "migrations": 0, "decrefs": 0, "served_free": 0, "served_split": 0, "served_evict": 0}
+
+    def _carve(self, start: int, stop: int) -> None:
+        """Tile base blocks [start, stop) with the largest aligned free blocks and push them (lowest on top)."""
+        tiles = []
+        u = start
+        while u < stop:
+            o = self.max_order
+            while o and (u & ((1 << o) - 1) or u + (1 << o) > stop):
+                o -= 1
+            tiles.append((u, o))
+            u += 1 << o
+        if self.max_order == 0:
+            self._free[0].extend(range(stop - 1, start - 1, -1))
+            return
+        for u, o in reversed(tiles):
+            self.order_np[u:u + (1 << o)] = o
+            self._free[o].append(u)
+
+    # ------------------------------------------------------------------ ids and views
+    def _check_id(self, block_id: Any) -> int:
+        """``block_id`` as an int naming the first base block of a block, else :class:`UnknownBlockError`."""
+        try:
+            b = operator.index(block_id)
+        except TypeError:
+            raise UnknownBlockError(f"block id must be an int, got {block_id!r}") from None
+        if not 0 <= b < self.num_blocks:
+            raise UnknownBlockError(f"block {b} is not in this pool (ids 0..{self.num_blocks - 1})")
+        if b & ((1 << self._order[b]) - 1):
+            raise UnknownBlockError(f"block {b} is inside block {b & ~((1 << self._order[b]) - 1)} "
+                                    f"of size class {self._order[b]}, not the start of a block")
+        return b
+
+    def _ids(self, ids: Ids) -> np.ndarray:
+        """Validated int64 array of block ids."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.cpu().numpy()
+        a = np.asarray(ids)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
+        a = a.astype(np.int64, copy=False)
+        if a.size:
+            bad = (a < 0) | (a >= self.num_blocks)
+            if bad.any():
+                raise UnknownBlockError(f"block {int(a[bad][0])} is not in this pool (ids 0..{self.num_blocks - 1})")
+            if self.max_order:
+                for b in a[(a & ((1 << self.order_np[a].astype(np.int64)) - 1)) != 0]:
+                    self._check_id(int(b))
+        return a
+
+    def block(self, block_id: int) -> KVBlock:
+        """A :class:`KVBlock` view of ``block_id``."""
+        return KVBlock(self, block_id)
+
+    def storage_of(self) -> KVStorage:
+        if self.storage is None:
+            raise ConfigError("this pool is metadata-only (with_storage=False): it has no KV tensor")
+        return self.storage
+
+    def span(self, block_id: int) -> int:
+        """Number of base blocks in ``block_id``."""
+        return 1 << self._order[block_id]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """FREE base blocks."""
+        return self._free_units
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with refcount 0 that keep reusable data (evictable)."""
+        return len(self.policy)
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __repr__(self) -> str:
+        return (f"BlockPool({self.num_blocks} blocks x {self.block_size} tokens, free={self._free_units}, "
+                f"cached={len(self.policy)}, policy={self.policy.name}, device={self.spec.device})")
+
+    # ------------------------------------------------------------------ events and bookkeeping helpers
+    def _set_status(self, b: int, s: int) -> None:
+        if self._order[b]:
+            self.status_np[b:b + (1 << self._order[b])] = s
+        else:
+            self._status[b] = s
+
+    def _push_free(self, b: int) -> None:
+        """Block ``b`` becomes FREE: metadata reset, pushed on its order's free stack."""
+        self._set_status(b, FREE)
+        self._refs[b] = self._tokens[b] = self._reusable[b] = 0
+        self._owner[b] = -1
+        self._free[self._order[b]].append(b)
+        self._free_units += 1 << self._order[b]
+
+    def _pop_exact(self, b: int) -> None:
+        """Remove FREE block ``b`` from its free stack (O(free blocks of its order), rare path)."""
+        self._free[self._order[b]].remove(b)
+        self._free_units -= 1 << self._order[b]
+
+    def _publish(self, event: ev.Event) -> None:
+        self.events.publish(event)
+
+    # ------------------------------------------------------------------ allocation
+    def _capacity_for(self, order: int) -> int:
+        """How many blocks of ``order`` the free lists plus the evictable set could yield right now."""
+        free = sum(len(self._free[o]) << (o - order) for o in range(order, self.max_order + 1))
+        if not self.max_order:
+            return free + len(self.policy)
+        return free + sum(1 << (self._order[b] - order) for b, _ in self.policy.order() if self._order[b] >= order)
+
+    def _take(self, order: int) -> tuple[int, str]:
+        """One FREE block of ``order``: from its free stack, else by splitting a larger one, else by evicting."""
+        if self._free[order]:
+            b = self._free[order].pop()
+            self._free_units -= 1 << order
+            return b, "free"
+        for o in range(order + 1, self.max_order + 1):
+            if self._free[o]:
+                b = self._free[o][-1]
+                while self._order[b] > order:
+                    self._split(b)
+                return self._take(order)[0], "split"
+        if self._evict_one("allocation pressure", min_order=order) is None:
+            raise OutOfBlocksError(f"no block of size class {order} ({self.block_size << order} tokens) is free "
+                                   f"or evictable")
+        return self._take(order)[0], "evict"
+
+    def allocate(self, n: int = 1, *, size_class: int = 0, owner: int = -1,
+                 status: BlockStatus = BlockStatus.ALLOCATED) -> list[int]:
+        """Allocate ``n`` blocks of ``size_class`` (refcount 1 each) in one lock acquisition; evicts cached blocks
+        when the free lists run dry. All or nothing: raises :class:`OutOfBlocksError` and changes nothing if the
+        pool cannot supply ``n``. ``status=PENDING`` reserves blocks whose data is still to arrive."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            free = self._free[0]
+            if n == 1 and not size_class and free and status == ALLOCATED:  # hot path: one base block
+                b = free.pop()
+                self._free_units -= 1
+                t = self.clock.tick()
+                self._status[b] = ALLOCATED
+                self._refs[b] = self._hits[b] = 1
+                self._last[b] = self._created[b] = t
+                self._owner[b] = owner
+                self._counts["allocations"] += 1
+                self._counts["served_free"] += 1
+                if self.events.subscribers:
+                    self._publish(ev.Allocated(t, (b,), 0, owner, "ALLOCATED", "free"))
+                return [b]
+            return self._allocate_many(n, size_class, owner, status)
+
+    def _allocate_many(self, n: int, order: int, owner: int, status: int) -> list[int]:
+        if not isinstance(n, int) or n < 0:
+            raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
+        if not isinstance(order, int) or not 0 <= order <= self.max_order:
+            raise ConfigError(f"size_class {order!r} is not one of this pool's 0..{self.max_order} "
+                              f"(block sizes {self.block_sizes})")
+        if status not in (ALLOCATED, PENDING):
+            raise IllegalTransitionError(f"allocation ends in ALLOCATED or PENDING, not {_NAMES[status]}")
+        if n > len(self._free[order]) and n > self._capacity_for(order):
+            raise OutOfBlocksError(
+                f"asked for {n} blocks of {self.block_size << order} tokens; the pool has "
+                f"{self._free_units} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
+        t = self.clock.tick()
+        if n and not order and len(self._free[0]) >= n:  # vectorised path: slice the free stack
+            chunk = self._free[0][-n:]
+            del self._free[0][-n:]
+            self._free_units -= n
+            ids = np.frombuffer(chunk, dtype=np.int32)[::-1]
+            self.status_np[ids] = status
+            self.refs_np[ids] = 1
+            self.hits_np[ids] = 1
+            self.last_np[ids] = t
+            self.created_np[ids] = t
+            self.owner_np[ids] = owner
+            out, served = ids.tolist(), {"free": n}
+        else:
+            out, served = [], {}
+            for _ in range(n):
+                b, how = self._take(order)
+                self._set_status(b, status)
+                self._refs[b] = self._hits[b] = 1
+                self._last[b] = self._created[b] = t
+                self._owner[b] = owner
+                out.append(b)
+                served[how] = served.get(how, 0) + 1
+        self._counts["allocations"] += n
+        for how, k in served.items():
+            self._counts["served_" + how] += k
+        if self.events.subscribers and n:
+            self._publish(ev.Allocated(t, tuple(out), order, owner, _NAMES[status], max(served, key=served.get)))
+        return out
+
+    def reserve(self, n: int = 1, *, size_class: int = 0, owner: int = -1) -> list[int]:
+        """Allocate ``n`` blocks as PENDING (owned, data still arriving); :meth:`commit` makes them ALLOCATED."""
+        return self.allocate(n, size_class=size_class, owner=owner, status=BlockStatus.PENDING)
+
+    def get_best_block(self, required_size: int) -> KVBlock | None:
+        """The smallest FREE block whose capacity is at least ``required_size`` bytes, without taking it
+        (the text's method; the text's pool never held any block, so it always returned None)."""
+        if not isinstance(required_size, int) or required_size < 0:
+            raise ConfigError(f"required_size must be a byte count >= 0, got {required_size!r}")
+        with self.lock:
+            for o in range(self.max_order + 1):
+                if self.bytes_per_block << o >= required_size and self._free[o]:
+                    return KVBlock(self, self._free[o][-1])
+            return None
+
+    def allocate_block(self, block_id: int | None = None, kv_data: torch.Tensor | None = None,
+                       owner: int = -1) -> KVBlock:
+        """Allocate FREE block ``block_id`` (or the best block for ``kv_data``, or any block) and write
+        ``kv_data`` ``[2, layers, t, heads, dim]`` into its first ``t`` slots. Nothing changes on error."""
+        with self.lock:
+            if kv_data is not None:
+                self._check_kv(kv_data, block_id)
+            if block_id is None:
+                need = 0 if kv_data is None else kv_data.shape[2] * self.spec.bytes_per_token
+                order = next((o for o in range(self.max_order + 1) if self.bytes_per_block << o >= need), None)
+                if order is None:
+                    raise KVDataError(f"{kv_data.shape[2]} tokens exceed the largest block "
+                                      f"({self.block_sizes[-1]} tokens)")
+                b = self._allocate_many(1, order, owner, ALLOCATED)[0]
+            else:
+                b = self._check_id(block_id)
+                BlockStatus.check(b, self._status[b], ALLOCATED)
+                self._pop_exact(b)
+                t = self.clock.tick()
+                self._set_status(b, ALLOCATED)
+                self._refs[b] = self._hits[b] = 1
+                self._last[b] = self._created[b] = t
+                self._owner[b] = owner
+                self._counts["allocations"] += 1
+                self._counts["served_free"] += 1
+                if self.events.subscribers:
+                    self._publish(ev.Allocated(t, (b,), self._order[b], owner, "ALLOCATED", "free"))
+            self.lock_acquisitions += 1
+            if kv_data is not None:
+                t = kv_data.shape[2]
+                self.storage_of().block_view(b, self.span(b))[:, :, :t].copy_(kv_data)
+                self._tokens[b] = t
+            return KVBlock(self, b)
+
+    def _check_kv(self, kv: torch.Tensor, block_id: int | None) -> None:
+        s = self.spec
+        if not isinstance(kv, torch.Tensor):
+            raise KVDataError(f"kv_data must be a torch.Tensor, got {type(kv).__name__}")
+        want = (2, s.num_layers, s.num_kv_heads, s.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            raise KVDataError(f"kv_data has shape {list(kv.shape)}, expected [2, {s.num_layers}, tokens, "
+                              f"{s.num_kv_heads}, {s.head_dim}]")
+        if kv.dtype != s.dtype or kv.device != self.storage_of().kv.device:
+            raise KVDataError(f"kv_data is {kv.dtype} on {kv.device}; the pool stores {s.dtype} on {s.device}")
+        if block_id is not None:
+            b = self._check_id(block_id)
+            if kv.shape[2] > self.block_size << self._order[b]:
+                raise KVDataError(f"kv_data holds {kv.shape[2]} tokens but block {b} holds "
+                                  f"{self.block_size << self._order[b]}")
+
+    # ------------------------------------------------------------------ references and release
+    def free(self, ids: Ids) -> None:
+        """Drop one reference from each block; a block reaching 0 is released: FREE, or cached (evictable) if
+        marked reusable. A PENDING block is aborted back to FREE. Raises :class:`DoubleFreeError` for a FREE
+        or cached block (nothing to drop) and changes nothing."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            if len(ids) == 1 and not self.max_order:  # hot path: one base block
+                b = self._check_id(ids[0])
+                s = self._status[b]
+                if s == FREE or (s == ALLOCATED and not self._refs[b]) or s == EVICTING:
+                    raise DoubleFreeError(self._double_free_msg(b))
+                t = self.clock.tick()
+                self._last[b] = t
+                self._counts["frees"] += 1
+                r = self._refs[b] = self._refs[b] - 1
+                if r:
+                    if self.events.subscribers:
+                        self._publish(ev.RefChanged(t, (b,), -1, (r,)))
+                elif s == ALLOCATED and self._reusable[b]:
+                    self.policy.add(b)
+                    if self.events.subscribers:
+                        self._publish(ev.Cached(t, (b,)))
+                else:
+                    self._status[b] = FREE
+                    self._tokens[b] = 0
+                    self._owner[b] = -1
+                    self._free[0].append(b)
+                    self._free_units += 1
+                    if self.events.subscribers:
+                        self._publish(ev.Freed(t, (b,)))
+                return
+            self._release(self._ids(ids), free=True)
+
+    def _double_free_msg(self, b: int) -> str:
+        s = self._status[b]
+        what = "cached (refcount 0)" if s == ALLOCATED else _NAMES[s]
+        return f"block {b} is {what}: it holds no reference to release (double free?)"
+
+    def _release(self, a: np.ndarray, free: bool) -> None:
+        """Vectorised decref of ``a`` (duplicates allowed while refcounts last); zeros are freed or cached."""
+        if not a.size:
+            return
+        st = self.status_np[a]
+        uniq, counts = np.unique(a, return_counts=True) if a.size > 1 else (a, np.ones(1, np.int64))
+        refs = self.refs_np[uniq]
+        ok_state = (st == ALLOCATED) | ((st == PENDING) if free else False)
+        if not ok_state.all() or (refs < counts).any():
+            bad = int(a[~ok_state][0]) if not ok_state.all() else int(uniq[refs < counts][0])
+            if free:
+                raise DoubleFreeError(self._double_free_msg(bad) if self._refs[bad] == 0 or not ok_state.all()
+                                      else f"block {bad} released more times than its refcount "
+                                           f"{self._refs[bad]} in one call")
+            if self._status[bad] != ALLOCATED:
+                raise IllegalTransitionError(f"block {bad} is {_NAMES[self._status[bad]]}: only ALLOCATED blocks "
+                                             f"hold references")
+            raise RefcountUnderflowError(f"block {bad} has refcount {self._refs[bad]}; cannot drop "
+                                         f"{int(counts[uniq == bad][0])}")
+        t = self.clock.tick()
+        new = refs - counts
+        self.refs_np[uniq] = new
+        self.last_np[uniq] = t
+        self._counts["frees" if free else "decrefs"] += a.size
+        zero = uniq[new == 0]
+        keep = zero[(self.status_np[zero] == ALLOCATED) & ((self.reusable_np[zero] == 1) | (not free))]
+        gone = np.setdiff1d(zero, keep, assume_unique=True) if keep.size else zero
+        for b in keep.tolist():
+            self.policy.add(b)
+        if gone.size:
+            if self.max_order:
+                for b in gone.tolist():
+                    self._push_free(b)
+            else:
+                self.status_np[gone] = FREE
+                self.tokens_np[gone] = 0
+                self.reusable_np[gone] = 0
+                self.owner_np[gone] = -1
+                self._free[0].frombytes(gone[::-1].astype(np.int32).tobytes())
+                self._free_units += gone.size
+        if self.events.subscribers:
+            left = uniq[new > 0]
+            if left.size:
+                self._publish(ev.RefChanged(t, tuple(left.tolist()), -1, tuple(self.refs_np[left].tolist())))
+            if keep.size:
+                self._publish(ev.Cached(t, tuple(keep.tolist())))
+            if gone.size:
+                self._publish(ev.Freed(t, tuple(gone.tolist())))
+
+    def decref(self, ids: Ids) -> None:
+        """Drop one reference from each block; at 0 a block keeps its data and becomes cached (evictable).
+        Raises :class:`RefcountUnderflowError` (refcount already 0) and changes nothing."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            self._release(self._ids(ids), free=False)
+
+    def release_block(self, block_id: int) -> None:
+        """The text's name for releasing one block: :meth:`free` of ``[block_id]``."""
+        self.free([block_id])
+
+    def incref(self, ids: Ids) -> None:
+        """Add one reference to each block (duplicates add several). A cached block becomes referenced again
+        and leaves the evictable set: this is how a prefix-cache hit reuses data instead of recomputing it."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            a = self._ids(ids)
+            if not a.size:
+                return
+            st = self.status_np[a]
+            if (st != ALLOCATED).any():
+                b = int(a[st != ALLOCATED][0])
+                raise IllegalTransitionError(f"block {b} is {_NAMES[self._status[b]]}: only ALLOCATED blocks "
+                                             f"can be referenced")
+            t = self.clock.tick()
+            uniq, counts = np.unique(a, return_counts=True) if a.size > 1 else (a, np.ones(1, np.int64))
+            was = self.refs_np[uniq]
+            for b in uniq[was == 0].tolist():
+                self.policy.discard(b)
+            self.refs_np[uniq] = was + counts
+            self.hits_np[uniq] += counts
+            self.last_np[uniq] = t
+            if self.events.subscribers:
+                self._publish(ev.RefChanged(t, tuple(uniq.tolist()), 1, tuple(self.refs_np[uniq].tolist())))
+
+    def touch(self, ids: Ids) -> None:
+        """Record an access (attention read) without changing references: LRU time and LFU count."""
+        with self.lock:
+            a = self._ids(ids)
+            self.last_np[a] = self.clock.tick()
+            self.hits_np[a] += 1
+
+    def mark_reusable(self, ids: Ids, reusable: bool = True) -> None:
+        """Mark blocks whose data is worth keeping at refcount 0 (e.g. full prefix-cache blocks)."""
+        with self.lock:
+            a = self._ids(ids)
+            st = self.status_np[a]
+            if (st == FREE).any():
+                raise IllegalTransitionError(f"block {int(a[st == FREE][0])} is FREE: it holds no data to keep")
+            self.reusable_np[a] = int(reusable)
+            if not reusable:  # cached blocks that lose their value are released at once
+                for b in a[(self.refs_np[a] == 0) & (st == ALLOCATED)].tolist():
+                    self.policy.discard(b)
+                    self._push_free(b)
+
+    def set_token_count(self, block_id: int, count: int) -> None:
+        """Number of filled slots of ``block_id`` (sequences update it as they append)."""
+        b = self._check_id(block_id)
+        if not 0 <= count <= self.block_size << self._order[b]:
+            raise KVDataError(f"block {b} holds at most {self.block_size << self._order[b]} tokens, not {count}")
+        if self._status[b] == FREE:
+            raise IllegalTransitionError(f"block {b} is FREE: it has no tokens to count")
+        self._tokens[b] = count
+
+    def set_owner(self, ids: Ids, owner: int) -> None:
+        """Record who holds the blocks (shown by widgets; a shared block shows its last owner)."""
+        self.owner_np[self._ids(ids)] = owner
+
+    # ------------------------------------------------------------------ state machine beyond alloc/free
+    def commit(self, ids: Ids) -> None:
+        """PENDING -> ALLOCATED (data has arrived)."""
+        self._transition(ids, ALLOCATED, expect=PENDING)
+
+    def begin_eviction(self, ids: Ids) -> None:
+        """ALLOCATED -> EVICTING: the data is about to leave (eviction, swap-out); no one may take the block."""
+        self._transition(ids, EVICTING, expect=ALLOCATED)
+
+    def finish_eviction(self, ids: Ids) -> None:
+        """EVICTING -> FREE: the data has left."""
+        self._transition(ids, FREE, expect=EVICTING)
+
+    def _transition(self, ids: Ids, new: int, expect: int) -> None:
+        with self.lock:
+            self.lock_acquisitions += 1
+            a = self._ids(ids)
+            for b in a.tolist():
+                BlockStatus.check(b, self._status[b], new)
+                if self._status[b] != expect:
+                    raise IllegalTransitionError(f"block {b} is {_NAMES[self._status[b]]}, expected "
+                                                 f"{_NAMES[expect]} for -> {_NAMES[new]}")
+            if len(set(a.tolist())) != a.size:
+                raise IllegalTransitionError(f"block ids repeat in {a.tolist()}")
+            t = self.clock.tick()
+            for b in a.tolist():
+                self.policy.discard(b)
+                if new == FREE:
+                    self._push_free(b)
+                else:
+                    self._set_status(b, new)
+                    self._last[b] = t
+            if self.events.subscribers and a.size:
+                self._publish(ev.StatusChanged(t, tuple(a.tolist()), _NAMES[expect], _NAMES[new]))
+
+    # ------------------------------------------------------------------ eviction
+    def _evict_one(self, reason: str, min_order: int = 0) -> int | None:
+        """Evict the policy's first acceptable victim (cached, not vetoed, at least ``min_order``)."""
+        ranked = []
+        victim = None
+        for b, score in self.policy.order():
+            if len(ranked) < 8:
+                ranked.append((b, score))
+            if self._order[b] >= min_order and (self.evict_guard is None or self.evict_guard(b)):
+                victim = b
+                break
+        if victim is None:
+            return None
+        if ranked[-1][0] != victim:  # the victim always stands in the candidate list it was chosen from
+            ranked.append((victim, 0.0))
+        self.policy.discard(victim)
+        t = self.clock.now()
+        self._push_free(victim)
+        self._counts["evictions"] += 1
+        for hook in self.evict_hooks:
+            hook(victim)
+        if self.events.subscribers:
+            self._publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked)))
+        return victim
+
+    def evict_block(self, reason: str = "explicit") -> KVBlock | None:
+        """Evict one cached block chosen by the policy and return a view of it (now FREE), or None when no
+        block is evictable. Referenced blocks are never candidates; a vetoed candidate is skipped for the next."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            self.clock.tick()
+            b = self._evict_one(reason)
+            return None if b is None else KVBlock(self, b)
+
+    def release_cached(self, block_id: int) -> None:
+        """Drop the data of cached block ``block_id`` (ALLOCATED, refcount 0) and return it to FREE."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            b = self._check_id(block_id)
+            BlockStatus.check(b, self._status[b], FREE)
+            if self._status[b] == PENDING or self._refs[b]:
+                raise IllegalTransitionError(f"block {b} is {_NAMES[self._status[b]]} with refcount "
+                                             f"{self._refs[b]}: only a cached block (refcount 0) can be released")
+            t = self.clock.tick()
+            self.policy.discard(b)
+            self._push_free(b)
+            if self.events.subscribers:
+                self._publish(ev.Freed(t, (b,)))
+
+    # ------------------------------------------------------------------ buddy split / merge
+    def _split(self, b: int) -> int:
+        o = self._order[b]
+        self._free[o].remove(b)
+        half = 1 << (o - 1)
+        self.order_np[b:b + 2 * half] = o - 1
+        self._free[o - 1].extend((b + half, b))
+        self._counts["splits"] += 1
+        if self.events.subscribers:
+            self._publish(ev.Split(self.clock.now(), b, o, b + half))
+        return b + half
+
+    def split_block(self, block_id: int) -> tuple[int, int]:
+        """Split FREE block ``block_id`` of size class k > 0 into two FREE buddies of class k-1."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            b = self._check_id(block_id)
+            if self._status[b] != FREE or not self._order[b]:
+                raise IllegalTransitionError(f"block {b} is {_NAMES[self._status[b]]} of size class "
+                                             f"{self._order[b]}: only a FREE block of class > 0 can be split")
+            self.clock.tick()
+            return b, self._split(b)
+
+    def merge_free_buddies(self, max_merges: int | None = None) -> int:
+        """Merge pairs of FREE buddies into their parent, smallest classes first and repeatedly, so freed
+        space becomes large blocks again. Returns the number of merges (the text's stubbed
+        ``_merge_adjacent_blocks``)."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            merges = 0
+            t = self.clock.tick()
+            for o in range(self.max_order):
+                free = set(self._free[o])
+                pairs = sorted(b for b in free if not b & (1 << o) and b + (1 << o) in free)
+                if max_merges is not None:
+                    pairs = pairs[:max_merges - merges]
+                if not pairs:
+                    continue
+                gone = set(pairs) | {b + (1 << o) for b in pairs}
+                self._free[o] = array("i", [b for b in self._free[o] if b not in gone])
+                for b in pairs:
+                    self.order_np[b:b + (2 << o)] = o + 1
+                    self._free[o + 1].append(b)
+                    if self.events.subscribers:
+                        self._publish(ev.Merged(t, b, o + 1))
+                merges += len(pairs)
+            self._counts["merges"] += merges
+            return merges
+
+    # ------------------------------------------------------------------ migration (compaction, swap-in)
+    def migrate(self, src: Ids, dst: Ids, reason: str = "compaction") -> None:
+        """Move ALLOCATED blocks ``src[i]`` into FREE blocks ``dst[i]`` of the same size class: one batched
+        tensor copy, metadata moved, sources FREE, then every relocation hook rewrites its block tables.
+        PENDING/EVICTING blocks cannot move. Nothing changes on error."""
+        with self.lock:
+            self.lock_acquisitions += 1
+            s, d = self._ids(src), self._ids(dst)
+            if s.size != d.size:
+                raise ConfigError(f"migrate got {s.size} sources and {d.size} destinations")
+            if len(set(s.tolist()) | set(d.tolist())) != 2 * s.size:
+                raise IllegalTransitionError(f"migrate needs distinct blocks, got {s.tolist()} -> {d.tolist()}")
+            for a, b in zip(s.tolist(), d.tolist()):
+                if self._status[a] != ALLOCATED:
+                    raise IllegalTransitionError(f"block {a} is {_NAMES[self._status[a]]}: only ALLOCATED blocks move")
+                if self._status[b] != FREE:
+                    raise IllegalTransitionError(f"target block {b} is {_NAMES[self._status[b]]}, not FREE")
+                if self._order[a] != self._order[b]:
+                    raise ConfigError(f"block {a} (class {self._order[a]}) cannot move into block {b} "
+                                      f"(class {self._order[b]})")
+            if not s.size:
+                return
+            if self.storage is not None:
+                spans = [1 << self._order[a] for a in s.tolist()]
+                self.storage.copy_blocks(np.concatenate([np.arange(a, a + k) for a, k in zip(s.tolist(), spans)]),
+                                         np.concatenate([np.arange(b, b + k) for b, k in zip(d.tolist(), spans)]))
+            t = self.clock.tick()
+            for a, b in zip(s.tolist(), d.tolist()):
+                self._pop_exact(b)
+                self._set_status(b, ALLOCATED)
+                for arr in (self._refs, self._tokens, self._last, self._created, self._hits, self._owner,
+                            self._reusable):
+                    arr[b] = arr[a]
+                if a in self.policy:
+                    self.policy.discard(a)
+                    self.policy.add(b)
+                self._push_free(a)
+            self._counts["migrations"] += s.size
+            for hook in self.relocation_hooks:
+                hook(s, d)
+            if self.events.subscribers:
+                self._publish(ev.Migrated(t, tuple(s.tolist()), tuple(d.tolist()), reason))
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of the per-base-block metadata arrays, taken atomically: ``status``, ``size_class``,
+        ``refcount``, ``tokens``, ``last_access``, ``created``, ``hits``, ``owner``, ``reusable`` and
+        ``cached`` (bool)."""
+        with self.lock:
+            snap = {"status": self.status_np.copy(), "size_class": self.order_np.copy(),
+                    "refcount": self.refs_np.copy(), "tokens": self.tokens_np.copy(),
+                    "last_access": self.last_np.copy(), "created": self.created_np.copy(),
+                    "hits": self.hits_np.copy(), "owner": self.owner_np.copy(),
+                    "reusable": self.reusable_np.copy()}
+        snap["cached"] = (snap["status"] == ALLOCATED) & (snap["refcount"] == 0)
+        return snap
+
+    def status_counts(self) -> dict[str, int]:
+        """Base blocks per state, e.g. ``{"FREE": 10, "PENDING": 0, "ALLOCATED": 6, "EVICTING": 0}``."""
+        c = np.bincount(self.status_np, minlength=4)
+        return {name: int(c[i]) for i, name in enumerate(_NAMES)}
+
+    def get_memory_usage(self) -> dict[str, int]:
+        """Bytes: ``total``, ``used`` (PENDING/ALLOCATED/EVICTING), ``free``, ``cached`` (inside ``used``),
+        ``token_bytes`` (bytes holding real tokens) and the text's ``fragmentation`` percent."""
+        with self.lock:
+            c = self.status_counts()
+            used = (self.num_blocks - c["FREE"]) * self.bytes_per_block
+            return {"total": self.num_blocks * self.bytes_per_block, "used": used,
+                    "free": c["FREE"] * self.bytes_per_block,
+                    "cached": sum(self.bytes_per_block << self._order[b] for b, _ in self.policy.order()),
+                    "token_bytes": int(self.tokens_np.sum()) * self.spec.bytes_per_token,
+                    "fragmentation": self.calculate_fragmentation()}
+
+    def free_runs(self) -> np.ndarray:
+        """Lengths (in base blocks) of the maximal runs of consecutive FREE base blocks, in address order."""
+        free = np.concatenate(([0], (self.status_np == FREE).astype(np.int8), [0]))
+        edges = np.flatnonzero(np.diff(free))
+        return edges[1::2] - edges[::2]
+
+    def calculate_fragmentation(self) -> int:
+        """External fragmentation in percent: the share of free memory that the largest request the pool can
+        serve cannot use. A request asks for one block of at most the largest size class, so only free space in
+        runs of that size counts as usable. With one size class every free block serves every request: 0 by
+        construction, whatever the layout. (The text summed the size of FREE blocks' data, which is always 0.)"""
+        with self.lock:
+            total = self._free_units
+            if not total:
+                return 0
+            top = 1 << self.max_order
+            aligned = self.status_np[:self.num_blocks // top * top].reshape(-1, top)
+            usable = top * int((aligned == FREE).all(axis=1).sum())  # free space that merges into top blocks
+            return int(round(100 * (1 - usable / total)))
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters since creation (allocations, frees, evictions, splits, merges, migrations, how allocations
+        were served) plus the current state counts, cached blocks and the text's ``fragmentation``."""
+        with self.lock:
+            out = dict(self._counts)
+            out.update(self.status_counts())
+            out.update(cached=len(self.policy), lock_acquisitions=self.lock_acquisitions,
+                       fragmentation=self.calculate_fragmentation())
+            return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+        with self.lock:
+            n, st, order, refs = self.num_blocks, self.status_np, self.order_np, self.refs_np
+            assert sum(self.status_counts().values()) == n
+            heads = []
+            u = 0
+            while u < n and self.max_order:  # tiling: aligned blocks, uniform status and order within each
+                o = int(order[u])
+                k = 1 << o
+                assert u % k == 0 and u + k <= n, f"block {u} of class {o} is misaligned"
+                assert (order[u:u + k] == o).all() and (st[u:u + k] == st[u]).all(), f"block {u} is torn"
+                heads.append(u)
+                u += k
+            heads_a = np.array(heads) if self.max_order else np.arange(n)
+            assert self.max_order or not order.any(), "a uniform pool has a block of another class"
+            in_free: list[int] = []
+            for o, lst in enumerate(self._free):
+                assert all(order[b] == o for b in lst), f"free list {o} holds a block of another class"
+                in_free.extend(lst)
+            assert len(in_free) == len(set(in_free)), "a block is in a free list twice"
+            free_heads = set(heads_a[st[heads_a] == FREE].tolist())
+            assert set(in_free) == free_heads, f"free lists {sorted(set(in_free) ^ free_heads)[:5]} disagree with status"
+            assert self._free_units == int((st == FREE).sum()), "free counter drifted"
+            assert (refs >= 0).all(), f"negative refcount at block {int(np.argmax(refs < 0))}"
+            assert not refs[st == FREE].any(), "a FREE block has references"
+            assert not self.tokens_np[st == FREE].any(), "a FREE block counts tokens"
+            cached = set(heads_a[(st[heads_a] == ALLOCATED) & (refs[heads_a] == 0)].tolist())
+            in_policy = {b for b, _ in self.policy.order()}
+            assert len(self.policy) == len(in_policy), "eviction policy size disagrees with its order"
+            assert in_policy == cached, f"evictable set disagrees with cached blocks: {sorted(in_policy ^ cached)[:5]}"

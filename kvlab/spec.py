@@ -1,0 +1,49 @@
+"""KVSpec: the shape of one token's keys and values, and the block size that groups tokens into blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .device import default_device
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Model-side facts the cache needs. One token costs ``2 * num_layers * num_kv_heads * head_dim`` elements
+    (K and V for every layer); a block holds ``block_size`` tokens, always, whether they are written or not."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=default_device)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"KVSpec.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers, in bytes."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Fixed capacity of one block in bytes (``block_size`` token slots)."""
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for_budget(self, total_memory: int) -> int:
+        """How many blocks fit in ``total_memory`` bytes (the text's ``total_memory`` argument)."""
+        if not isinstance(total_memory, int) or total_memory < self.bytes_per_block:
+            raise ConfigError(
+                f"total_memory={total_memory!r} bytes holds no block of {self.bytes_per_block} bytes")
+        return total_memory // self.bytes_per_block

@@ -1,0 +1,98 @@
+"""KVStorage: the ONE preallocated tensor that holds K and V for every layer, block and token slot.
+
+Layout ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (K at index 0, V at 1), so the slots
+of a block are contiguous and ``slot = block_id * block_size + offset`` addresses a token in the flattened
+``[2, num_layers, num_blocks * block_size, heads, dim]`` view. Nothing here knows about states or refcounts:
+this is raw memory, and :class:`kvlab.BlockPool` decides who may touch which block.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ConfigError, KVDataError
+from .spec import KVSpec
+
+IndexLike = Sequence[int] | torch.Tensor
+
+
+class KVStorage:
+    """The KV tensor of a pool with ``num_blocks`` blocks of ``spec.block_size`` slots."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.spec, self.num_blocks = spec, num_blocks
+        nbytes = num_blocks * spec.bytes_per_block
+        if spec.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(spec.device)
+            if nbytes > free:
+                raise ConfigError(f"a pool of {num_blocks} blocks needs {nbytes} bytes but {spec.device} has "
+                                  f"{free} free: at most {free // spec.bytes_per_block} blocks fit")
+        self.kv = torch.zeros((2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                              dtype=spec.dtype, device=spec.device)
+        # Slot-addressed view (no copy): [2, layers, num_blocks * block_size, heads, dim].
+        self.slots = self.kv.view(2, spec.num_layers, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def _index(self, ids: IndexLike) -> torch.Tensor:
+        return torch.as_tensor(ids, dtype=torch.long, device=self.kv.device).reshape(-1)
+
+    def block_view(self, block_id: int, span: int = 1) -> torch.Tensor:
+        """A view (no copy) of ``span`` consecutive blocks from ``block_id``: ``[2, layers, span*B, heads, dim]``."""
+        s = self.spec
+        return self.kv[:, :, block_id:block_id + span].reshape(2, s.num_layers, span * s.block_size,
+                                                               s.num_kv_heads, s.head_dim)
+
+    def check_tokens(self, k: torch.Tensor, v: torch.Tensor, n: int | None = None) -> None:
+        """Raise :class:`KVDataError` unless ``k``/``v`` are ``[tokens, heads, dim]`` of the pool's dtype/device."""
+        s = self.spec
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise KVDataError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or tuple(t.shape[1:]) != (s.num_kv_heads, s.head_dim) or (n is not None and t.shape[0] != n):
+                want = f"[{n if n is not None else 'tokens'}, {s.num_kv_heads}, {s.head_dim}]"
+                raise KVDataError(f"{name} has shape {list(t.shape)}, expected {want}")
+            if t.dtype != s.dtype:
+                raise KVDataError(f"{name} has dtype {t.dtype}, the pool stores {s.dtype}")
+            if t.device != self.kv.device:
+                raise KVDataError(f"{name} is on {t.device}, the pool is on {self.kv.device}")
+
+    def write_slots(self, layer: int, slots: IndexLike, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of ``len(slots)`` tokens of one layer with one ``index_copy_`` (K and V together)."""
+        idx = self._index(slots)
+        self.check_tokens(k, v, idx.numel())
+        self.slots[:, layer].index_copy_(1, idx, torch.stack((k, v)))
+
+    def read_slots(self, layer: int, slots: IndexLike) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K/V of the given slots of one layer (a copy): two ``[len(slots), heads, dim]`` tensors."""
+        kv = self.slots[:, layer].index_select(1, self._index(slots))
+        return kv[0], kv[1]
+
+    def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` for all layers in one batched gather/scatter."""
+        s, d = self._index(src), self._index(dst)
+        if s.numel() != d.numel():
+            raise KVDataError(f"copy_blocks got {s.numel()} sources but {d.numel()} destinations")
+        if s.numel():
+            self.kv[:, :, d] = self.kv[:, :, s]
+
+    def gather_blocks(self, ids: IndexLike, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks ``ids`` as ``[2, layers, len(ids), B, heads, dim]``; into ``out`` (e.g. pinned host memory) if given."""
+        idx = self._index(ids)
+        if out is None:
+            return self.kv.index_select(2, idx)
+        out.copy_(self.kv.index_select(2, idx), non_blocking=out.is_pinned())
+        return out
+
+    def scatter_blocks(self, ids: IndexLike, data: torch.Tensor) -> None:
+        """Write ``data`` (as returned by :meth:`gather_blocks`) into blocks ``ids``."""
+        idx = self._index(ids)
+        if data.shape[:2] != self.kv.shape[:2] or data.shape[2] != idx.numel() or data.shape[3:] != self.kv.shape[3:]:
+            raise KVDataError(f"block data of shape {list(data.shape)} does not fit {idx.numel()} blocks of "
+                              f"{list(self.kv.shape[3:])}")
+        self.kv.index_copy_(2, idx, data.to(self.kv.device, non_blocking=True))
