@@ -125,7 +125,9 @@ class BlockPool:
         self.evict_guard: Callable[[int], bool] | None = None  # may veto a victim (prefix-chain order)
         self.evict_hooks: list[Callable[[int], None]] = []  # told which block was evicted
         self.relocation_hooks: list[Callable[[np.ndarray, np.ndarray], None]] = []  # told src -> dst moves
-        self.lock_acquisitions = 0
+        self._locks = 0  # lock acquisitions outside the hot paths (see lock_acquisitions)
+        self._subs = self.events.subscribers  # the bus's own list: a truthiness test skips building events
+        self._hot_allocs = self._hot_frees = 0  # hot-path counters (int attributes are cheaper than dict items)
         self._counts = {"allocations": 0, "frees": 0, "evictions": 0, "splits": 0, "merges": 0,
                         "migrations": 0, "decrefs": 0, "served_free": 0, "served_split": 0, "served_evict": 0}
 
@@ -189,6 +191,11 @@ class BlockPool:
     def span(self, block_id: int) -> int:
         """Number of base blocks in ``block_id``."""
         return 1 << self._order[block_id]
+
+    @property
+    def lock_acquisitions(self) -> int:
+        """How many times a public mutation took the pool lock (one per call, batch calls included)."""
+        return self._locks + self._hot_allocs + self._hot_frees
 
     @property
     def num_free_blocks(self) -> int:
@@ -260,8 +267,9 @@ class BlockPool:
         """Allocate ``n`` blocks of ``size_class`` (refcount 1 each) in one lock acquisition; evicts cached blocks
         when the free lists run dry. All or nothing: raises :class:`OutOfBlocksError` and changes nothing if the
         pool cannot supply ``n``. ``status=PENDING`` reserves blocks whose data is still to arrive."""
-        with self.lock:
-            self.lock_acquisitions += 1
+        lock = self.lock
+        lock.acquire()  # acquire/release is ~2x cheaper than `with` on the hot path
+        try:
             free = self._free[0]
             if n == 1 and not size_class and free and status == ALLOCATED:  # hot path: one base block
                 b = free.pop()
@@ -271,12 +279,14 @@ class BlockPool:
                 self._refs[b] = self._hits[b] = 1
                 self._last[b] = self._created[b] = t
                 self._owner[b] = owner
-                self._counts["allocations"] += 1
-                self._counts["served_free"] += 1
-                if self.events.subscribers:
+                self._hot_allocs += 1
+                if self._subs:
                     self._publish(ev.Allocated(t, (b,), 0, owner, "ALLOCATED", "free"))
                 return [b]
+            self._locks += 1
             return self._allocate_many(n, size_class, owner, status)
+        finally:
+            lock.release()
 
     def _allocate_many(self, n: int, order: int, owner: int, status: int) -> list[int]:
         if not isinstance(n, int) or n < 0:
@@ -291,7 +301,18 @@ class BlockPool:
                 f"asked for {n} blocks of {self.block_size << order} tokens; the pool has "
                 f"{self._free_units} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
         t = self.clock.tick()
-        if n and not order and len(self._free[0]) >= n:  # vectorised path: slice the free stack
+        if n <= 32 and not order and len(self._free[0]) >= n:  # scalar loop beats numpy's per-call overhead
+            free, out = self._free[0], []
+            for _ in range(n):
+                b = free.pop()
+                self._status[b] = status
+                self._refs[b] = self._hits[b] = 1
+                self._last[b] = self._created[b] = t
+                self._owner[b] = owner
+                out.append(b)
+            self._free_units -= n
+            served = {"free": n}
+        elif not order and len(self._free[0]) >= n:  # vectorised path: slice the free stack
             chunk = self._free[0][-n:]
             del self._free[0][-n:]
             self._free_units -= n
@@ -316,7 +337,7 @@ class BlockPool:
         self._counts["allocations"] += n
         for how, k in served.items():
             self._counts["served_" + how] += k
-        if self.events.subscribers and n:
+        if self._subs and n:
             self._publish(ev.Allocated(t, tuple(out), order, owner, _NAMES[status], max(served, key=served.get)))
         return out
 
@@ -360,9 +381,9 @@ class BlockPool:
                 self._owner[b] = owner
                 self._counts["allocations"] += 1
                 self._counts["served_free"] += 1
-                if self.events.subscribers:
+                if self._subs:
                     self._publish(ev.Allocated(t, (b,), self._order[b], owner, "ALLOCATED", "free"))
-            self.lock_acquisitions += 1
+            self._locks += 1
             if kv_data is not None:
                 t = kv_data.shape[2]
                 self.storage_of().block_view(b, self.span(b))[:, :, :t].copy_(kv_data)
@@ -390,34 +411,50 @@ class BlockPool:
         """Drop one reference from each block; a block reaching 0 is released: FREE, or cached (evictable) if
         marked reusable. A PENDING block is aborted back to FREE. Raises :class:`DoubleFreeError` for a FREE
         or cached block (nothing to drop) and changes nothing."""
-        with self.lock:
-            self.lock_acquisitions += 1
-            if len(ids) == 1 and not self.max_order:  # hot path: one base block
-                b = self._check_id(ids[0])
-                s = self._status[b]
-                if s == FREE or (s == ALLOCATED and not self._refs[b]) or s == EVICTING:
-                    raise DoubleFreeError(self._double_free_msg(b))
-                t = self.clock.tick()
-                self._last[b] = t
-                self._counts["frees"] += 1
-                r = self._refs[b] = self._refs[b] - 1
-                if r:
-                    if self.events.subscribers:
-                        self._publish(ev.RefChanged(t, (b,), -1, (r,)))
-                elif s == ALLOCATED and self._reusable[b]:
-                    self.policy.add(b)
-                    if self.events.subscribers:
-                        self._publish(ev.Cached(t, (b,)))
-                else:
-                    self._status[b] = FREE
-                    self._tokens[b] = 0
-                    self._owner[b] = -1
-                    self._free[0].append(b)
-                    self._free_units += 1
-                    if self.events.subscribers:
-                        self._publish(ev.Freed(t, (b,)))
-                return
-            self._release(self._ids(ids), free=True)
+        lock = self.lock
+        lock.acquire()
+        try:
+            if len(ids) <= 32 and not self.max_order and len(set(ids)) == len(ids):  # hot path: few base blocks
+                self._free_few(ids)
+            else:
+                self._locks += 1
+                self._release(self._ids(ids), free=True)
+        finally:
+            lock.release()
+
+    def _free_few(self, ids: Ids) -> None:
+        """Scalar :meth:`free` for a few distinct base blocks: validate all, then apply."""
+        status, refs, n = self._status, self._refs, self.num_blocks
+        for b in ids:
+            if type(b) is not int or not 0 <= b < n:
+                b = self._check_id(b)
+            s = status[b]
+            if s == FREE or s == EVICTING or (s == ALLOCATED and not refs[b]):
+                raise DoubleFreeError(self._double_free_msg(b))
+        t = self.clock.tick()
+        self._hot_frees += 1
+        freed = []
+        for b in ids:
+            b = int(b)
+            self._last[b] = t
+            r = refs[b] = refs[b] - 1
+            if r:
+                if self._subs:
+                    self._publish(ev.RefChanged(t, (b,), -1, (r,)))
+            elif status[b] == ALLOCATED and self._reusable[b]:
+                self.policy.add(b)
+                if self._subs:
+                    self._publish(ev.Cached(t, (b,)))
+            else:
+                status[b] = FREE
+                self._tokens[b] = 0
+                self._owner[b] = -1
+                self._free[0].append(b)
+                freed.append(b)
+        self._free_units += len(freed)
+        self._counts["frees"] += len(ids) - 1  # one is counted by _hot_frees
+        if self._subs and freed:
+            self._publish(ev.Freed(t, tuple(freed)))
 
     def _double_free_msg(self, b: int) -> str:
         s = self._status[b]
@@ -464,7 +501,7 @@ class BlockPool:
                 self.owner_np[gone] = -1
                 self._free[0].frombytes(gone[::-1].astype(np.int32).tobytes())
                 self._free_units += gone.size
-        if self.events.subscribers:
+        if self._subs:
             left = uniq[new > 0]
             if left.size:
                 self._publish(ev.RefChanged(t, tuple(left.tolist()), -1, tuple(self.refs_np[left].tolist())))
@@ -477,7 +514,7 @@ class BlockPool:
         """Drop one reference from each block; at 0 a block keeps its data and becomes cached (evictable).
         Raises :class:`RefcountUnderflowError` (refcount already 0) and changes nothing."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             self._release(self._ids(ids), free=False)
 
     def release_block(self, block_id: int) -> None:
@@ -488,7 +525,7 @@ class BlockPool:
         """Add one reference to each block (duplicates add several). A cached block becomes referenced again
         and leaves the evictable set: this is how a prefix-cache hit reuses data instead of recomputing it."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             a = self._ids(ids)
             if not a.size:
                 return
@@ -505,7 +542,7 @@ class BlockPool:
             self.refs_np[uniq] = was + counts
             self.hits_np[uniq] += counts
             self.last_np[uniq] = t
-            if self.events.subscribers:
+            if self._subs:
                 self._publish(ev.RefChanged(t, tuple(uniq.tolist()), 1, tuple(self.refs_np[uniq].tolist())))
 
     def touch(self, ids: Ids) -> None:
@@ -556,7 +593,7 @@ class BlockPool:
 
     def _transition(self, ids: Ids, new: int, expect: int) -> None:
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             a = self._ids(ids)
             for b in a.tolist():
                 BlockStatus.check(b, self._status[b], new)
@@ -573,7 +610,7 @@ class BlockPool:
                 else:
                     self._set_status(b, new)
                     self._last[b] = t
-            if self.events.subscribers and a.size:
+            if self._subs and a.size:
                 self._publish(ev.StatusChanged(t, tuple(a.tolist()), _NAMES[expect], _NAMES[new]))
 
     # ------------------------------------------------------------------ eviction
@@ -597,7 +634,7 @@ class BlockPool:
         self._counts["evictions"] += 1
         for hook in self.evict_hooks:
             hook(victim)
-        if self.events.subscribers:
+        if self._subs:
             self._publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked)))
         return victim
 
@@ -605,7 +642,7 @@ class BlockPool:
         """Evict one cached block chosen by the policy and return a view of it (now FREE), or None when no
         block is evictable. Referenced blocks are never candidates; a vetoed candidate is skipped for the next."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             self.clock.tick()
             b = self._evict_one(reason)
             return None if b is None else KVBlock(self, b)
@@ -613,7 +650,7 @@ class BlockPool:
     def release_cached(self, block_id: int) -> None:
         """Drop the data of cached block ``block_id`` (ALLOCATED, refcount 0) and return it to FREE."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             b = self._check_id(block_id)
             BlockStatus.check(b, self._status[b], FREE)
             if self._status[b] == PENDING or self._refs[b]:
@@ -622,7 +659,7 @@ class BlockPool:
             t = self.clock.tick()
             self.policy.discard(b)
             self._push_free(b)
-            if self.events.subscribers:
+            if self._subs:
                 self._publish(ev.Freed(t, (b,)))
 
     # ------------------------------------------------------------------ buddy split / merge
@@ -633,14 +670,14 @@ class BlockPool:
         self.order_np[b:b + 2 * half] = o - 1
         self._free[o - 1].extend((b + half, b))
         self._counts["splits"] += 1
-        if self.events.subscribers:
+        if self._subs:
             self._publish(ev.Split(self.clock.now(), b, o, b + half))
         return b + half
 
     def split_block(self, block_id: int) -> tuple[int, int]:
         """Split FREE block ``block_id`` of size class k > 0 into two FREE buddies of class k-1."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             b = self._check_id(block_id)
             if self._status[b] != FREE or not self._order[b]:
                 raise IllegalTransitionError(f"block {b} is {_NAMES[self._status[b]]} of size class "
@@ -653,7 +690,7 @@ class BlockPool:
         space becomes large blocks again. Returns the number of merges (the text's stubbed
         ``_merge_adjacent_blocks``)."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             merges = 0
             t = self.clock.tick()
             for o in range(self.max_order):
@@ -668,7 +705,7 @@ class BlockPool:
                 for b in pairs:
                     self.order_np[b:b + (2 << o)] = o + 1
                     self._free[o + 1].append(b)
-                    if self.events.subscribers:
+                    if self._subs:
                         self._publish(ev.Merged(t, b, o + 1))
                 merges += len(pairs)
             self._counts["merges"] += merges
@@ -680,7 +717,7 @@ class BlockPool:
         tensor copy, metadata moved, sources FREE, then every relocation hook rewrites its block tables.
         PENDING/EVICTING blocks cannot move. Nothing changes on error."""
         with self.lock:
-            self.lock_acquisitions += 1
+            self._locks += 1
             s, d = self._ids(src), self._ids(dst)
             if s.size != d.size:
                 raise ConfigError(f"migrate got {s.size} sources and {d.size} destinations")
@@ -714,7 +751,7 @@ class BlockPool:
             self._counts["migrations"] += s.size
             for hook in self.relocation_hooks:
                 hook(s, d)
-            if self.events.subscribers:
+            if self._subs:
                 self._publish(ev.Migrated(t, tuple(s.tolist()), tuple(d.tolist()), reason))
 
     # ------------------------------------------------------------------ reporting
@@ -773,6 +810,9 @@ class BlockPool:
         were served) plus the current state counts, cached blocks and the text's ``fragmentation``."""
         with self.lock:
             out = dict(self._counts)
+            out["allocations"] += self._hot_allocs
+            out["served_free"] += self._hot_allocs
+            out["frees"] += self._hot_frees
             out.update(self.status_counts())
             out.update(cached=len(self.policy), lock_acquisitions=self.lock_acquisitions,
                        fragmentation=self.calculate_fragmentation())

@@ -1,0 +1,33 @@
+"""Helpers shared by the tests: small specs and a proof that a rejected call changed nothing."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvlab import BlockPool, KVSpec
+
+
+def small_spec(**kw) -> KVSpec:
+    base = dict(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+    base.update(kw)
+    return KVSpec(**base)
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    """Everything observable about a pool: metadata, free lists, evictable set, counters and the KV tensor."""
+    snap = pool.snapshot()
+    kv = pool.storage.kv.clone() if pool.storage is not None else None
+    return ({k: v.copy() for k, v in snap.items()}, [list(f) for f in pool._free], list(pool.policy.order()),
+            pool.get_stats(), kv)
+
+
+def assert_same_state(before: tuple, after: tuple) -> None:
+    s0, f0, p0, st0, kv0 = before
+    s1, f1, p1, st1, kv1 = after
+    for k in s0:
+        np.testing.assert_array_equal(s0[k], s1[k], err_msg=k)
+    assert f0 == f1 and p0 == p1
+    st0 = {k: v for k, v in st0.items() if k != "lock_acquisitions"}
+    st1 = {k: v for k, v in st1.items() if k != "lock_acquisitions"}
+    assert st0 == st1
+    assert (kv0 is None and kv1 is None) or torch.equal(kv0, kv1)

@@ -1,0 +1,423 @@
+"""Unit tests of the foundation: spec, storage, block state machine, pool operations, errors, events."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvlab
+from kvlab import (BlockPool, BlockStatus, ConfigError, DoubleFreeError, EventRecorder, IllegalTransitionError,
+                   KVDataError, KVSpec, OutOfBlocksError, RefcountUnderflowError, ReferenceManager,
+                   UnknownBlockError)
+
+from _util import assert_same_state, pool_state, small_spec
+
+
+def kv_for(pool: BlockPool, tokens: int, seed: int = 0) -> torch.Tensor:
+    s = pool.spec
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, s.num_layers, tokens, s.num_kv_heads, s.head_dim, generator=g).to(s.dtype)
+
+
+# ---------------------------------------------------------------- spec, storage, device
+def test_spec_sizes():
+    s = small_spec()
+    assert s.bytes_per_token == 2 * 2 * 2 * 4 * 4
+    assert s.bytes_per_block == s.bytes_per_token * 4
+    assert s.blocks_for_budget(10 * s.bytes_per_block + 7) == 10
+    with pytest.raises(ConfigError, match="head_dim"):
+        KVSpec(head_dim=0)
+    with pytest.raises(ConfigError, match="holds no block"):
+        s.blocks_for_budget(3)
+
+
+def test_pool_from_budget_and_one_tensor(spec):
+    p = BlockPool(total_memory=8 * spec.bytes_per_block + 1, spec=spec)
+    assert p.num_blocks == 8
+    assert p.storage.kv.shape == (2, 2, 8, 4, 2, 4)
+    assert p.storage.nbytes == 8 * spec.bytes_per_block
+    with pytest.raises(ConfigError, match="exactly one"):
+        BlockPool(4, total_memory=10**6, spec=spec)
+
+
+def test_default_device_env(monkeypatch):
+    monkeypatch.setenv("KVLAB_DEVICE", "cpu")
+    assert kvlab.default_device() == torch.device("cpu")
+    monkeypatch.setenv("KVLAB_DEVICE", "not-a-device")
+    with pytest.raises(ConfigError, match="not-a-device"):
+        kvlab.default_device()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("KVLAB_DEVICE", "cuda")
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            kvlab.default_device()
+
+
+def test_import_does_not_load_jupyter():
+    code = ("import sys, kvlab; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('ipywidgets', 'anywidget', 'jupyterlab', 'ipykernel', 'IPython', 'traitlets')]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_storage_slot_write_read_and_copy(pool):
+    st = pool.storage
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    st.write_slots(1, [5, 9, 0], k, -k)
+    k2, v2 = st.read_slots(1, [5, 9, 0])
+    assert torch.equal(k2, k) and torch.equal(v2, -k)
+    assert torch.equal(st.kv[0, 1, 1, 1], k[0])  # slot 5 = block 1, offset 1
+    st.copy_blocks([1], [3])
+    assert torch.equal(st.kv[:, :, 3], st.kv[:, :, 1])
+    with pytest.raises(KVDataError, match="shape"):
+        st.write_slots(0, [0], torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))
+    with pytest.raises(KVDataError, match="dtype"):
+        st.write_slots(0, [0], torch.zeros(1, 2, 4, dtype=torch.float64), torch.zeros(1, 2, 4, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- block state machine and KVBlock view
+@pytest.mark.parametrize("old,new,ok", [
+    (BlockStatus.FREE, BlockStatus.PENDING, True), (BlockStatus.FREE, BlockStatus.ALLOCATED, True),
+    (BlockStatus.FREE, BlockStatus.EVICTING, False), (BlockStatus.PENDING, BlockStatus.ALLOCATED, True),
+    (BlockStatus.PENDING, BlockStatus.EVICTING, False), (BlockStatus.ALLOCATED, BlockStatus.EVICTING, True),
+    (BlockStatus.ALLOCATED, BlockStatus.PENDING, False), (BlockStatus.EVICTING, BlockStatus.FREE, True),
+    (BlockStatus.EVICTING, BlockStatus.ALLOCATED, False),
+])
+def test_state_machine_edges(old, new, ok):
+    if ok:
+        BlockStatus.check(7, old, new)
+    else:
+        with pytest.raises(IllegalTransitionError, match=f"block 7: illegal transition {old.name} -> {new.name}"):
+            BlockStatus.check(7, old, new)
+
+
+def test_kvblock_is_a_view(pool, spec):
+    blk = pool.block(3)
+    assert blk.status is BlockStatus.FREE and blk.memory_usage == spec.bytes_per_block  # capacity is fixed
+    assert blk.is_compatible(spec.bytes_per_block) and not blk.is_compatible(spec.bytes_per_block + 1)
+    data = kv_for(pool, 3)
+    blk.allocate(data)
+    assert blk.status is BlockStatus.ALLOCATED and blk.reference_count == 1 and blk.token_count == 3
+    assert torch.equal(blk.kv_data[:, :, :3], data)
+    assert blk.kv_data.data_ptr() == pool.storage.kv[:, :, 3].data_ptr()  # no copy
+    blk.kv_data[0, 0, 3] = 7.0  # writes go to the one tensor
+    assert torch.all(pool.storage.kv[0, 0, 3, 3] == 7.0)
+    blk.increment_reference()
+    assert blk.reference_count == 2 and pool.block(3).reference_count == 2
+    blk.decrement_reference()
+    blk.decrement_reference()
+    assert blk.is_cached and blk.status is BlockStatus.ALLOCATED
+    blk.release()
+    assert blk.status is BlockStatus.FREE and blk.token_count == 0
+    with pytest.raises(IllegalTransitionError):
+        blk.release()
+
+
+def test_kvblock_allocate_rejects_bad_data(pool):
+    blk = pool.block(0)
+    before = pool_state(pool)
+    for bad in (torch.zeros(2, 2, 5, 2, 4), torch.zeros(2, 2, 1, 3, 4), torch.zeros(2, 2, 1, 2, 4, dtype=torch.half),
+                "not a tensor"):
+        with pytest.raises(KVDataError):
+            blk.allocate(bad)
+        assert_same_state(before, pool_state(pool))
+    with pytest.raises(UnknownBlockError, match="block 16 is not in this pool"):
+        pool.block(16)
+
+
+# ---------------------------------------------------------------- allocation and release
+def test_allocate_free_lowest_first_and_counts(pool):
+    ids = pool.allocate(3)
+    assert ids == [0, 1, 2]
+    assert pool.status_counts() == {"FREE": 13, "PENDING": 0, "ALLOCATED": 3, "EVICTING": 0}
+    pool.free(ids)
+    pool.check_invariants()
+    assert pool.num_free_blocks == 16
+    big = pool.allocate(100 // 10)  # vectorised path
+    assert len(set(big)) == 10
+    pool.free(big)
+    many = pool.allocate(16)
+    assert sorted(many) == list(range(16))
+    pool.check_invariants()
+
+
+def test_out_of_blocks_changes_nothing(pool):
+    pool.allocate(10)
+    before = pool_state(pool)
+    with pytest.raises(OutOfBlocksError, match="asked for 7 blocks"):
+        pool.allocate(7)
+    assert_same_state(before, pool_state(pool))
+
+
+@pytest.mark.parametrize("bad", [[99], [-1], ["x"], [1.5]])
+def test_unknown_ids_rejected(pool, bad):
+    pool.allocate(2)
+    before = pool_state(pool)
+    for op in (pool.free, pool.incref, pool.decref):
+        with pytest.raises(UnknownBlockError):
+            op(bad)
+        assert_same_state(before, pool_state(pool))
+
+
+def test_double_free_and_underflow(pool):
+    a, b = pool.allocate(2)
+    pool.free([a])
+    before = pool_state(pool)
+    with pytest.raises(DoubleFreeError, match=f"block {a} is FREE"):
+        pool.free([a])
+    with pytest.raises(DoubleFreeError):
+        pool.free([b, b])  # released twice in one call with refcount 1
+    with pytest.raises(DoubleFreeError):
+        pool.free([b, a])  # the batch is all or nothing: b must still be allocated afterwards
+    assert_same_state(before, pool_state(pool))
+    pool.decref([b])  # b is cached now (refcount 0)
+    before = pool_state(pool)
+    with pytest.raises(RefcountUnderflowError, match=f"block {b} has refcount 0"):
+        pool.decref([b])
+    with pytest.raises(DoubleFreeError, match="cached"):
+        pool.free([b])
+    with pytest.raises(IllegalTransitionError, match="only ALLOCATED"):
+        pool.incref([a])
+    assert_same_state(before, pool_state(pool))
+
+
+def test_reusable_blocks_become_cached_then_evicted_lru(pool):
+    ids = pool.allocate(4)
+    pool.mark_reusable(ids)
+    for b in (ids[2], ids[0], ids[3]):
+        pool.free([b])
+    assert pool.num_cached_blocks == 3
+    assert [b for b, _ in pool.policy.rank()] == [ids[2], ids[0], ids[3]]
+    pool.incref([ids[0]])  # a cache hit takes it out of the evictable set
+    assert ids[0] not in pool.policy
+    assert pool.evict_block().block_id == ids[2]
+    assert pool.evict_block().block_id == ids[3]
+    assert pool.evict_block() is None  # ids[0] and ids[1] are referenced: never candidates
+    pool.check_invariants()
+
+
+def test_allocation_evicts_when_free_runs_out(pool):
+    ids = pool.allocate(16)
+    pool.mark_reusable(ids[:4])
+    pool.decref(ids[:4])
+    rec = EventRecorder(pool.events)
+    got = pool.allocate(3)
+    assert sorted(got) == sorted(ids[:3])  # LRU order: the first three decref'd together, ties by block order
+    assert pool.get_stats()["served_evict"] == 3
+    evs = rec.of(kvlab.Evicted)
+    assert len(evs) == 3 and all(e.reason == "allocation pressure" for e in evs)
+    assert evs[0].candidates[0][0] == evs[0].block_id
+    pool.check_invariants()
+
+
+def test_evict_guard_vetoes_and_next_candidate_is_taken(pool):
+    ids = pool.allocate(3)
+    pool.decref(ids)
+    pool.evict_guard = lambda b: b != ids[0]
+    assert pool.evict_block().block_id == ids[1]
+    seen = []
+    pool.evict_hooks.append(seen.append)
+    assert pool.evict_block().block_id == ids[2]
+    assert pool.evict_block() is None and seen == [ids[2]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "random"])
+def test_policies_rank_with_scores_and_never_pick_referenced(spec, policy):
+    p = BlockPool(8, spec=spec, eviction_policy=policy, seed=3)
+    ids = p.allocate(8)
+    p.incref([ids[5], ids[5], ids[6]])
+    p.decref(ids[:5] + [ids[5], ids[5]])  # ids[5] ends with refcount 1: referenced
+    ranked = p.policy.rank(10)
+    assert sorted(b for b, _ in ranked) == sorted(ids[:5])
+    if policy in ("lru", "fifo", "lfu"):
+        assert [s for _, s in ranked] == sorted(s for _, s in ranked)
+    victims = [p.evict_block().block_id for _ in range(5)]
+    assert sorted(victims) == sorted(ids[:5]) and p.evict_block() is None
+    p.check_invariants()
+
+
+def test_lfu_prefers_rarely_used(spec):
+    p = BlockPool(4, spec=spec, eviction_policy="lfu")
+    a, b = p.allocate(2)
+    p.touch([a, a, a])
+    p.decref([a, b])
+    assert p.evict_block().block_id == b
+
+
+def test_random_policy_is_seeded(spec):
+    def victims(seed):
+        p = BlockPool(16, spec=spec, eviction_policy="random", seed=seed)
+        p.decref(p.allocate(16))
+        return [p.evict_block().block_id for _ in range(8)]
+    assert victims(1) == victims(1) and victims(1) != victims(2)
+    with pytest.raises(ConfigError, match="unknown eviction policy 'mru'"):
+        BlockPool(4, spec=spec, eviction_policy="mru")
+
+
+def test_pending_and_evicting_lifecycle(pool):
+    r = pool.reserve(2)
+    assert pool.status_counts()["PENDING"] == 2
+    before = pool_state(pool)
+    with pytest.raises(IllegalTransitionError, match="PENDING -> EVICTING"):
+        pool.begin_eviction(r[:1])
+    assert_same_state(before, pool_state(pool))
+    pool.commit(r)
+    pool.begin_eviction([r[0]])
+    assert pool.block(r[0]).status is BlockStatus.EVICTING
+    with pytest.raises(DoubleFreeError):
+        pool.free([r[0]])
+    with pytest.raises(IllegalTransitionError):
+        pool.incref([r[0]])
+    pool.finish_eviction([r[0]])
+    pool.free([pool.reserve(1)[0]])  # a PENDING block freed is aborted back to FREE
+    pool.free([r[1]])
+    assert pool.num_free_blocks == 16
+    pool.check_invariants()
+
+
+def test_get_best_block_and_allocate_block(pool, spec):
+    assert pool.get_best_block(spec.bytes_per_block).block_id == 0
+    assert pool.get_best_block(spec.bytes_per_block + 1) is None  # nothing that large in a uniform pool
+    blk = pool.allocate_block(5)
+    assert blk.block_id == 5 and blk.status is BlockStatus.ALLOCATED
+    before = pool_state(pool)
+    with pytest.raises(IllegalTransitionError, match="ALLOCATED -> ALLOCATED"):
+        pool.allocate_block(5)
+    assert_same_state(before, pool_state(pool))
+    pool.release_block(5)
+    pool.check_invariants()
+
+
+def test_reference_manager_is_one_truth(pool):
+    rm = ReferenceManager(pool)
+    (b,) = pool.allocate(1)
+    rm.add_reference(b)
+    assert rm.get_reference_count(b) == 2 == pool.block(b).reference_count
+    pool.free([b])
+    assert rm.get_reference_count(b) == 1
+    assert rm.get_all_references() == {b: 1}
+    assert not rm.is_safe_to_evict(b)
+    rm.remove_reference(b)
+    assert rm.is_safe_to_evict(b) and rm.get_all_references() == {}
+    with pytest.raises(RefcountUnderflowError):
+        rm.remove_reference(b)
+
+
+def test_batch_ops_take_one_lock_each(pool):
+    n0 = pool.lock_acquisitions
+    ids = pool.allocate(12)
+    pool.incref(ids)
+    pool.decref(ids)
+    pool.free(ids)
+    assert pool.lock_acquisitions - n0 == 4
+
+
+def test_events_are_typed_and_stamped(pool):
+    rec = EventRecorder(pool.events)
+    ids = pool.allocate(2)
+    pool.incref(ids[:1])
+    pool.free(ids)
+    pool.free(ids[:1])
+    kinds = [e.kind for e in rec]
+    assert kinds == ["Allocated", "RefChanged", "RefChanged", "Freed", "Freed"]
+    steps = [e.step for e in rec]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+    assert rec.events[0].as_dict()["block_ids"] == (0, 1)
+    rec.close()
+    pool.allocate(1)
+    assert len(rec) == 5
+
+
+def test_snapshot_is_a_consistent_copy(pool):
+    ids = pool.allocate(3)
+    pool.set_token_count(ids[0], 4)
+    pool.decref([ids[2]])
+    snap = pool.snapshot()
+    assert snap["status"].dtype == np.uint8 and snap["status"][:3].tolist() == [2, 2, 2]
+    assert snap["tokens"][ids[0]] == 4 and snap["cached"][ids[2]] and not snap["cached"][ids[0]]
+    pool.free(ids[:2])
+    assert snap["status"][0] == 2  # a copy, not a live view
+
+
+def test_memory_usage_and_fragmentation(pool, spec):
+    ids = pool.allocate(4)
+    pool.set_token_count(ids[0], 3)
+    mu = pool.get_memory_usage()
+    assert mu["used"] == 4 * spec.bytes_per_block and mu["free"] == 12 * spec.bytes_per_block
+    assert mu["token_bytes"] == 3 * spec.bytes_per_token
+    pool.free(ids[::2])
+    assert pool.calculate_fragmentation() == 0  # uniform pool: any free block serves any request
+    with pytest.raises(KVDataError, match="at most 4 tokens"):
+        pool.set_token_count(ids[1], 5)
+
+
+def test_buddy_pool_split_and_merge(spec):
+    p = BlockPool(16, spec=spec, block_sizes=[4, 8, 16])
+    assert p.block_sizes == [4, 8, 16] and p.max_order == 2
+    a, a2 = p.allocate(2, size_class=0)
+    assert p.get_stats()["splits"] == 2 and p.block(a).capacity_tokens == 4
+    big = p.allocate(1, size_class=2)[0]
+    assert p.block(big).memory_usage == 4 * spec.bytes_per_block
+    p.free([a])
+    frag = p.calculate_fragmentation()
+    assert frag == round(100 * 3 / 11)  # 3 of 11 free base blocks sit in a window that a2 keeps from merging
+    assert p.merge_free_buddies() == 0  # a's buddy a2 is allocated
+    p.free([a2])
+    assert p.calculate_fragmentation() == 0  # the window is all free: merging can rebuild a largest block
+    assert p.merge_free_buddies() == 2 and len(p._free[2]) == 3
+    with pytest.raises(UnknownBlockError, match="inside block"):
+        p.block(big + 1)
+    with pytest.raises(ConfigError, match="power-of-two"):
+        BlockPool(16, spec=spec, block_sizes=[4, 12])
+    p.check_invariants()
+
+
+def test_migrate_moves_data_and_calls_hooks(pool):
+    ids = pool.allocate(2)
+    data = kv_for(pool, 4, seed=1)
+    pool.storage.block_view(ids[1])[:] = data
+    pool.set_token_count(ids[1], 4)
+    moved = []
+    pool.relocation_hooks.append(lambda s, d: moved.append((s.tolist(), d.tolist())))
+    pool.migrate([ids[1]], [9])
+    assert moved == [([ids[1]], [9])]
+    assert torch.equal(pool.block(9).kv_data, data) and pool.block(9).token_count == 4
+    assert pool.block(ids[1]).status is BlockStatus.FREE
+    before = pool_state(pool)
+    with pytest.raises(IllegalTransitionError, match="not FREE"):
+        pool.migrate([ids[0]], [9])
+    assert_same_state(before, pool_state(pool))
+    pool.check_invariants()
+
+
+def test_metadata_only_pool_is_large_and_cheap():
+    p = BlockPool(1_000_000, with_storage=False)
+    assert p.storage is None
+    ids = p.allocate(1000)
+    p.free(ids)
+    with pytest.raises(ConfigError, match="metadata-only"):
+        p.block(0).kv_data
+    p.check_invariants()
+
+
+def test_environment_yml_matches_pyproject():
+    """Dependencies are declared once, in pyproject.toml: environment.yml brings python and pip, then installs
+    kvlab itself with extras that exist."""
+    import tomllib
+
+    import yaml
+    root = os.path.dirname(os.path.dirname(__file__))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
+    with open(os.path.join(root, "environment.yml")) as f:
+        env = yaml.safe_load(f)
+    assert env["channels"] == ["conda-forge"]
+    plain = [d for d in env["dependencies"] if isinstance(d, str)]
+    assert sorted(d.split(">")[0].split("=")[0] for d in plain) == ["pip", "python"]
+    (pip_list,) = [d["pip"] for d in env["dependencies"] if isinstance(d, dict)]
+    assert len(pip_list) == 1 and pip_list[0].startswith("-e .[")
+    named = set(pip_list[0].split("[", 1)[1].rstrip("]").split(","))
+    assert named and named <= extras
