@@ -1,0 +1,198 @@
+"""Measuring fragmentation and undoing it (text §2.2.4, "内存碎片整理").
+
+Three different wastes, kept apart because they have different cures:
+
+* **unusable free memory** (``fragmentation_percent``, the text's key, from :meth:`BlockPool.calculate_fragmentation`):
+  the share of FREE memory that cannot form a block of the largest size class. This is what hurts a pool with
+  several size classes. On a uniform pool every FREE block serves every request, so it is 0 whatever the layout.
+* **external fragmentation** (``external_fragmentation``, a fraction): ``1 - largest free run / total free``,
+  where a run is a stretch of consecutive FREE base blocks. It measures address contiguity: what an allocator that
+  needs one contiguous region (the world before paging, or a swap-out in one copy) would suffer. A uniform paged
+  pool can read 0.9 here and still serve every request, because a block table maps any block anywhere; it is a
+  layout measure there, not a capacity loss.
+* **internal waste** (``internal_waste``): token slots of ALLOCATED blocks not holding a token, over all their
+  slots — the half-empty last block of each sequence. Compaction cannot cure it; only a smaller block size can.
+
+``scatter`` = (highest used block id + 1) / used blocks: 1.0 when the used blocks are packed at the bottom.
+
+:class:`DefragmentationStrategy` first merges FREE buddies, then compacts: it moves the highest-addressed ALLOCATED
+blocks into the lowest FREE holes of the same class with one batched :meth:`BlockPool.migrate`, whose relocation
+hooks let every owner rewrite its block table. PENDING and EVICTING blocks are never moved (their data is in
+flight). ``max_moves`` bounds the work of one call, so compaction can run a little per engine step.
+
+What the text's ``_reallocate_active_blocks`` got wrong: it moved each small block into a block *twice* as large
+(more internal waste, not less, and no free space made contiguous); it wrote the target's fields directly,
+bypassing the pool's free lists and state machine; no block table learned the new location, so the owner kept
+reading the old block; and it then released the source although its refcount was still positive, so the data
+was either kept twice or freed under its reader. Compaction moves data into blocks of the *same* size, toward
+low addresses, through the pool, and tells the owners.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import events as ev
+from .block import BlockStatus
+from .pool import BlockPool
+
+FREE, ALLOCATED = int(BlockStatus.FREE), int(BlockStatus.ALLOCATED)
+
+
+class FragmentationDetector:
+    """Reports the fragmentation of ``pool``; ``should_defragment`` compares the text's ``fragmentation_percent``
+    (unusable free memory) or, on a uniform pool where that is always 0, the external fragmentation in percent,
+    with ``threshold``."""
+
+    def __init__(self, pool: BlockPool, threshold: float = 20) -> None:
+        self.pool = pool
+        self.threshold = threshold
+
+    def external_fragmentation(self) -> float:
+        """``1 - largest free run / total free`` (0.0 when nothing or everything in one run is free)."""
+        runs = self.pool.free_runs()
+        return 0.0 if not runs.size else 1.0 - int(runs.max()) / int(runs.sum())
+
+    def trigger_percent(self) -> float:
+        """The number ``should_defragment`` compares with the threshold (see the class docstring)."""
+        if self.pool.max_order:
+            return float(self.pool.calculate_fragmentation())
+        return 100.0 * self.external_fragmentation()
+
+    def detect_fragmentation(self) -> dict[str, Any]:
+        """The text's keys ``fragmentation_percent`` (unusable free memory, %), ``should_defragment``,
+        ``memory_info`` and ``free_blocks`` (``{block size in tokens: FREE blocks of that class}``), plus
+        ``external_fragmentation`` (fraction), ``largest_free_run`` and ``free_run_histogram``
+        (``{run length in base blocks: count}``), ``internal_waste`` (fraction), ``scatter`` and ``trigger_percent``."""
+        pool = self.pool
+        with pool.lock:
+            runs = pool.free_runs()
+            st = pool.status_np
+            heads = _heads(pool)
+            alloc = heads[st[heads] == ALLOCATED]
+            slots = int((pool.block_size << pool.order_np[alloc].astype(np.int64)).sum())
+            used = np.flatnonzero(st != FREE)
+            lengths, counts = np.unique(runs, return_counts=True)
+            trigger = self.trigger_percent()
+            return {
+                "fragmentation_percent": pool.calculate_fragmentation(),
+                "should_defragment": trigger > self.threshold,
+                "memory_info": pool.get_memory_usage(),
+                "free_blocks": {size: len(pool._free[o]) for o, size in enumerate(pool.block_sizes)},
+                "external_fragmentation": self.external_fragmentation(),
+                "largest_free_run": int(runs.max()) if runs.size else 0,
+                "free_run_histogram": dict(zip(lengths.tolist(), counts.tolist())),
+                "internal_waste": 1.0 - int(pool.tokens_np[alloc].sum()) / slots if slots else 0.0,
+                "scatter": (int(used[-1]) + 1) / used.size if used.size else 1.0,
+                "trigger_percent": trigger,
+            }
+
+
+def _heads(pool: BlockPool) -> np.ndarray:
+    """Ids of every block (the first base block of each), in address order."""
+    units = np.arange(pool.num_blocks)
+    if not pool.max_order:
+        return units
+    return units[(units & (np.left_shift(1, pool.order_np.astype(np.int64)) - 1)) == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class DefragReport:
+    """What one :meth:`DefragmentationStrategy.defragment` call did. Truthy when it changed the layout."""
+
+    ran: bool
+    merges: int
+    moves: tuple[tuple[int, int], ...]
+    bytes_moved: int
+    fragmentation_before: dict[str, float]
+    fragmentation_after: dict[str, float]
+    seconds: float
+
+    def __bool__(self) -> bool:
+        return bool(self.merges or self.moves)
+
+
+@dataclass(frozen=True, slots=True)
+class Defragmented(ev.Event):
+    """A defragmentation pass merged ``merges`` buddy pairs and moved ``moves`` blocks (``bytes_moved`` bytes)."""
+    merges: int
+    moves: int
+    bytes_moved: int
+
+
+class DefragmentationStrategy:
+    """Merge free buddies, then compact ``pool`` (see the module docstring).
+
+    Args:
+        minimum_fragmentation: percent; below it (by :meth:`FragmentationDetector.trigger_percent`) a call does
+            nothing unless ``force=True``.
+        max_moves: default cap on blocks moved per call (None: no cap).
+    """
+
+    def __init__(self, pool: BlockPool, minimum_fragmentation: float = 15, max_moves: int | None = None) -> None:
+        self.pool = pool
+        self.minimum_fragmentation = minimum_fragmentation
+        self.max_moves = max_moves
+        self.detector = FragmentationDetector(pool, threshold=minimum_fragmentation)
+
+    def _measure(self) -> dict[str, float]:
+        d = self.detector
+        return {"fragmentation_percent": float(self.pool.calculate_fragmentation()),
+                "external_fragmentation": d.external_fragmentation()}
+
+    def defragment(self, *, force: bool = False, max_moves: int | None = None) -> DefragReport:
+        """One pass: merge, then move up to ``max_moves`` blocks (default ``self.max_moves``) down into holes."""
+        pool = self.pool
+        cap = self.max_moves if max_moves is None else max_moves
+        with pool.lock:
+            t0 = time.perf_counter()
+            before = self._measure()
+            if not force and self.detector.trigger_percent() < self.minimum_fragmentation:
+                return DefragReport(False, 0, (), 0, before, before, time.perf_counter() - t0)
+            merges = pool.merge_free_buddies()
+            src, dst = self._plan_compaction(cap)
+            pool.migrate(src, dst, reason="compaction")
+            if src:
+                merges += pool.merge_free_buddies()  # the vacated sources may pair up with free buddies
+            moved = sum(pool.bytes_per_block << pool._order[d] for d in dst)
+            report = DefragReport(True, merges, tuple(zip(src, dst)), moved, before, self._measure(),
+                                  time.perf_counter() - t0)
+            if pool.events.subscribers:
+                pool.events.publish(Defragmented(pool.clock.now(), merges, len(src), moved))
+            return report
+
+    def _plan_compaction(self, cap: int | None) -> tuple[list[int], list[int]]:
+        """Pairs (highest ALLOCATED block, lowest FREE block of its class below it), highest movers first.
+        A larger FREE block below a mover is split down to its class; holes left by movers lie above every
+        remaining mover, so one batched migration suffices."""
+        pool = self.pool
+        limit = np.iinfo(np.int64).max if cap is None else cap
+        st = pool.status_np
+        if not pool.max_order:  # uniform: pair the lowest holes with the highest movers while holes lie below
+            holes, movers = np.flatnonzero(st == FREE), np.flatnonzero(st == ALLOCATED)[::-1]
+            k = min(holes.size, movers.size, limit)
+            k = int(np.count_nonzero(holes[:k] < movers[:k]))  # monotone: holes rise while movers fall
+            return movers[:k].tolist(), holes[:k].tolist()
+        heads = _heads(pool)
+        movers = heads[st[heads] == ALLOCATED][::-1].tolist()
+        free = [sorted(lst) for lst in pool._free]  # per class, ascending; consumed from the front
+        src: list[int] = []
+        dst: list[int] = []
+        for m in movers:
+            if len(src) >= limit:
+                break
+            k = pool._order[m]
+            below = [(free[o][0], o) for o in range(k, pool.max_order + 1) if free[o] and free[o][0] < m]
+            if not below:
+                continue
+            b, o = min(below)
+            free[o].pop(0)
+            for _ in range(o - k):  # keep the low half, give the high half back as a hole of one class less
+                bisect.insort(free[pool._order[b] - 1], pool.split_block(b)[1])
+            src.append(m)
+            dst.append(b)
+        return src, dst

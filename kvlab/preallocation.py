@@ -1,0 +1,147 @@
+"""Pre-allocation learned from allocation history (text §2.2.5, "预分配策略").
+
+Idea: demand comes in bursts (a batch of prompts arrives, a tenant's job starts). Whatever an allocation costs in
+the burst — splitting, merging, evicting, waiting — can be paid earlier, in idle time, by *reserving* blocks for
+the demand the history predicts. A reserved block is PENDING: owned by the tenant, invisible to allocation,
+eviction and compaction, so the burst takes it with one :meth:`BlockPool.commit`.
+
+Prediction, per key ``(owner, size_class)``: the largest number of blocks the key allocated within any ``window``
+clock steps during the last ``horizon`` steps, times ``headroom``. :meth:`Preallocator.replenish` (call it when
+the system is idle, e.g. between engine steps) tops each reserve up to its prediction using FREE memory only — a
+guess never evicts cached data — and returns the surplus. A key with no demand for ``horizon`` steps predicts 0,
+so reserves not used within the horizon go back to the pool. While requests wait in the allocator's queue nothing
+is reserved: real requests come before predicted ones.
+
+Invariants: every reserved block is PENDING with its key's owner and size class, and is in exactly one reserve;
+:meth:`Preallocator.allocate` is all or nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+
+import numpy as np
+
+from .allocator import DynamicAllocator
+from .errors import ConfigError, OutOfBlocksError
+from .pool import BlockPool
+
+Key = tuple[int, int]  # (owner, size_class)
+
+
+class Preallocator:
+    """Reserves blocks per ``(owner, size_class)`` ahead of predicted bursts (see the module docstring).
+
+    Args:
+        target: a :class:`DynamicAllocator`, or a pool (one is built on it). Misses in a burst go through it.
+        window: burst length in clock steps over which demand is counted.
+        horizon: how far back (clock steps) history counts; older demand, and the reserve kept for it, expire.
+        headroom: factor on the predicted demand.
+        max_reserve: cap on the blocks reserved per key (None: no cap).
+    """
+
+    def __init__(self, target: DynamicAllocator | BlockPool, *, window: int = 64, horizon: int = 1024,
+                 headroom: float = 1.0, max_reserve: int | None = None) -> None:
+        if not (isinstance(window, int) and isinstance(horizon, int) and 0 < window <= horizon):
+            raise ConfigError(f"need integers 0 < window <= horizon, got window={window!r}, horizon={horizon!r}")
+        if not headroom > 0 or (max_reserve is not None and max_reserve < 0):
+            raise ConfigError(f"headroom must be > 0 and max_reserve >= 0, got {headroom!r}, {max_reserve!r}")
+        self.allocator = target if isinstance(target, DynamicAllocator) else DynamicAllocator(target)
+        self.pool = self.allocator.pool
+        self.window, self.horizon, self.headroom, self.max_reserve = window, horizon, headroom, max_reserve
+        self.demand: dict[Key, deque[tuple[float, int]]] = defaultdict(deque)  # (step, blocks) per allocation
+        self.reserves: dict[Key, list[int]] = defaultdict(list)
+        self.stats = {"from_reserve": 0, "fallback": 0, "reserved": 0, "returned": 0}
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, owner: int, size_class: int, n: int = 1) -> None:
+        """Record that ``owner`` allocated ``n`` blocks of ``size_class`` now (``allocate`` does this itself)."""
+        self.demand[(owner, size_class)].append((self.pool.clock.now(), n))
+
+    def predict(self, owner: int, size_class: int) -> int:
+        """Blocks to hold in reserve for the key: its peak demand within ``window`` steps over the horizon."""
+        log = self.demand.get((owner, size_class))
+        now = self.pool.clock.now()
+        while log and log[0][0] < now - self.horizon:
+            log.popleft()
+        if not log:
+            return 0
+        steps, blocks = (np.array(x) for x in zip(*log))
+        cum = np.concatenate(([0], np.cumsum(blocks)))
+        ends = np.searchsorted(steps, steps + self.window, side="left")
+        peak = int((cum[ends] - cum[np.arange(steps.size)]).max())
+        want = math.ceil(peak * self.headroom)
+        return want if self.max_reserve is None else min(want, self.max_reserve)
+
+    # ------------------------------------------------------------------ serving
+    def allocate(self, n: int = 1, *, owner: int = -1, size_class: int = 0) -> list[int]:
+        """``n`` ALLOCATED blocks for ``owner``: from its reserve (one commit) and the rest through the allocator
+        (no waiting). All or nothing: raises :class:`OutOfBlocksError` and leaves the pool and reserves as they
+        were if the allocator cannot supply the rest."""
+        if not isinstance(n, int) or n < 0:
+            raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
+        pool = self.pool
+        with pool.lock:
+            reserve = self.reserves.get((owner, size_class), [])
+            hit = min(n, len(reserve))
+            extra: list[int] = []
+            try:
+                for _ in range(n - hit):
+                    extra.append(self.allocator.allocate_optimal_block(size_class=size_class, owner=owner,
+                                                                       wait=False).block.block_id)
+            except OutOfBlocksError:
+                if extra:
+                    pool.free(extra)
+                raise
+            taken = reserve[len(reserve) - hit:]
+            pool.commit(taken)
+            del reserve[len(reserve) - hit:]
+            self.stats["from_reserve"] += hit
+            self.stats["fallback"] += len(extra)
+            if n:
+                self.observe(owner, size_class, n)
+            return taken + extra
+
+    def replenish(self) -> dict[Key, int]:
+        """Return each reserve's surplus over its prediction, then top it up from FREE memory (never evicting);
+        nothing is reserved while requests wait. Returns the change per key (positive: reserved)."""
+        pool = self.pool
+        with pool.lock:
+            change: dict[Key, int] = {}
+            targets = {key: self.predict(*key) for key in set(self.demand) | set(self.reserves)}
+            for key, want in targets.items():
+                reserve = self.reserves[key]
+                if len(reserve) > want:
+                    surplus = reserve[:len(reserve) - want]  # the oldest go back first
+                    pool.free(surplus)
+                    del reserve[:len(surplus)]
+                    self.stats["returned"] += len(surplus)
+                    change[key] = -len(surplus)
+            if self.allocator.waiters:
+                return change
+            if pool.max_order:
+                pool.merge_free_buddies()  # so free capacity below reads in whole blocks of each class
+            for (owner, order), want in targets.items():
+                reserve = self.reserves[(owner, order)]
+                free = sum(len(pool._free[o]) << (o - order) for o in range(order, pool.max_order + 1))
+                need = min(want - len(reserve), free)
+                if need > 0:  # free capacity suffices, so the pool splits but never evicts for these
+                    reserve.extend(pool.reserve(need, size_class=order, owner=owner))
+                    self.stats["reserved"] += need
+                    change[(owner, order)] = need
+            return change
+
+    def release_all(self) -> int:
+        """Return every reserved block to the pool; returns how many."""
+        with self.pool.lock:
+            ids = [b for r in self.reserves.values() for b in r]
+            if ids:
+                self.pool.free(ids)
+            self.reserves.clear()
+            self.stats["returned"] += len(ids)
+            return len(ids)
+
+    @property
+    def reserved(self) -> int:
+        """Blocks currently held in reserve."""
+        return sum(len(r) for r in self.reserves.values())
