@@ -7,10 +7,13 @@ Run: ``python benchmarks/bench_pool.py`` (or ``kvlab bench``).
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable
 
-from kvlab import BlockPool
+import torch
+
+from kvlab import BlockPool, KVSpec, default_device
 
 
 class _Block:
@@ -70,6 +73,14 @@ def run(quick: bool = False) -> list[dict]:
         reps = max(20, (2000 if quick else 20000) // n)
         q = LinkedFreeQueue(4096)
         base = _ns_per_block(lambda: q.append_n(q.popleft_n(n)), n, reps)
+        lock = threading.Lock()
+
+        def locked() -> None:  # the same baseline paying for thread safety as the pool does
+            with lock:
+                got = q.popleft_n(n)
+            with lock:
+                q.append_n(got)
+        base_locked = _ns_per_block(locked, n, reps)
         pool = BlockPool(4096, with_storage=False)
         if n == 1:
             def op() -> None:
@@ -80,11 +91,43 @@ def run(quick: bool = False) -> list[dict]:
         ours = _ns_per_block(op, n, reps)
         rows.append({"name": f"pool alloc+free, n={n}", "value": round(ours, 1), "unit": "ns/block",
                      "baseline": round(base, 1), "ratio": round(ours / base, 2), "goal": goals[n]})
+        rows.append({"name": f"  vs baseline with a lock per call, n={n}", "value": round(ours, 1),
+                     "unit": "ns/block", "baseline": round(base_locked, 1), "ratio": round(ours / base_locked, 2),
+                     "goal": None})
+    rows.extend(copy_bandwidth(quick))
     t = time.perf_counter()
     BlockPool(1_000_000, with_storage=False)
     rows.append({"name": "create 1,000,000-block pool (metadata)", "value": round(time.perf_counter() - t, 3),
                  "unit": "s", "baseline": None, "ratio": None, "goal": 1.0})
     return rows
+
+
+def copy_bandwidth(quick: bool) -> list[dict]:
+    """GB/s of batched block copies inside the KV tensor (migration, copy-on-write) and of swap-out to host
+    memory (pinned on CUDA), on the default device."""
+    dev = default_device()
+    spec = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16, device=dev)
+    n = 256 if quick else 1024
+    pool = BlockPool(2 * n, spec=spec)
+    src, dst = torch.arange(n), torch.arange(n, 2 * n)
+    host = torch.empty((2, spec.num_layers, n, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                       dtype=spec.dtype, pin_memory=dev.type == "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = []
+    for name, fn in (("block copy (migration)", lambda: pool.storage.copy_blocks(src, dst)),
+                     ("swap-out to host", lambda: pool.storage.gather_blocks(src, out=host))):
+        fn()
+        sync()
+        best = float("inf")
+        for _ in range(3 if quick else 10):
+            t = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t)
+        nbytes = n * spec.bytes_per_block * (2 if name.startswith("block") else 1)  # read + write inside
+        out.append({"name": f"{name}, {n} blocks on {dev.type}", "value": round(nbytes / best / 1e9, 2),
+                    "unit": "GB/s", "baseline": None, "ratio": None, "goal": None})
+    return out
 
 
 def print_table(rows: list[dict]) -> None:

@@ -7,6 +7,7 @@ this is raw memory, and :class:`kvlab.BlockPool` decides who may touch which blo
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,19 @@ from .spec import KVSpec
 IndexLike = Sequence[int] | torch.Tensor
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` in bytes (CUDA: the driver's count; CPU: available physical pages), or None
+    when the platform cannot tell."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
 class KVStorage:
     """The KV tensor of a pool with ``num_blocks`` blocks of ``spec.block_size`` slots."""
 
@@ -25,11 +39,11 @@ class KVStorage:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec, self.num_blocks = spec, num_blocks
         nbytes = num_blocks * spec.bytes_per_block
-        if spec.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(spec.device)
-            if nbytes > free:
-                raise ConfigError(f"a pool of {num_blocks} blocks needs {nbytes} bytes but {spec.device} has "
-                                  f"{free} free: at most {free // spec.bytes_per_block} blocks fit")
+        free = device_free_bytes(spec.device)
+        if free is not None and nbytes > free:  # fail fast instead of thrashing or an opaque allocator error
+            raise ConfigError(f"a pool of {num_blocks} blocks x {spec.bytes_per_block} bytes needs {nbytes:,} bytes "
+                              f"but {spec.device} has {free:,} free: at most {free // spec.bytes_per_block} "
+                              f"blocks fit")
         self.kv = torch.zeros((2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                               dtype=spec.dtype, device=spec.device)
         # Slot-addressed view (no copy): [2, layers, num_blocks * block_size, heads, dim].

@@ -421,3 +421,9 @@ def test_environment_yml_matches_pyproject():
     assert len(pip_list) == 1 and pip_list[0].startswith("-e .[")
     named = set(pip_list[0].split("[", 1)[1].rstrip("]").split(","))
     assert named and named <= extras
+
+
+def test_pool_larger_than_device_memory_fails_fast_with_what_fits():
+    spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu")
+    with pytest.raises(ConfigError, match=r"at most \d+ blocks fit"):
+        BlockPool(10**9, spec=spec)

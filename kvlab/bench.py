@@ -1,0 +1,102 @@
+"""``kvlab bench``: run every benchmark in ``benchmarks/``, print one table of figures with their baselines,
+ratios and goals, and write the same rows as JSON with the machine, versions, device and date.
+
+Each ``benchmarks/bench_*.py`` exposes ``run(quick: bool) -> list[dict]`` whose rows carry ``name``, ``value``,
+``unit`` and optionally ``baseline``, ``ratio`` and ``goal``. Quick mode shrinks every benchmark so the whole
+command is a smoke test (CI runs it: it checks that each benchmark ran, never how fast).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .device import default_device
+from .errors import ConfigError
+
+
+def benchmarks_dir() -> Path:
+    """``benchmarks/`` of the source checkout kvlab runs from (or ``$KVLAB_BENCHMARKS``)."""
+    env = os.environ.get("KVLAB_BENCHMARKS")
+    for cand in ([Path(env)] if env else []) + [Path(__file__).resolve().parent.parent / "benchmarks",
+                                                Path.cwd() / "benchmarks"]:
+        if cand.is_dir():
+            return cand
+    raise ConfigError("no benchmarks/ folder found: run from a kvlab checkout or set KVLAB_BENCHMARKS")
+
+
+def load(name: str) -> ModuleType:
+    path = benchmarks_dir() / f"{name}.py"
+    if not path.is_file():
+        raise ConfigError(f"unknown benchmark {name!r}; have {available()}")
+    spec = importlib.util.spec_from_file_location(f"kvlab_benchmarks.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in benchmarks_dir().glob("bench_*.py"))
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    dev = default_device()
+    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "device": str(dev)}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+    return info
+
+
+def run_all(names: list[str] | None = None, quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run the named benchmarks (default: all) and return ``{"machine": ..., "quick": ..., "rows": [...]}``."""
+    from tqdm.auto import tqdm
+
+    rows: list[dict[str, Any]] = []
+    names = names or available()
+    for name in tqdm(names, desc="benchmarks", disable=not progress):
+        for row in load(name).run(quick=quick):
+            rows.append({"benchmark": name, **row})
+    return {"machine": machine(), "quick": quick, "rows": rows}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The rows as a Markdown table (what ``kvlab bench`` prints and ``docs/benchmarks.md`` shows)."""
+    head = "| benchmark | figure | value | unit | baseline | ratio | goal |\n|---|---|---:|---|---:|---:|---:|"
+    lines = [head]
+    for r in result["rows"]:
+        lines.append(f"| {r['benchmark']} | {r['name']} | {_fmt(r['value'])} | {r.get('unit', '')} | "
+                     f"{_fmt(r.get('baseline'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('goal'))} |")
+    return "\n".join(lines)
+
+
+def main(names: list[str] | None = None, quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
+    result = run_all(names, quick)
+    m = result["machine"]
+    print(f"kvlab bench — {m['date']} — {m['processor']}, {m['cpu_count']} cores, device {m['device']}, "
+          f"torch {m['torch']}{' (quick)' if quick else ''}")
+    print(format_table(result))
+    path = Path(json_path or "bench-results/bench.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {path}")
+    return result
