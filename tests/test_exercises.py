@@ -1,0 +1,107 @@
+"""kvlab.exercises: right answers pass, wrong ones fail with a hint, and the truth matches hand-derived answers."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvlab import BlockStatus, ConfigError, KVSpec
+from kvlab import exercises as ex
+
+S = BlockStatus
+
+
+def _frag(free: np.ndarray, top: int) -> int:
+    """An independent reading of the exercise text."""
+    k = 1 << top
+    whole = free[:len(free) // k * k].reshape(-1, k).all(axis=1).sum() * k
+    return 0 if not free.sum() else round(100 * (1 - whole / free.sum()))
+
+
+RIGHT = {
+    "2.2.1-waste": lambda t, bs: -t % bs,
+    "2.2.1-utilisation": lambda ls, bs: sum(ls) / sum(math.ceil(n / bs) * bs for n in ls),
+    "2.2.2-transitions": {(S.FREE, S.PENDING), (S.FREE, S.ALLOCATED), (S.PENDING, S.ALLOCATED),
+                          (S.PENDING, S.FREE), (S.ALLOCATED, S.EVICTING), (S.ALLOCATED, S.FREE),
+                          (S.EVICTING, S.FREE)},
+    "2.2.2-lru": [2, 3, 1, 0],  # released 2,0,3,1 then 0 touched again
+    "2.2.2-refcount": (1, "ALLOCATED"),  # 1 + 2 - 1 - 1
+    "2.2.3-sharing": (5, 3 + 5 * 2),
+    "2.2.3-strategies": ["split", "exact", "split", "exact"],
+    "2.2.4-fragmentation": _frag,
+    "2.2.4-moves": 3,  # 6 allocated; positions 6.. hold A at 6, 9, 11
+    "2.2.5-locks": (200, 2),
+    "2.2.6-long": (6250, 6250 * 16 * 2 * 32 * 8 * 128 * 2),
+}
+
+WRONG = {
+    "2.2.1-waste": lambda t, bs: bs - t % bs,  # forgets the exactly-full last block
+    "2.2.1-utilisation": lambda ls, bs: sum(ls) / (len(ls) * bs),
+    "2.2.2-transitions": RIGHT["2.2.2-transitions"] | {(S.EVICTING, S.ALLOCATED)},
+    "2.2.2-lru": [2, 0, 3, 1],
+    "2.2.2-refcount": (0, "FREE"),
+    "2.2.3-sharing": (5, 5 * 5),
+    "2.2.3-strategies": ["split", "split", "split", "split"],
+    "2.2.4-fragmentation": lambda free, top: 0,
+    "2.2.4-moves": 6,
+    "2.2.5-locks": (2, 2),
+    "2.2.6-long": (6250, 6250 * 16 * 2 * 32 * 8 * 128 * 4),
+}
+
+
+def test_every_exercise_is_covered():
+    assert set(ex.list_exercises()) == set(RIGHT) == set(WRONG)
+    assert ex.list_exercises("2.2.4") == ["2.2.4-fragmentation", "2.2.4-moves"]
+
+
+@pytest.mark.parametrize("key", sorted(RIGHT))
+def test_right_answer_passes(key):
+    r = ex.check(key, RIGHT[key])
+    assert r.ok and bool(r), str(r)
+    assert "✓" in str(r) and key in r._repr_markdown_()
+
+
+@pytest.mark.parametrize("key", sorted(WRONG))
+def test_wrong_answer_fails_with_hint(key):
+    r = ex.check(key, WRONG[key])
+    assert not r.ok and not bool(r)
+    assert r.hint and "提示" in str(r)
+
+
+def test_function_answers_report_the_failing_case():
+    r = ex.check("2.2.1-waste", WRONG["2.2.1-waste"])
+    assert "waste(1, 1)" in r.message
+    r = ex.check("2.2.4-fragmentation", WRONG["2.2.4-fragmentation"])
+    assert "calculate_fragmentation" in r.message
+
+
+def test_a_crashing_answer_is_wrong_not_an_error():
+    r = ex.check("2.2.1-waste", lambda t, bs: 1 // 0)
+    assert not r.ok and "ZeroDivisionError" in r.message
+    assert not ex.check("2.2.1-waste", 42).ok  # not a function
+    assert not ex.check("2.2.2-transitions", 7).ok  # not a set of pairs
+
+
+def test_unknown_exercise_names_the_known_ones():
+    with pytest.raises(ConfigError, match="2.2.2-lru"):
+        ex.check("2.2.9-nope", 1)
+    assert "evict_block" in ex.prompt("2.2.2-lru")
+
+
+def test_long_sequence_truth_matches_the_spec():
+    spec = KVSpec(**ex.LONG_SPEC, dtype=__import__("torch").float16, device="cpu")
+    blocks, nbytes = ex._long_sequence_cost()
+    assert blocks == math.ceil(100_000 / spec.block_size) and nbytes == blocks * spec.bytes_per_block
+
+
+def test_fragmentation_cases_exercise_both_extremes():
+    values = {ex._fragmentation_case(s)[2] for s in range(40)}
+    assert 0 in values and max(values) > 0  # the checker would not catch a constant answer otherwise
+
+
+@pytest.mark.parametrize("value, fast", [("1", True), ("true", True), ("YES", True), ("0", False), ("", False)])
+def test_fast_mode(monkeypatch, value, fast):
+    monkeypatch.setenv("KVLAB_FAST", value)
+    assert ex.fast_mode() is fast
+    assert ex.sized(1000, 10) == (10 if fast else 1000)
