@@ -23,7 +23,7 @@ from collections import defaultdict, deque
 import numpy as np
 
 from .allocator import DynamicAllocator
-from .errors import ConfigError, OutOfBlocksError
+from .errors import ConfigError
 from .pool import BlockPool
 
 Key = tuple[int, int]  # (owner, size_class)
@@ -33,21 +33,21 @@ class Preallocator:
     """Reserves blocks per ``(owner, size_class)`` ahead of predicted bursts (see the module docstring).
 
     Args:
-        target: a :class:`DynamicAllocator`, or a pool (one is built on it). Misses in a burst go through it.
+        pool: the pool to reserve from.
+        allocator: if given, nothing is reserved while requests wait in its queue.
         window: burst length in clock steps over which demand is counted.
         horizon: how far back (clock steps) history counts; older demand, and the reserve kept for it, expire.
         headroom: factor on the predicted demand.
         max_reserve: cap on the blocks reserved per key (None: no cap).
     """
 
-    def __init__(self, target: DynamicAllocator | BlockPool, *, window: int = 64, horizon: int = 1024,
-                 headroom: float = 1.0, max_reserve: int | None = None) -> None:
+    def __init__(self, pool: BlockPool, *, allocator: DynamicAllocator | None = None, window: int = 64,
+                 horizon: int = 1024, headroom: float = 1.0, max_reserve: int | None = None) -> None:
         if not (isinstance(window, int) and isinstance(horizon, int) and 0 < window <= horizon):
             raise ConfigError(f"need integers 0 < window <= horizon, got window={window!r}, horizon={horizon!r}")
         if not headroom > 0 or (max_reserve is not None and max_reserve < 0):
             raise ConfigError(f"headroom must be > 0 and max_reserve >= 0, got {headroom!r}, {max_reserve!r}")
-        self.allocator = target if isinstance(target, DynamicAllocator) else DynamicAllocator(target)
-        self.pool = self.allocator.pool
+        self.pool, self.allocator = pool, allocator
         self.window, self.horizon, self.headroom, self.max_reserve = window, horizon, headroom, max_reserve
         self.demand: dict[Key, deque[tuple[float, int]]] = defaultdict(deque)  # (step, blocks) per allocation
         self.reserves: dict[Key, list[int]] = defaultdict(list)
@@ -75,24 +75,16 @@ class Preallocator:
 
     # ------------------------------------------------------------------ serving
     def allocate(self, n: int = 1, *, owner: int = -1, size_class: int = 0) -> list[int]:
-        """``n`` ALLOCATED blocks for ``owner``: from its reserve (one commit) and the rest through the allocator
-        (no waiting). All or nothing: raises :class:`OutOfBlocksError` and leaves the pool and reserves as they
-        were if the allocator cannot supply the rest."""
+        """``n`` ALLOCATED blocks for ``owner``: from its reserve (one commit), the rest in one batch from the
+        pool (free lists, splits, evictions). All or nothing: raises :class:`OutOfBlocksError` and leaves the
+        pool and the reserves as they were if the pool cannot supply the rest."""
         if not isinstance(n, int) or n < 0:
             raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
         pool = self.pool
         with pool.lock:
             reserve = self.reserves.get((owner, size_class), [])
             hit = min(n, len(reserve))
-            extra: list[int] = []
-            try:
-                for _ in range(n - hit):
-                    extra.append(self.allocator.allocate_optimal_block(size_class=size_class, owner=owner,
-                                                                       wait=False).block.block_id)
-            except OutOfBlocksError:
-                if extra:
-                    pool.free(extra)
-                raise
+            extra = pool.allocate(n - hit, size_class=size_class, owner=owner) if n > hit else []
             taken = reserve[len(reserve) - hit:]
             pool.commit(taken)
             del reserve[len(reserve) - hit:]
@@ -117,7 +109,7 @@ class Preallocator:
                     del reserve[:len(surplus)]
                     self.stats["returned"] += len(surplus)
                     change[key] = -len(surplus)
-            if self.allocator.waiters:
+            if self.allocator is not None and self.allocator.waiters:
                 return change
             if pool.max_order:
                 pool.merge_free_buddies()  # so free capacity below reads in whole blocks of each class
