@@ -1,0 +1,150 @@
+"""Attention that reads K/V straight from the paged pool (the payoff of §2.2.2's fixed-size blocks).
+
+A sequence's keys are scattered over physical blocks in any order; its block table says where. For each
+sequence we gather its blocks (one ``index_select`` per K and V over the block axis of the layer) into a small
+reused workspace, view the first ``seq_len`` slots as ``[heads, len, dim]`` and call
+``F.scaled_dot_product_attention`` on that view. Why per sequence and not one padded batch:
+
+* the workspace only ever holds one sequence, so it stays in cache and is never reallocated (fresh CPU
+  allocations cost 5-10x a gather);
+* slicing to ``seq_len`` *is* the length mask: slots past the length (stale data from earlier owners of the block)
+  never reach the kernel, and no padded query ever attends over padding;
+* grouped-query attention uses ``enable_gqa=True``; K/V heads are never ``.repeat``-ed.
+
+Queries are packed: ``q`` is ``[num_tokens, q_heads, dim]`` with ``query_lens[i]`` rows for sequence ``i``, which
+are its *last* ``query_lens[i]`` positions. Decode is ``query_lens == 1``; prefill is ``query_lens == seq_lens``; a
+prompt that hit the prefix cache is in between (causal with an offset). :func:`contiguous_attention` is the
+reference on plain tensors, written with explicit matmuls and softmax so it shares no code path with SDPA.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError, KVDataError
+from .pool import BlockPool
+from .storage import KVStorage
+
+TableLike = torch.Tensor | Sequence[Sequence[int]]
+
+
+class AttentionWorkspace:
+    """Reused gather buffers ``[2, blocks, block_size, kv_heads, dim]``; grows (rarely) and never shrinks."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for ``num_blocks`` blocks shaped like one layer's block ``like`` ``[B, heads, dim]``."""
+        b = self.buf
+        if b is None or b.shape[1] < num_blocks or b.shape[2:] != like.shape or b.dtype != like.dtype \
+                or b.device != like.device:
+            grow = max(num_blocks, 2 * b.shape[1] if b is not None and b.shape[2:] == like.shape else 0)
+            self.buf = b = torch.empty((2, grow, *like.shape), dtype=like.dtype, device=like.device)
+        return b
+
+
+def pad_block_tables(tables: TableLike, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Block tables as one int64 ``[batch, max_blocks]`` tensor, short rows padded with block 0 (never read:
+    attention stops at each sequence's length)."""
+    if isinstance(tables, torch.Tensor):
+        if tables.dim() != 2:
+            raise ConfigError(f"block_tables must be [batch, max_blocks], got shape {list(tables.shape)}")
+        return tables.to(device=device, dtype=torch.long)
+    width = max((len(t) for t in tables), default=0)
+    out = torch.zeros((len(tables), width), dtype=torch.long)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+    return out.to(device)
+
+
+def _lengths(x: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    out = x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
+    if any(v < 0 for v in out):
+        raise ConfigError(f"{name} must be >= 0, got {out}")
+    return out
+
+
+def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Query ``i`` (position ``kv_len - q_len + i``) sees keys ``0 .. kv_len - q_len + i``; None when it sees all."""
+    if q_len == 1:
+        return None
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
+                    seq_lens: Sequence[int] | torch.Tensor, query_lens: Sequence[int] | torch.Tensor | None = None,
+                    *, scale: float | None = None, workspace: AttentionWorkspace | None = None) -> torch.Tensor:
+    """Causal attention of packed queries ``q`` ``[num_tokens, q_heads, dim]`` over the paged K/V of ``layer``.
+
+    Args:
+        kv: a :class:`BlockPool` with storage, or its :class:`KVStorage`.
+        block_tables: ``[batch, max_blocks]`` physical block ids (or a list of lists); row ``i`` covers
+            ``seq_lens[i]`` tokens whose K/V are already written (including this step's tokens).
+        seq_lens: tokens of each sequence in the cache.
+        query_lens: query rows per sequence (default 1 each: decode); they are the sequence's last positions.
+        workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise.
+    Returns ``[num_tokens, q_heads, dim]`` in ``q``'s dtype.
+    """
+    storage = kv.storage_of() if isinstance(kv, BlockPool) else kv
+    s = storage.spec
+    if not 0 <= layer < s.num_layers:
+        raise ConfigError(f"layer {layer} is not in 0..{s.num_layers - 1}")
+    if q.dim() != 3 or q.shape[2] != s.head_dim or q.shape[1] % s.num_kv_heads:
+        raise KVDataError(f"q has shape {list(q.shape)}; expected [tokens, q_heads, {s.head_dim}] with q_heads a "
+                          f"multiple of the pool's {s.num_kv_heads} kv heads")
+    if q.dtype != s.dtype or q.device != storage.kv.device:
+        raise KVDataError(f"q is {q.dtype} on {q.device}; the pool stores {s.dtype} on {storage.kv.device}")
+    tables = pad_block_tables(block_tables, storage.kv.device)
+    lens = _lengths(seq_lens, "seq_lens")
+    qlens = [1] * len(lens) if query_lens is None else _lengths(query_lens, "query_lens")
+    if not len(lens) == len(qlens) == tables.shape[0]:
+        raise ConfigError(f"{tables.shape[0]} block tables, {len(lens)} seq_lens, {len(qlens)} query_lens")
+    if sum(qlens) != q.shape[0]:
+        raise KVDataError(f"q has {q.shape[0]} rows but query_lens sum to {sum(qlens)}")
+    B = s.block_size
+    for i, (n, m) in enumerate(zip(lens, qlens)):
+        if m > n or n > tables.shape[1] * B:
+            raise ConfigError(f"sequence {i}: {m} queries over {n} tokens with a table of {tables.shape[1]} "
+                              f"blocks of {B} (queries must be <= tokens <= table capacity)")
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
+        raise ConfigError(f"block tables name blocks outside 0..{storage.num_blocks - 1}")
+
+    ws = (workspace or AttentionWorkspace()).get(-(-max(lens, default=0) // B), storage.kv[0, layer, 0])
+    k_all, v_all = storage.kv[0, layer], storage.kv[1, layer]  # [num_blocks, B, heads, dim], no copy
+    out = torch.empty_like(q)
+    row = 0
+    for i, (n, m) in enumerate(zip(lens, qlens)):
+        if not m:
+            continue
+        nb = -(-n // B)
+        ids = tables[i, :nb]
+        k = torch.index_select(k_all, 0, ids, out=ws[0, :nb]).view(nb * B, s.num_kv_heads, s.head_dim)[:n]
+        v = torch.index_select(v_all, 0, ids, out=ws[1, :nb]).view(nb * B, s.num_kv_heads, s.head_dim)[:n]
+        # 4-D inputs: SDPA's fused CPU kernel takes these strided views as they are (3-D ones go a slow path).
+        o = F.scaled_dot_product_attention(q[None, row:row + m].transpose(1, 2), k[None].transpose(1, 2),
+                                           v[None].transpose(1, 2), attn_mask=_causal_mask(m, n, q.device),
+                                           scale=scale, enable_gqa=True)
+        out[row:row + m] = o[0].transpose(0, 1)
+        row += m
+    return out
+
+
+def contiguous_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                         query_lens: Sequence[int] | None = None, *, scale: float | None = None) -> torch.Tensor:
+    """Reference: the same causal attention on plain per-sequence tensors ``keys[i]``/``values[i]``
+    ``[len_i, kv_heads, dim]``, computed in fp32 with explicit matmuls (GQA by grouping query heads)."""
+    qlens = [1] * len(keys) if query_lens is None else list(query_lens)
+    out = torch.empty_like(q)
+    row = 0
+    for k, v, m in zip(keys, values, qlens):
+        n, hkv, d = k.shape
+        qi = q[row:row + m].float().reshape(m, hkv, -1, d)  # [m, kv_heads, group, dim]
+        scores = torch.einsum("ihgd,jhd->hgij", qi, k.float()) * (scale if scale is not None else d ** -0.5)
+        allowed = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[row:row + m] = torch.einsum("hgij,jhd->ihgd", probs, v.float()).reshape(m, -1, d).to(q.dtype)
+        row += m
+    return out

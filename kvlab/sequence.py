@@ -1,0 +1,357 @@
+"""Sequences and their block tables (text §2.2.3 "块的分配和回收机制", §2.2.6 "智能回收").
+
+A :class:`Sequence` never owns memory directly: it owns a *block table*, the list that maps its logical block
+``i`` (tokens ``i*B .. i*B+B-1``) to a physical block of the pool, and the pool's refcounts say who else holds
+each block. :class:`SequenceManager` does every operation on tables, always through the pool's own methods:
+
+* **append** takes new blocks only when the last one is full, all blocks of a batch in one ``pool.allocate``
+  (all or nothing), and returns the slot of every new token, computed vectorised as
+  ``table[pos // B] * B + pos % B``; the caller writes K/V there with one ``index_copy_`` per layer.
+* **fork** shares every block with the child (one ``incref``). The first append into a *shared, partly filled*
+  last block copies that block first (copy-on-write, a real tensor copy); full blocks are never written again,
+  so they stay shared for good.
+* **free** releases the table tail first, so under LRU the tail of a cached prefix chain is evicted before its
+  head.
+* **swap out / in** moves the blocks the sequence holds alone (refcount 1, not named by the prefix cache) to host
+  memory (pinned on CUDA) through EVICTING -> FREE, and back into possibly different blocks through
+  PENDING -> ALLOCATED, bitwise identical. Shared and prefix-cached blocks stay resident with the sequence's
+  reference: their memory is not the sequence's alone to give back.
+* **migration** (defragmentation) moves blocks under everybody's feet: the manager registers a
+  ``pool.relocation_hooks`` callback that rewrites every live table.
+
+Invariants (checked by :meth:`SequenceManager.check_invariants`): a resident table entry is ALLOCATED; the
+refcount of every block equals the number of table entries naming it; a table has ``ceil(num_tokens / B)``
+entries; a swapped-out entry is ``-1`` and its data is on the host.
+Works on metadata-only pools (``with_storage=False``): token counts and tables without any K/V.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .block import BlockStatus
+from .errors import ConfigError, IllegalTransitionError, KVDataError
+from .events import Event
+from .pool import BlockPool
+from .prefix import PrefixCache
+
+NewTokens = int | Seq[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CopiedOnWrite(Event):
+    """Sequence ``seq_id`` appended into shared block ``src`` and got private copy ``dst`` first."""
+    seq_id: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Swapped(Event):
+    """Sequence ``seq_id`` moved ``block_ids`` to host memory (``direction='out'``) or back (``'in'``)."""
+    seq_id: int
+    direction: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SwapState:
+    """Host copy of a swapped-out sequence: table ``positions``, their token counts and ``data``
+    ``[2, layers, n, B, heads, dim]`` (None on a metadata-only pool)."""
+    positions: list[int]
+    tokens: list[int]
+    data: torch.Tensor | None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's view of the cache: ``block_table[i]`` is the physical block of logical block ``i``.
+
+    ``token_ids`` is tracked when the sequence was created with tokens (needed for prefix caching) and None when
+    only counts matter. ``num_cached_tokens`` prompt tokens came from the prefix cache; ``cached_blocks`` leading
+    blocks are registered there (``prefix_hash`` is the last one's hash)."""
+    seq_id: int
+    manager: SequenceManager = field(repr=False)
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+    tenant: str | None = None
+    num_cached_tokens: int = 0
+    cached_blocks: int = 0
+    prefix_hash: bytes | None = field(default=None, repr=False)
+    cacheable: bool = True
+    swapped: SwapState | None = field(default=None, repr=False)
+    alive: bool = True
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+    def append(self, new: NewTokens) -> torch.Tensor:
+        """Append ``new`` (a token count, or token ids) and return the slots of the new tokens."""
+        return self.manager.append(self, new)
+
+    def fork(self) -> Sequence:
+        return self.manager.fork(self)
+
+    def free(self) -> None:
+        self.manager.free(self)
+
+    def swap_out(self) -> None:
+        self.manager.swap_out(self)
+
+    def swap_in(self) -> None:
+        self.manager.swap_in(self)
+
+    def slots(self) -> torch.Tensor:
+        """Slot of every token of the sequence, in order (for reading its K/V back)."""
+        return self.manager.slot_mapping([self], [0], [self.num_tokens])
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """What one forward step needs: slots and positions of the new tokens (packed, sequence by sequence), the
+    padded ``block_tables`` ``[batch, max_blocks]``, ``seq_lens`` after the step and ``query_lens`` (new tokens)."""
+    slots: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    query_lens: list[int]
+
+
+class SequenceManager:
+    """Registry of live sequences over ``pool``, with an optional :class:`PrefixCache` (``prefix_cache=True``
+    builds one). Registers a relocation hook so ``pool.migrate`` rewrites every table."""
+
+    def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
+        self.pool, self.block_size = pool, pool.block_size
+        self.prefix_cache = PrefixCache(pool) if prefix_cache is True else (prefix_cache or None)
+        if self.prefix_cache is not None and self.prefix_cache.pool is not pool:
+            raise ConfigError("the prefix cache belongs to another pool")
+        self.seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+        pool.relocation_hooks.append(self._relocate)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.storage.kv.device if self.pool.storage is not None else torch.device("cpu")
+
+    # ------------------------------------------------------------------ create / fork / free
+    def create(self, prompt: Seq[int] | None = None, *, tenant: str | None = None) -> Sequence:
+        """A new empty sequence. With a ``prompt`` (token ids) the sequence tracks token ids and, if there is a
+        prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
+        token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
+        seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
+        if prompt is not None and self.prefix_cache is not None:
+            prompt = [int(t) for t in prompt]
+            ids, last = self.prefix_cache.match(prompt, tenant, max_blocks=(len(prompt) - 1) // self.block_size)
+            n = len(ids) * self.block_size
+            seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
+            seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last
+        self._next_id += 1
+        self.seqs[seq.seq_id] = seq
+        return seq
+
+    def _live(self, seq: Sequence, resident: bool = True) -> None:
+        if not seq.alive or self.seqs.get(seq.seq_id) is not seq:
+            raise IllegalTransitionError(f"sequence {seq.seq_id} is not live in this manager (freed?)")
+        if resident and seq.swapped is not None:
+            raise IllegalTransitionError(f"sequence {seq.seq_id} is swapped out: swap it in first")
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A child sharing every block of ``seq`` (refcounts +1, no copy until one of them appends)."""
+        self._live(seq)
+        self.pool.incref(seq.block_table)
+        child = Sequence(self._next_id, self, list(seq.block_table), seq.num_tokens,
+                         None if seq.token_ids is None else list(seq.token_ids), seq.tenant, seq.num_cached_tokens,
+                         seq.cached_blocks, seq.prefix_hash, seq.cacheable)
+        self._next_id += 1
+        self.seqs[child.seq_id] = child
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``, tail first (one reference each), and forget the sequence."""
+        self._live(seq, resident=False)
+        for b in reversed(seq.block_table):  # one call per block keeps the order: tails enter LRU first
+            if b >= 0:
+                self.pool.free([b])
+        seq.block_table, seq.swapped, seq.alive = [], None, False
+        del self.seqs[seq.seq_id]
+
+    # ------------------------------------------------------------------ append
+    def append(self, seq: Sequence, new: NewTokens) -> torch.Tensor:
+        """Append to one sequence; returns the slots of the new tokens."""
+        return self.append_batch([seq], [new]).slots
+
+    def append_batch(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> PagedBatch:
+        """Append ``new[i]`` (a count, or token ids when the sequence tracks them) to ``seqs[i]``: blocks for the
+        whole batch come from one ``pool.allocate`` (all or nothing: on :class:`OutOfBlocksError` nothing
+        changed), shared partly filled tail blocks are copied first, token counts are updated and the slots of
+        the new tokens returned in a :class:`PagedBatch`."""
+        if len(seqs) != len(new) or len({s.seq_id for s in seqs}) != len(seqs):
+            raise ConfigError(f"append_batch needs distinct sequences and one entry each, got {len(seqs)} "
+                              f"sequences and {len(new)} entries")
+        counts = []
+        for seq, x in zip(seqs, new):
+            self._live(seq)
+            n = x if isinstance(x, int) else len(x)
+            if isinstance(x, bool) or n < 0:
+                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
+            if seq.token_ids is not None and isinstance(x, int) and n:
+                raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({n})")
+            counts.append(n)
+        B, refs = self.block_size, self.pool._refs
+        # Plan: new blocks per sequence, plus a private copy for a shared, partly filled tail (copy-on-write).
+        # Refcounts are simulated in order, so of k sharers appending in one batch only the first r-1 copy.
+        left, plan = Counter(), []
+        for seq, n in zip(seqs, counts):
+            t = seq.block_table
+            cow = bool(n and seq.num_tokens % B and refs[t[-1]] - left[t[-1]] > 1)
+            if cow:
+                left[t[-1]] += 1
+            plan.append((cow, -(-(seq.num_tokens + n) // B) - len(t)))
+        fresh = self.pool.allocate(sum(c + k for c, k in plan)) if any(c or k for c, k in plan) else []
+        src, dst, it = [], [], iter(fresh)
+        for seq, (cow, k) in zip(seqs, plan):
+            t = seq.block_table
+            got = [next(it) for _ in range(cow + k)]
+            if cow:
+                src.append(t[-1])
+                dst.append(got[0])
+                t[-1] = got[0]
+            t.extend(got[cow:])
+            if got:
+                self.pool.set_owner(got, seq.seq_id)
+        if src:
+            if self.pool.storage is not None:
+                self.pool.storage.copy_blocks(src, dst)
+            self.pool.free(src)  # the sharers keep the originals
+            if self.pool.events.subscribers:
+                for s_, d_, seq in zip(src, dst, [s for s, (c, _) in zip(seqs, plan) if c]):
+                    self.pool.events.publish(CopiedOnWrite(self.pool.clock.now(), seq.seq_id, s_, d_))
+        starts = [s.num_tokens for s in seqs]
+        for seq, x, n in zip(seqs, new, counts):
+            for i in range(seq.num_tokens // B, -(-(seq.num_tokens + n) // B)):
+                self.pool.set_token_count(seq.block_table[i], min(B, seq.num_tokens + n - i * B))
+            seq.num_tokens += n
+            if seq.token_ids is not None:
+                seq.token_ids.extend(int(v) for v in x)
+        tables = self.block_tables(seqs)
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts, dtype=torch.long))
+        pos = torch.arange(rows.numel()) - torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.long)[rows] \
+            + torch.tensor(starts, dtype=torch.long)[rows]
+        return PagedBatch(self._slots(tables, rows, pos), pos.to(self.device), tables.to(self.device),
+                          [s.num_tokens for s in seqs], counts)
+
+    # ------------------------------------------------------------------ tables and slots
+    def block_tables(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Padded ``[batch, max_blocks]`` int64 block tables (CPU), padding with block 0 (never read)."""
+        width = max((len(s.block_table) for s in seqs), default=0)
+        return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
+
+    def _slots(self, tables: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        B = self.block_size
+        return (tables[rows, pos // B] * B + pos % B).to(self.device)
+
+    def slot_mapping(self, seqs: Seq[Sequence], starts: Seq[int], stops: Seq[int]) -> torch.Tensor:
+        """Slots of positions ``starts[i] .. stops[i]-1`` of each sequence, packed (vectorised)."""
+        for s, a, b in zip(seqs, starts, stops):
+            self._live(s)
+            if not 0 <= a <= b <= s.num_tokens:
+                raise ConfigError(f"sequence {s.seq_id} has {s.num_tokens} tokens; positions {a}..{b} are outside")
+        lens = torch.tensor([b - a for a, b in zip(starts, stops)], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        off = torch.arange(rows.numel()) - (torch.cumsum(lens, 0) - lens)[rows]
+        return self._slots(self.block_tables(seqs), rows, off + torch.tensor(list(starts), dtype=torch.long)[rows])
+
+    # ------------------------------------------------------------------ prefix cache
+    def cache_full_blocks(self, seq: Sequence) -> int:
+        """Register the full blocks of ``seq`` not yet in the prefix cache (call once their K/V are written).
+        A block is registered only on top of its registered parent, so a cached child's holders always hold its
+        parent; if another block already caches the same content, registration stops for this sequence.
+        Returns how many blocks were added."""
+        cache = self.prefix_cache
+        if cache is None or seq.token_ids is None or not seq.cacheable:
+            return 0
+        self._live(seq)
+        B, added = self.block_size, 0
+        for i in range(seq.cached_blocks, seq.num_tokens // B):
+            digest = cache.store(seq.block_table[i], seq.token_ids[i * B:(i + 1) * B], seq.prefix_hash, seq.tenant)
+            if digest is None:
+                seq.cacheable = False
+                break
+            seq.cached_blocks, seq.prefix_hash, added = i + 1, digest, added + 1
+        return added
+
+    # ------------------------------------------------------------------ swap
+    def swap_out(self, seq: Sequence) -> None:
+        """Move the blocks ``seq`` holds alone to host memory (pinned on CUDA); they go EVICTING -> FREE."""
+        self._live(seq)
+        held = self.prefix_cache.holds if self.prefix_cache is not None else (lambda b: False)
+        pos = [i for i, b in enumerate(seq.block_table) if self.pool._refs[b] == 1 and not held(b)]
+        ids = [seq.block_table[i] for i in pos]
+        storage = self.pool.storage
+        data = None
+        self.pool.begin_eviction(ids)
+        if storage is not None and ids:
+            k = storage.kv
+            data = torch.empty((*k.shape[:2], len(ids), *k.shape[3:]), dtype=k.dtype,
+                               pin_memory=k.is_cuda)
+            storage.gather_blocks(ids, out=data)
+            if k.is_cuda:  # the blocks may be reused as soon as they are FREE: the copy must have landed
+                torch.cuda.current_stream(k.device).synchronize()
+        tokens = [self.pool._tokens[b] for b in ids]
+        self.pool.finish_eviction(ids)
+        for i in pos:
+            seq.block_table[i] = -1
+        seq.swapped = SwapState(pos, tokens, data)
+        if self.pool.events.subscribers:
+            self.pool.events.publish(Swapped(self.pool.clock.now(), seq.seq_id, "out", tuple(ids)))
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Bring a swapped-out sequence back into freshly reserved blocks (PENDING -> ALLOCATED). On
+        :class:`OutOfBlocksError` nothing changed and the sequence stays swapped out."""
+        self._live(seq, resident=False)
+        st = seq.swapped
+        if st is None:
+            raise IllegalTransitionError(f"sequence {seq.seq_id} is not swapped out")
+        ids = self.pool.reserve(len(st.positions), owner=seq.seq_id) if st.positions else []
+        if st.data is not None:
+            self.pool.storage.scatter_blocks(ids, st.data)
+        self.pool.commit(ids)
+        for i, b, n in zip(st.positions, ids, st.tokens):
+            seq.block_table[i] = b
+            self.pool.set_token_count(b, n)
+        seq.swapped = None
+        if self.pool.events.subscribers:
+            self.pool.events.publish(Swapped(self.pool.clock.now(), seq.seq_id, "in", tuple(ids)))
+
+    # ------------------------------------------------------------------ migration and checks
+    def _relocate(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """``pool.migrate`` moved ``src[i]`` to ``dst[i]``: rewrite every table that names a moved block."""
+        moved = dict(zip(src.tolist(), dst.tolist()))
+        for seq in self.seqs.values():
+            seq.block_table[:] = [moved.get(b, b) for b in seq.block_table]
+
+    def check_invariants(self) -> None:
+        """The pool's invariants, plus: refcount == number of table entries naming the block; resident entries
+        are ALLOCATED; table length == ceil(tokens / B). Raises AssertionError."""
+        self.pool.check_invariants()
+        named = Counter(b for s in self.seqs.values() for b in s.block_table if b >= 0)
+        refs = self.pool.refs_np
+        held = np.flatnonzero(refs)
+        assert named == Counter(dict(zip(held.tolist(), refs[held].tolist()))), "refcounts disagree with tables"
+        for s in self.seqs.values():
+            assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
+            assert all(self.pool._status[b] == BlockStatus.ALLOCATED for b in s.block_table if b >= 0), f"sequence {s.seq_id}: status"
+            assert (s.swapped is None) == (-1 not in s.block_table), f"sequence {s.seq_id}: swap state"
