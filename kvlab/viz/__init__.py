@@ -1,0 +1,30 @@
+"""Live views of the pool (all of §2.2, made visible): anywidget classes, live runs, static figures, HTML replay.
+
+``from kvlab.viz import PoolView`` needs the ``jupyter`` extra (anywidget); frames, live runs, recordings, static
+figures and HTML export work in a plain script. ``import kvlab`` does not import this package: kvlab exposes the
+view classes lazily, so the core never loads Jupyter.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .export import export_html
+from .frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame
+from .live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
+from .static import plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+
+_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VIEWS:  # anywidget is imported only when a view is asked for
+        from . import views
+        return getattr(views, name)
+    raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
+
+
+__all__ = [
+    "CACHED", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView", "FragmentationView", "LiveRun",
+    "PRESETS", "Pacer", "PoolView", "RandomWorkload", "Recording", "STATE_NAMES", "build_frame", "decode_frame",
+    "export_html", "plot_dashboard", "plot_evictions", "plot_fragmentation", "plot_pool", "record",
+]

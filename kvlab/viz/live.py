@@ -1,0 +1,416 @@
+"""Live runs: step a workload on a pool and stream paced frames to views (text §2.2.2-§2.2.5 made visible).
+
+Why an asyncio task and not a thread or a loop in the cell: a kernel handles widget clicks only between cells or
+while its event loop runs; a loop inside a cell blocks it, and background threads are unreliable under
+ipykernel 7. :meth:`LiveRun.start` schedules the run as a task on the kernel's own loop, which yields after
+every step, so run / pause / step / speed clicks land between two steps and later cells still execute.
+
+Why pacing: every frame is one websocket message; sending one per step would flood the browser and trip the
+server's iopub rate limit, which silently drops messages. A :class:`Pacer` lets at most ``fps`` frames through
+per second; a frame is built only when one is due, from the pool as it is then (so only the latest state is
+sent), and the final state is always sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..block import BlockStatus
+from ..errors import ConfigError, OutOfBlocksError
+from ..pool import BlockPool
+from .frames import ALLOCATED, FREE, FrameBuilder
+
+
+class FrameSink(Protocol):
+    """Anything that shows frames: every view (``show_frame(bytes)``)."""
+
+    def show_frame(self, data: bytes) -> None: ...
+
+
+class Recording:
+    """Frames of a run in order, optionally keeping only the latest ``max_bytes`` worth."""
+
+    def __init__(self, frames: Iterable[bytes] = (), *, max_bytes: int | None = None) -> None:
+        self.frames: deque[bytes] = deque()
+        self.max_bytes, self.nbytes, self.trimmed = max_bytes, 0, 0
+        for f in frames:
+            self.append(f)
+
+    def append(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self.nbytes += len(frame)
+        while self.max_bytes is not None and self.nbytes > self.max_bytes and len(self.frames) > 1:
+            self.nbytes -= len(self.frames.popleft())
+            self.trimmed += 1
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.frames[i]
+
+    def __iter__(self):
+        return iter(self.frames)
+
+
+class Pacer:
+    """Lets a frame through when ``1 / fps`` seconds have passed since the last one (``clock`` is injectable)."""
+
+    def __init__(self, fps: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not fps > 0:
+            raise ConfigError(f"fps must be > 0, got {fps!r}")
+        self.interval, self.clock, self.last = 1.0 / fps, clock, -math.inf
+
+    def due(self) -> bool:
+        return self.clock() - self.last >= self.interval
+
+    def mark(self) -> None:
+        self.last = self.clock()
+
+
+StepFn = Callable[[], bool]
+
+
+class LiveRun:
+    """Run ``step_fn`` (one step of a workload on ``pool``; returns False when the workload is done) and stream
+    paced frames to ``views``. Every sent frame is kept in ``recording`` (up to ``record_bytes``).
+
+    Invariants: at most one frame per ``1/fps`` seconds, each built from the pool at send time; the state after
+    the last step is always sent (also on stop, pause and failure); once :meth:`stop` returns or the task ends,
+    no task of this run is left on the loop.
+    """
+
+    def __init__(self, pool: BlockPool, step_fn: StepFn, views: Iterable[FrameSink] = (), *, fps: float = 30.0,
+                 steps_per_second: float | None = None, max_steps: int | None = None,
+                 record_bytes: int | None = 256 << 20, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.pool, self.step_fn, self.views = pool, step_fn, list(views)
+        self.pacer = Pacer(fps, clock)
+        self.steps_per_second = steps_per_second
+        self.max_steps = max_steps
+        self.builder = FrameBuilder(pool)
+        self.recording = Recording(max_bytes=record_bytes)
+        self.steps = self.frames_sent = 0
+        self.state = "idle"  # idle | running | paused | done | stopped | failed
+        self.error: BaseException | None = None
+        self.task: asyncio.Task | None = None
+        self._resume = asyncio.Event()
+        self._resume.set()
+
+    # ------------------------------------------------------------------ frames
+    def send(self, force: bool = False) -> bool:
+        """Send the pool's current frame to every view if one is due (or ``force``); True if sent."""
+        if not (force or self.pacer.due()):
+            return False
+        data = self.builder.build()
+        for v in self.views:
+            v.show_frame(data)
+        self.recording.append(data)
+        self.frames_sent += 1
+        self.pacer.mark()
+        return True
+
+    # ------------------------------------------------------------------ stepping
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "stopped", "failed")
+
+    def _one(self) -> bool:
+        """One step; False when the workload (or ``max_steps``) is done."""
+        more = bool(self.step_fn())
+        self.steps += 1
+        return more and (self.max_steps is None or self.steps < self.max_steps)
+
+    def _end(self, state: str) -> None:
+        self.state = state
+        self.send(force=True)
+        self.builder.close()
+
+    def step(self) -> bool:
+        """Exactly one step now, its frame always sent (the Step button). False once the run is over."""
+        if self.finished:
+            return False
+        try:
+            more = self._one()
+        except Exception as e:
+            self.error = e
+            self._end("failed")
+            raise
+        if more:
+            if self.state == "idle":
+                self.state = "paused"
+            self.send(force=True)
+        else:
+            self._end("done")
+        return more
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Step in the calling code until done (or ``max_steps`` more steps), sending paced frames; returns the
+        number of steps taken. Use in scripts and tests; in a notebook this blocks the kernel (no clicks)."""
+        if self.finished:
+            return 0
+        self.state, n, more = "running", 0, True
+        try:
+            while more and (max_steps is None or n < max_steps):
+                more = self._one()
+                n += 1
+                self.send()
+        except BaseException as e:  # an interrupt (KeyboardInterrupt) also ends the run cleanly
+            self.error = e
+            self._end("failed" if isinstance(e, Exception) else "stopped")
+            raise
+        if more:
+            self.state = "paused"
+            self.send(force=True)
+        else:
+            self._end("done")
+        return n
+
+    # ------------------------------------------------------------------ the asyncio task
+    def start(self) -> asyncio.Task:
+        """Run as a task on the running event loop (in a notebook, the kernel's). Returns the task."""
+        if self.finished:
+            raise ConfigError(f"this run is {self.state}; make a new LiveRun")
+        if self.task is not None and not self.task.done():
+            return self.task
+        self.state = "running"
+        self._resume.set()
+        self.task = asyncio.get_event_loop().create_task(self._loop())
+        return self.task
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if self.state == "paused":
+                    await self._resume.wait()
+                    continue
+                more = self._one()
+                self.send()
+                if not more:
+                    self._end("done")
+                    return
+                # Yield to the loop after every step so clicks and cells run between steps.
+                await asyncio.sleep(1.0 / self.steps_per_second if self.steps_per_second else 0)
+        except asyncio.CancelledError:
+            self._end("stopped")
+            raise
+        except Exception as e:
+            self.error = e
+            self._end("failed")
+            raise
+
+    def pause(self) -> None:
+        """Stop stepping (the task waits); the current state is sent so the view is exact."""
+        if self.state == "running":
+            self.state = "paused"
+            self._resume.clear()
+            self.send(force=True)
+
+    def resume(self) -> None:
+        if self.state == "paused":
+            self.state = "running"
+            self._resume.set()
+
+    def stop(self) -> None:
+        """End the run: cancel its task (if any) and send the final frame. Idempotent."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            self.state = "stopping"
+            self._resume.set()
+        elif not self.finished:
+            self._end("stopped")
+
+    def __await__(self):
+        """``await run`` waits for the task; if the awaiting cell is interrupted, the task is cancelled too."""
+        if self.task is None:
+            self.start()
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        try:
+            await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            if not self.task.done():  # the awaiter was cancelled (interrupt), not the task: stop it as well
+                self.task.cancel()
+                await asyncio.gather(self.task, return_exceptions=True)
+            raise
+
+
+def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Recording:
+    """Run ``steps`` steps (fewer if ``step_fn`` finishes) building a frame every ``every`` steps and after the
+    last: a recording to replay or export, made without a kernel or pacing."""
+    if steps < 1 or every < 1:
+        raise ConfigError(f"steps and every must be >= 1, got steps={steps!r}, every={every!r}")
+    rec = Recording()
+    with FrameBuilder(pool) as b:
+        rec.append(b.build())
+        for i in range(1, steps + 1):
+            more = step_fn()
+            if i % every == 0 or not more or i == steps:
+                rec.append(b.build())
+            if not more:
+                break
+    return rec
+
+
+# ---------------------------------------------------------------------------- a built-in workload
+PRESETS: dict[str, dict[str, float]] = {
+    # op weights; "tokens" is the longest sequence in base blocks
+    "steady": {"admit": 3, "grow": 4, "finish": 3, "share": 1, "unshare": 1, "evict": 0.3, "swap": 0.3,
+               "reserve": 0.5, "compact": 0, "tokens": 6},
+    "bursty": {"admit": 5, "grow": 1, "finish": 2.5, "share": 0.3, "unshare": 0.3, "evict": 0.5, "swap": 0.2,
+               "reserve": 1, "compact": 0, "tokens": 24},
+    "sharing": {"admit": 2, "grow": 2, "finish": 2, "share": 4, "unshare": 3, "evict": 0.5, "swap": 0.2,
+                "reserve": 0.2, "compact": 0, "tokens": 8},
+    "defrag": {"admit": 3, "grow": 2, "finish": 3.2, "share": 0.5, "unshare": 0.5, "evict": 0.2, "swap": 0.1,
+               "reserve": 0.2, "compact": 0.6, "tokens": 8},
+}
+
+
+class RandomWorkload:
+    """A seeded random workload over a pool, one operation per call: admit a sequence (blocks for its tokens,
+    half of them marked reusable), grow one, finish one (its reusable blocks become cached), share and unshare
+    blocks (incref / free), evict, swap a cached block out (ALLOCATED -> EVICTING -> FREE), reserve and commit
+    (PENDING), and for the ``defrag`` preset compact (move the highest blocks into the lowest holes).
+
+    It holds exactly the references it took, so the pool's invariants hold after every step. Call it as the
+    ``step_fn`` of a :class:`LiveRun`; it returns False after ``steps`` calls (never, if ``steps`` is None).
+    """
+
+    def __init__(self, pool: BlockPool, *, preset: str = "steady", seed: int = 0, steps: int | None = None) -> None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown workload preset {preset!r}; choose one of {sorted(PRESETS)}")
+        self.pool, self.preset, self.steps, self.done = pool, preset, steps, 0
+        self.rng = random.Random(seed)
+        w = PRESETS[preset]
+        self.max_tokens = int(w["tokens"]) * pool.block_size
+        self.ops = [op for op in w if op != "tokens" and w[op]]
+        self.weights = [w[op] for op in self.ops]
+        self.seqs: dict[int, list[int]] = {}  # owner -> blocks it references (one reference each)
+        self.tokens: dict[int, int] = {}  # owner -> tokens
+        self.shared: list[int] = []  # extra references we hold
+        self.pending: list[tuple[int, list[int]]] = []
+        self.evicting: list[int] = []
+        self.next_owner = 0
+        pool.relocation_hooks.append(self._relocate)
+
+    def close(self) -> None:
+        if self._relocate in self.pool.relocation_hooks:
+            self.pool.relocation_hooks.remove(self._relocate)
+
+    def _relocate(self, src: np.ndarray, dst: np.ndarray) -> None:
+        moved = dict(zip(src.tolist(), dst.tolist()))
+        for blocks in self.seqs.values():
+            blocks[:] = [moved.get(b, b) for b in blocks]
+        self.shared = [moved.get(b, b) for b in self.shared]
+
+    def __call__(self) -> bool:
+        # Finish swaps and commit reservations first: those states are short-lived, as in a real engine.
+        if self.evicting and self.rng.random() < 0.5:
+            self.pool.finish_eviction([self.evicting.pop(0)])
+        elif self.pending and self.rng.random() < 0.5:
+            owner, blocks = self.pending.pop(0)
+            self.pool.commit(blocks)
+            self._own(owner, blocks, len(blocks) * self.pool.block_size)
+        elif self.pool.num_free_blocks < self.pool.num_blocks // 5 and self.rng.random() < 0.5:
+            self._finish()  # a crude admission control keeps the pool from sitting full
+        else:
+            getattr(self, "_" + self.rng.choices(self.ops, self.weights)[0])()
+        self.done += 1
+        return self.steps is None or self.done < self.steps
+
+    # ------------------------------------------------------------------ operations
+    def _class_for(self, tokens: int) -> int:
+        k = max(0, math.ceil(math.log2(max(tokens, 1) / self.pool.block_size)))
+        return min(k, self.pool.max_order)
+
+    def _own(self, owner: int, blocks: list[int], tokens: int) -> None:
+        self.seqs[owner], self.tokens[owner] = blocks, tokens
+        left = tokens
+        for b in blocks:
+            cap = self.pool.block_size << self.pool._order[b]
+            self.pool.set_token_count(b, min(cap, left))
+            left = max(0, left - cap)
+        self.pool.set_owner(blocks, owner)
+
+    def _alloc_for(self, tokens: int, owner: int, **kw: Any) -> list[int] | None:
+        k = self._class_for(tokens)
+        n = math.ceil(tokens / (self.pool.block_size << k))
+        try:
+            return self.pool.allocate(n, size_class=k, owner=owner, **kw)
+        except OutOfBlocksError:
+            return None
+
+    def _admit(self) -> None:
+        tokens = self.rng.randint(1, self.max_tokens)
+        owner = self.next_owner
+        blocks = self._alloc_for(tokens, owner)
+        if blocks is None:
+            return self._finish()
+        self.next_owner += 1
+        self._own(owner, blocks, tokens)
+        if self.rng.random() < 0.5:
+            self.pool.mark_reusable(blocks)
+
+    def _grow(self) -> None:
+        if not self.seqs:
+            return self._admit()
+        owner = self.rng.choice(list(self.seqs))
+        blocks, tokens = self.seqs[owner], self.tokens[owner] + self.rng.randint(1, self.pool.block_size)
+        cap = sum(self.pool.block_size << self.pool._order[b] for b in blocks)
+        if tokens > cap:
+            extra = self._alloc_for(tokens - cap, owner)
+            if extra is None:
+                return self._finish()
+            blocks = blocks + extra
+        self._own(owner, blocks, tokens)
+
+    def _finish(self) -> None:
+        if self.seqs:
+            owner = self.rng.choice(list(self.seqs))
+            self.pool.free(self.seqs.pop(owner))
+            del self.tokens[owner]
+
+    def _share(self) -> None:
+        cached = [b for b, _ in self.pool.policy.rank(4)]
+        pool = [b for bl in self.seqs.values() for b in bl] + cached
+        if pool:
+            b = self.rng.choice(pool)
+            self.pool.incref([b])
+            self.shared.append(b)
+
+    def _unshare(self) -> None:
+        if self.shared:
+            self.pool.free([self.shared.pop(self.rng.randrange(len(self.shared)))])
+
+    def _evict(self) -> None:
+        self.pool.evict_block("demo")
+
+    def _swap(self) -> None:
+        cand = self.pool.policy.rank(1)
+        if cand:
+            self.pool.begin_eviction([cand[0][0]])
+            self.evicting.append(cand[0][0])
+
+    def _reserve(self) -> None:
+        owner = self.next_owner
+        blocks = self._alloc_for(self.rng.randint(1, self.max_tokens), owner, status=BlockStatus.PENDING)
+        if blocks is not None:
+            self.next_owner += 1
+            self.pending.append((owner, blocks))
+
+    def _compact(self) -> None:
+        """Move up to 8 of the highest ALLOCATED blocks into the lowest FREE holes of the same class."""
+        p = self.pool
+        src = np.flatnonzero((p.status_np == ALLOCATED) & (p.order_np == 0))[::-1][:8]
+        dst = np.flatnonzero((p.status_np == FREE) & (p.order_np == 0))[:8]
+        m = min(src.size, dst.size)
+        down = src[:m] > dst[:m]  # a prefix: only moves towards lower addresses compact the pool
+        if down.any():
+            p.migrate(src[:m][down], dst[:m][down], reason="compaction")

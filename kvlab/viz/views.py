@@ -1,0 +1,275 @@
+"""The anywidget views: PoolView (§2.2.2 block states), EvictionView (§2.2.2 eviction), FragmentationView (§2.2.4)
+and a Dashboard that runs a workload live (§2.2.3 allocation and release, §2.2.5 batch operations).
+
+A view holds one synced binary trait, ``frame`` (see :mod:`kvlab.viz.frames`), set together with ``frames_sent``
+under ``hold_sync()`` so each frame is exactly one message. The browser keeps every frame it receives, so its
+player (pause, step back, scrub) works on its own; it reports ``frames_received`` back. A recording loaded into
+a view is sent as history when the browser asks for it (``ready``), so it arrives whenever the view is shown.
+"""
+from __future__ import annotations
+
+import base64
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import anywidget
+import traitlets
+
+from ..errors import ConfigError
+from ..eviction import POLICIES
+from ..pool import BlockPool
+from .assets import css_source, esm_source
+from .frames import build_frame, decode_frame
+from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn
+from .static import figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+
+HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
+
+
+class FrameView(anywidget.AnyWidget):
+    """Base of the views: shows frames of one pool (``pool``) or of a recording."""
+
+    view = "pool"
+    frame = traitlets.Bytes(b"").tag(sync=True)
+    frames_sent = traitlets.Int(0).tag(sync=True)
+    frames_received = traitlets.Int(0).tag(sync=True)  # written by the browser
+
+    def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(_esm=esm_source(self.view), _css=css_source(), **kwargs)
+        self.pool = pool
+        self.history: Recording | None = None
+        self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
+        self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
+        self.on_msg(self._on_msg)
+        if recording is not None:
+            self.load(recording)
+        elif pool is not None:
+            self.update()
+
+    def show_frame(self, data: bytes) -> None:
+        """Send one frame: one message carrying ``frame`` and ``frames_sent``."""
+        f = decode_frame(data)
+        self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
+        self.evictions.extend(f.evictions)
+        with self.hold_sync():
+            self.frame = bytes(data)
+            self.frames_sent += 1
+
+    def update(self) -> None:
+        """Send the pool's current state (no flashes: use a :class:`LiveRun` to see changes as they happen)."""
+        if self.pool is None:
+            raise ConfigError(f"this {type(self).__name__} shows a recording and has no pool to update from")
+        self.show_frame(build_frame(self.pool))
+
+    def load(self, recording: Recording | Iterable[bytes]) -> None:
+        """Show a recording: the browser gets all frames (slider from the first) and the last frame is current."""
+        rec = recording if isinstance(recording, Recording) else Recording(recording)
+        if not len(rec):
+            raise ConfigError("the recording holds no frame")
+        self.history = rec
+        for data in rec:
+            f = decode_frame(data)
+            self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
+            self.evictions.extend(f.evictions)
+        with self.hold_sync():
+            self.frame = bytes(rec[len(rec) - 1])
+            self.frames_sent += 1
+        self._send_history()
+
+    def live(self, step_fn: StepFn, **kwargs: Any) -> LiveRun:
+        """A :class:`LiveRun` of ``step_fn`` on this view's pool, streaming to this view."""
+        if self.pool is None:
+            raise ConfigError(f"this {type(self).__name__} has no pool to run on")
+        return LiveRun(self.pool, step_fn, [self], **kwargs)
+
+    # ------------------------------------------------------------------ browser messages
+    def _send_history(self) -> None:
+        if self.history is None:
+            return
+        chunk: list[bytes] = []
+        size, first = 0, True
+        for data in list(self.history) + [b""]:
+            if chunk and (not data or size + len(data) > HISTORY_CHUNK):
+                self.send({"type": "history", "reset": first, "index": 0}, buffers=chunk)
+                chunk, size, first = [], 0, False
+            if data:
+                chunk.append(bytes(data))
+                size += len(data)
+
+    def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
+        kind = content.get("type")
+        if kind == "ready":
+            self._send_history()
+        elif kind == "inspect":
+            self._inspect(content.get("block"))
+
+    def _inspect(self, block: Any) -> None:
+        """Answer a hover on a large pool (frames carry no details) with the block's live fields."""
+        p = self.pool
+        if p is None or not isinstance(block, int) or not 0 <= block < p.num_blocks:
+            return  # a stale hover (the pool was rebuilt) or a recording: nothing live to report
+        self.send({"type": "inspect", "block": block, "tokens": p._tokens[block], "owner": p._owner[block],
+                   "last_access": p._last[block], "hits": p._hits[block]})
+
+    # ------------------------------------------------------------------ static fallback
+    def figure(self):
+        """The view as a matplotlib figure of the current frame."""
+        if not self.frame:
+            raise ConfigError(f"this {type(self).__name__} has no frame yet")
+        return plot_pool(self.frame)
+
+    def _repr_mimebundle_(self, **kwargs: Any):
+        data, meta = super()._repr_mimebundle_(**kwargs)
+        if self.frame:
+            data["image/png"] = base64.b64encode(figure_png(self.figure())).decode()
+        return data, meta
+
+
+class PoolView(FrameView):
+    """One cell per block: state colours (cached distinct), refcounts, size classes, flashes, hover details."""
+
+    view = "pool"
+
+
+class EvictionView(FrameView):
+    """Each eviction: the candidates the policy ranked, with scores, and the victim it chose."""
+
+    view = "eviction"
+
+    def figure(self):
+        return plot_evictions(list(self.evictions))
+
+
+class FragmentationView(FrameView):
+    """Memory map with free runs, gauges (utilisation, external fragmentation, internal waste, scatter) and their
+    time series; migrations drawn as moving arrows."""
+
+    view = "fragmentation"
+
+    def figure(self):
+        if not self.frame:
+            raise ConfigError("this FragmentationView has no frame yet")
+        return plot_fragmentation(self.frame, list(self.series))
+
+
+class Dashboard(FrameView):
+    """All views over one live run, with run / pause / step / stop / speed and policy, block size and workload.
+
+    The dashboard owns its pool (or starts from ``pool``) and a :class:`RandomWorkload`; changing the policy,
+    block size or workload stops the run and builds a fresh pool with the same token capacity. Every control runs
+    on the kernel's event loop, between two steps of the run.
+    """
+
+    view = "dashboard"
+    status = traitlets.Unicode("idle").tag(sync=True)
+    speed = traitlets.Float(200.0).tag(sync=True)  # steps per second
+    policy = traitlets.Unicode("lru").tag(sync=True)
+    block_size = traitlets.Int(16).tag(sync=True)
+    workload = traitlets.Unicode("steady").tag(sync=True)
+    options = traitlets.Dict().tag(sync=True)
+
+    def __init__(self, pool: BlockPool | None = None, *, num_blocks: int = 1024, block_size: int = 16,
+                 policy: str = "lru", workload: str = "steady", seed: int = 0, steps: int | None = None,
+                 speed: float = 200.0, fps: float = 30.0, **kwargs: Any) -> None:
+        if pool is None:
+            pool = BlockPool(num_blocks, block_sizes=[block_size], eviction_policy=policy, with_storage=False,
+                             seed=seed)
+        if workload not in PRESETS:
+            raise ConfigError(f"unknown workload {workload!r}; choose one of {sorted(PRESETS)}")
+        self.capacity_tokens = pool.num_blocks * pool.block_size
+        self.seed, self.steps, self.fps = seed, steps, fps
+        self.run: LiveRun | None = None
+        self.workload_fn: RandomWorkload | None = None
+        sizes = sorted({8, 16, 32, 64, pool.block_size})
+        super().__init__(pool, policy=pool.policy.name, block_size=pool.block_size, workload=workload, speed=speed,
+                         options={"policy": sorted(POLICIES), "block_size": sizes, "workload": list(PRESETS)},
+                         **kwargs)
+        self.observe(self._rebuild, names=["policy", "block_size", "workload"])
+        self.observe(self._set_speed, names=["speed"])
+
+    # ------------------------------------------------------------------ controls
+    def _new_run(self) -> LiveRun:
+        self.workload_fn = RandomWorkload(self.pool, preset=self.workload, seed=self.seed, steps=self.steps)
+        self.run = LiveRun(self.pool, self.workload_fn, [self], fps=self.fps, steps_per_second=self.speed)
+        return self.run
+
+    def _current(self) -> LiveRun:
+        return self.run if self.run is not None and not self.run.finished else self._new_run()
+
+    def _track(self) -> None:
+        self.status = self.run.state if self.run is not None else "idle"
+
+    def start(self) -> None:
+        """Run (or resume) the workload as a task on the running event loop."""
+        run = self._current()
+        if run.state == "paused" and run.task is not None:
+            run.resume()
+        elif run.state != "running":
+            run.start().add_done_callback(lambda _t: self._track())
+        self._track()
+
+    def pause(self) -> None:
+        if self.run is not None:
+            self.run.pause()
+        self._track()
+
+    def step(self) -> None:
+        """One step (pausing a running workload first), its frame always sent."""
+        run = self._current()
+        run.pause()
+        run.step()
+        self._track()
+
+    def stop(self) -> None:
+        if self.run is not None:
+            self.run.stop()
+        self._track()
+
+    def _on_msg(self, widget: Any, content: dict[str, Any], buffers: Any) -> None:
+        if content.get("type") == "control":
+            action = content.get("action")
+            if action not in ("run", "pause", "step", "stop"):
+                return  # the browser only sends these four; anything else is not ours to act on
+            (self.start if action == "run" else getattr(self, action))()
+        else:
+            super()._on_msg(widget, content, buffers)
+
+    def _set_speed(self, change: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.steps_per_second = change["new"]
+
+    @traitlets.validate("policy", "workload", "block_size")
+    def _valid(self, proposal: dict[str, Any]) -> Any:
+        """Reject a bad setting before it is stored, so the dashboard is left as it was."""
+        name, value = proposal["trait"].name, proposal["value"]
+        if name == "policy" and value not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {value!r}; choose one of {sorted(POLICIES)}")
+        if name == "workload" and value not in PRESETS:
+            raise ConfigError(f"unknown workload {value!r}; choose one of {sorted(PRESETS)}")
+        if name == "block_size" and not 1 <= value <= self.capacity_tokens:
+            raise ConfigError(f"block size {value} must be between 1 and the {self.capacity_tokens} tokens "
+                              f"of the pool")
+        return value
+
+    def _rebuild(self, change: dict[str, Any]) -> None:
+        """Policy, block size or workload changed: stop the run and start over on a fresh pool."""
+        self.stop()
+        if self.workload_fn is not None:
+            self.workload_fn.close()
+        p = self.pool
+        self.pool = BlockPool(self.capacity_tokens // self.block_size,
+                              spec=replace(p.spec, block_size=self.block_size), eviction_policy=self.policy,
+                              with_storage=p.storage is not None, seed=self.seed)
+        self.run = self.workload_fn = None
+        self.series.clear()
+        self.evictions.clear()
+        self.update()
+        self._track()
+
+    def figure(self):
+        if not self.frame:
+            raise ConfigError("this Dashboard has no frame yet")
+        return plot_dashboard(self.frame, list(self.series), list(self.evictions))

@@ -1,0 +1,136 @@
+"""Real-browser fixtures: Debian's Chromium driven by Playwright (never a downloaded browser), a local http
+server for the widget harness, and a JupyterLab server for the end-to-end tests.
+
+A missing browser skips these tests on a laptop and fails them in CI (``CI=true``).
+"""
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"]
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _missing(what: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{what} is missing, and browser tests must run in CI")
+    pytest.skip(f"{what} is missing")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not Path(CHROMIUM).exists():
+        _missing(f"Chromium at {CHROMIUM}")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("the playwright package")
+    pw = sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+    yield b
+    b.close()
+    pw.stop()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def end_headers(self) -> None:
+        self.send_header("Cache-Control", "no-store")
+        super().end_headers()
+
+
+@pytest.fixture(scope="session")
+def harness_url(tmp_path_factory):
+    """A local site with the harness page and one ES module per view, exactly as anywidget receives them."""
+    from kvlab.viz.assets import VIEWS, css_source, esm_source
+    root = tmp_path_factory.mktemp("harness")
+    shutil.copy(HERE / "harness.html", root / "index.html")
+    (root / "kvlab.css").write_text(css_source())
+    for view in VIEWS:
+        (root / f"{view}.mjs").write_text(esm_source(view))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/index.html"
+    server.shutdown()
+
+
+@pytest.fixture
+def harness(browser, harness_url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(harness_url)
+    page.wait_for_function("window.kvtReady === true")
+    page.errors = errors
+    yield page
+    assert not errors, f"JavaScript errors: {errors}"
+    page.close()
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 (no token, xsrf off, the app exposed for tests, deferred windowing)."""
+    jupyter = Path(sys.executable).parent / "jupyter"
+    if not jupyter.exists():
+        _missing("jupyter")
+    root = tmp_path_factory.mktemp("lab")
+    settings = root / "settings"
+    settings.mkdir()
+    (settings / "overrides.json").write_text(json.dumps({
+        "@jupyterlab/notebook-extension:tracker": {"windowingMode": "defer"},
+        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"},
+    }))
+    work = root / "work"
+    work.mkdir()
+    port = free_port()
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / "config"), "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
+    log = open(root / "lab.log", "w")
+    proc = subprocess.Popen(
+        [str(jupyter), "lab", "--allow-root", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         "--IdentityProvider.token=", "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
+         f"--LabApp.app_settings_dir={settings}", f"--ServerApp.root_dir={work}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log.close()
+                pytest.fail(f"jupyter lab did not start:\n{(root / 'lab.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield {"url": url, "work": work, "log": root / "lab.log"}
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

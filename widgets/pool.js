@@ -1,0 +1,70 @@
+// PoolView panel: one cell per base block. Colour = state (cached blocks green, ALLOCATED darker with more
+// references), refcount printed in large cells, size classes outlined, fresh changes flashing; hover for details.
+
+const kvPoolColor = (f, b) => KV_PALETTE[f.state[b] << 8 | f.refs[b]];
+
+function kvPoolPanel(parent, model, maxWidth = 768) {
+  const box = kvEl("div", "kv-pool", parent);
+  const canvas = kvEl("canvas", "kv-grid", box), ctx = canvas.getContext("2d", { willReadFrequently: true });
+  const tip = kvEl("div", "kv-tip", box), legend = kvEl("div", "kv-legend", box);
+  for (const [name, rgb] of [["free", KV_RGB.FREE], ["pending", KV_RGB.PENDING], ["allocated", KV_RGB.ALLOC1],
+    ["shared", KV_RGB.ALLOC8], ["evicting", KV_RGB.EVICTING], ["cached", KV_RGB.CACHED]]) {
+    const s = kvEl("span", "kv-key", legend, name);
+    s.style.setProperty("--c", `rgb(${rgb})`);
+  }
+  let g = null, shown = null, hover = -1, asked = -1;
+
+  function draw(hist, i) {
+    const f = hist[i];
+    if (!g || g.n !== f.n) {
+      g = kvLayout(f.n, maxWidth);
+      canvas.width = g.w; canvas.height = g.h;
+    }
+    kvPaint(ctx, g, kvColors(hist, i, kvPoolColor));
+    if (g.cell >= 18) { // refcounts as numbers when they fit
+      ctx.font = `${Math.floor(g.cell * 0.5)}px sans-serif`; ctx.textAlign = "center"; ctx.textBaseline = "middle";
+      for (let b = 0; b < f.n; b++) if (f.state[b] === 2 || f.state[b] === 4) {
+        ctx.fillStyle = f.state[b] === 2 && f.refs[b] > 2 ? "#fff" : "#111";
+        ctx.fillText(String(f.refs[b]), (b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.55) * g.cell);
+      }
+    }
+    ctx.strokeStyle = "#222"; ctx.lineWidth = 1; // size classes > 0: outline each block's span
+    for (let b = 0; b < f.n; b++) {
+      const k = f.meta[b] >> 3;
+      if (k && b % (1 << k) === 0) {
+        const span = Math.min(1 << k, g.cols), rowsSpan = Math.ceil((1 << k) / g.cols);
+        ctx.strokeRect((b % g.cols) * g.cell + 0.5, Math.floor(b / g.cols) * g.cell + 0.5,
+          span * g.cell - 1, rowsSpan * g.cell - 1);
+      }
+    }
+    shown = f;
+    box.dataset.n = f.n;
+    if (hover >= 0) tipFor(hover);
+  }
+
+  function tipFor(b) {
+    if (!shown || b < 0 || b >= shown.n) { tip.style.display = "none"; return; }
+    const info = kvBlockInfo(shown, b);
+    tip.textContent = kvInfoText(info);
+    tip.style.display = "block";
+    if (info.tokens === undefined && asked !== b) { asked = b; model.send({ type: "inspect", block: b }); }
+  }
+  canvas.addEventListener("mousemove", (e) => {
+    if (!g) return;
+    const r = canvas.getBoundingClientRect();
+    const col = Math.floor((e.clientX - r.left) * (canvas.width / r.width) / g.cell);
+    const row = Math.floor((e.clientY - r.top) * (canvas.height / r.height) / g.cell);
+    const b = col < g.cols ? row * g.cols + col : -1;
+    if (b !== hover) { hover = b; tipFor(b); }
+  });
+  canvas.addEventListener("mouseleave", () => { hover = -1; tip.style.display = "none"; });
+
+  // Large pools carry no per-block details in frames: the kernel answers with the live block's fields.
+  function inspect(msg) {
+    if (msg.block === hover && shown) {
+      tip.textContent = kvInfoText(kvBlockInfo(shown, hover)) +
+        ` · now: tokens ${msg.tokens}, owner ${msg.owner}, last access ${msg.last_access}`;
+    }
+  }
+  return { draw, inspect, canvas, layout: () => g };
+}
