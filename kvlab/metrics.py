@@ -1,0 +1,147 @@
+"""Serving metrics for the engine (text §2.2.6 "性能监控"): per-step gauges, per-request latency, a summary.
+
+Each engine step yields one :class:`StepMetrics` event (published on the pool's event bus when someone listens,
+always kept in :class:`MetricsLog`). Definitions, the same for the paged engine and the contiguous baseline:
+
+* ``utilisation`` -- token states held / token slots of the whole memory: how much of the KV memory does work;
+* ``internal_waste`` -- reserved slots that hold no token / reserved slots (the half-empty last block of a paged
+  sequence; the never-used tail of a max-length contiguous region);
+* ``fragmentation`` -- free slots that the next request cannot use / free slots (0 for a uniform paged pool,
+  where every free block serves any request);
+* per request: ``ttft`` (arrival to first output token) and ``tpot`` (mean time between later output tokens), in
+  engine steps and in seconds (simulated seconds from the engine's :class:`~kvlab.engine.CostModel`, or wall
+  seconds in real mode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .events import Event
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics(Event):
+    """Gauges after one engine step (``step`` is the engine step, ``time_s`` the engine clock in seconds)."""
+    time_s: float
+    running: int
+    waiting: int
+    swapped: int
+    prefill_tokens: int
+    decode_tokens: int
+    capacity_slots: int
+    reserved_slots: int
+    token_slots: int
+    fragmentation: float
+    evictions: int
+    preemptions: int
+    prefix_hit_rate: float
+    finished: int
+    tenant_blocks: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def utilisation(self) -> float:
+        return self.token_slots / self.capacity_slots
+
+    @property
+    def internal_waste(self) -> float:
+        return 1 - self.token_slots / self.reserved_slots if self.reserved_slots else 0.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Life of one request; the times are ``(step, seconds)`` pairs, -1 until they happen."""
+    id: int
+    tenant: str
+    arrival_s: float
+    output_len: int
+    arrival_step: int = -1
+    first_step: int = -1
+    first_s: float = -1.0
+    finish_step: int = -1
+    finish_s: float = -1.0
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_s - self.arrival_s
+
+    @property
+    def ttft_steps(self) -> int:
+        return self.first_step - self.arrival_step
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.finish_s - self.first_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def tpot_steps(self) -> float:
+        return (self.finish_step - self.first_step) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+def _pcts(x: np.ndarray, name: str, unit: str) -> dict[str, float]:
+    if not x.size:
+        return {}
+    return {f"{name}_mean_{unit}": float(x.mean()), f"{name}_p50_{unit}": float(np.median(x)),
+            f"{name}_p99_{unit}": float(np.percentile(x, 99))}
+
+
+@dataclass
+class MetricsLog:
+    """All step gauges and request records of one run, and their summary."""
+    steps: list[StepMetrics] = field(default_factory=list)
+    requests: dict[int, RequestRecord] = field(default_factory=dict)
+
+    def series(self, name: str) -> np.ndarray:
+        """One gauge over the steps, e.g. ``series("utilisation")`` or ``series("waiting")``."""
+        return np.array([getattr(s, name) for s in self.steps], dtype=float)
+
+    def finished(self) -> list[RequestRecord]:
+        return [r for r in self.requests.values() if r.finish_step >= 0]
+
+    def summary(self) -> dict[str, Any]:
+        """Totals, means of the gauges over busy steps, and latency percentiles of finished requests."""
+        done = self.finished()
+        last = self.steps[-1] if self.steps else None
+        busy = [s for s in self.steps if s.running]
+        out: dict[str, Any] = {
+            "requests": len(self.requests), "finished": len(done), "steps": len(self.steps),
+            "time_s": last.time_s if last else 0.0,
+            "output_tokens": sum(r.output_len for r in done),
+            "preemptions": last.preemptions if last else 0, "evictions": last.evictions if last else 0,
+            "prefix_hit_rate": last.prefix_hit_rate if last else 0.0,
+            "mean_running": float(np.mean([s.running for s in busy])) if busy else 0.0,
+            "max_running": max((s.running for s in self.steps), default=0),
+            "mean_waiting": float(np.mean([s.waiting for s in self.steps])) if self.steps else 0.0,
+            "utilisation": float(np.mean([s.utilisation for s in busy])) if busy else 0.0,
+            "internal_waste": float(np.mean([s.internal_waste for s in busy])) if busy else 0.0,
+            "fragmentation": float(np.mean([s.fragmentation for s in busy])) if busy else 0.0,
+            "peak_reserved_slots": max((s.reserved_slots for s in self.steps), default=0),
+        }
+        out["throughput_tok_s"] = out["output_tokens"] / out["time_s"] if out["time_s"] else 0.0
+        for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]), ("ttft", "steps", [r.ttft_steps for r in done]),
+                                   ("tpot", "s", [r.tpot_s for r in done if r.output_len > 1]),
+                                   ("tpot", "steps", [r.tpot_steps for r in done if r.output_len > 1]),
+                                   ("latency", "s", [r.latency_s for r in done])):
+            out.update(_pcts(np.asarray(values, dtype=float), name, unit))
+        return out
+
+
+def format_table(rows: dict[str, dict[str, Any]], keys: list[str] | None = None) -> str:
+    """A plain-text table: one column per run in ``rows`` (name -> summary), one line per metric."""
+    names = list(rows)
+    keys = keys or list(next(iter(rows.values()), {}))
+    cell = (lambda v: f"{v:,.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+    width = max(len(k) for k in keys) if keys else 0
+    cols = [max(len(n), *(len(cell(rows[n].get(k, ""))) for k in keys)) for n in names]
+    lines = ["  ".join([" " * width, *(n.rjust(c) for n, c in zip(names, cols))])]
+    lines += ["  ".join([k.ljust(width), *(cell(rows[n].get(k, "")).rjust(c) for n, c in zip(names, cols))])
+              for k in keys]
+    return "\n".join(lines)
