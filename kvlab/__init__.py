@@ -6,20 +6,33 @@ imports Jupyter packages; the widgets live in :mod:`kvlab.viz` and load only whe
 """
 from .allocator import (AllocationAbandoned, AllocationQueued, AllocationRecord, AllocationServed,
                         DynamicAllocator, Ticket, TicketState)
+from .attention import AttentionWorkspace, contiguous_attention, paged_attention
 from .block import BlockStatus, KVBlock
+from .baseline import ContiguousAllocator, ContiguousMemory
+from .claims import Claim, claims_report, measure_claims
 from .clock import LogicalClock, WallClock
 from .device import default_device
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
-                     OutOfBlocksError, RefcountUnderflowError, UnknownBlockError)
+                     OutOfBlocksError, RefcountUnderflowError, TraceFormatError, UnknownBlockError)
 from .events import (Allocated, Cached, Event, EventBus, EventRecorder, Evicted, Freed, Merged, Migrated,
                      RefChanged, Split, StatusChanged)
+from . import exercises
+from .exercises import fast_mode, sized
 from .eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, RandomPolicy, make_policy
+from .engine import (Admitted, CostModel, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed,
+                     run_workload)
 from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, FragmentationDetector
+from .metrics import MetricsLog, RequestRecord, StepMetrics
+from .model import TinyConfig, TinyLlama
 from .pool import BlockPool
+from .prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
 from .preallocation import Preallocator
 from .refs import ReferenceManager
+from .sequence import CopiedOnWrite, PagedBatch, Sequence, SequenceManager, Swapped
 from .spec import KVSpec
+from .sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_block_size, plot_sweep, sweep
 from .storage import KVStorage
+from .workloads import (LengthRange, Request, Scenario, Workload, make_workload, read_trace, write_trace)
 
 __version__ = "0.1.0"
 
@@ -27,9 +40,29 @@ __all__ = [
     "AllocationAbandoned", "AllocationQueued", "AllocationRecord", "AllocationServed", "DefragReport",
     "DefragmentationStrategy", "Defragmented", "DynamicAllocator", "FragmentationDetector", "Preallocator",
     "Ticket", "TicketState",
+    "exercises", "fast_mode", "sized",
+    "Admitted", "Claim", "ContiguousAllocator", "ContiguousMemory", "CostModel", "Engine", "EngineConfig",
+    "Finished", "MetricsLog", "Preempted", "RequestRecord", "StepMetrics", "SwappedIn", "TenantReclaimed",
+    "claims_report", "measure_claims", "run_workload",
+    "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
+    "PrefixStored", "Sequence", "SequenceManager", "Swapped", "TinyConfig", "TinyLlama", "contiguous_attention",
+    "paged_attention",
+    "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
+    "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
     "Allocated", "BlockPool", "BlockStatus", "Cached", "ConfigError", "DoubleFreeError", "Event", "EventBus",
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",
     "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy",
 ]
+
+
+_LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard")
+
+
+def __getattr__(name: str):
+    """``kvlab.PoolView`` and the other views import :mod:`kvlab.viz` (and anywidget) on first use only."""
+    if name in _LAZY_VIEWS:
+        from . import viz
+        return getattr(viz, name)
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

@@ -39,3 +39,14 @@ class KVDataError(KVLabError, ValueError):
 
 class ConfigError(KVLabError, ValueError):
     """An invalid argument to a constructor or function (sizes, names, budgets)."""
+
+
+class TraceFormatError(KVLabError, ValueError):
+    """A malformed line in a workload trace file; ``path`` and ``line`` (1-based) say where."""
+
+    def __init__(self, path: str, line: int, problem: str) -> None:
+        super().__init__(f"{path}, line {line}: {problem}")
+        self.path, self.line, self.problem = path, line, problem
+
+    def __reduce__(self):  # keep it picklable (e.g. across multiprocessing) despite the custom signature
+        return type(self), (self.path, self.line, self.problem)

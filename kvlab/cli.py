@@ -1,0 +1,175 @@
+"""The ``kvlab`` command line (also ``python -m kvlab``).
+
+Each subcommand is one function registered with :func:`command`, next to a function that declares its
+arguments; :func:`main` builds the parser from the registry. Adding ``kvlab run`` or ``kvlab bench`` is one more
+registered pair. Exit codes: 0 success, 2 bad arguments or bad input (argparse's convention; the message says
+which), 1 any other kvlab error. Heavy modules are imported inside the handlers so ``kvlab --help`` is quick.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from .errors import ConfigError, KVLabError
+
+Handler = Callable[[argparse.Namespace], int]
+Configure = Callable[[argparse.ArgumentParser], None]
+_COMMANDS: dict[str, tuple[str, Configure, Handler]] = {}
+
+
+def command(name: str, help: str, configure: Configure) -> Callable[[Handler], Handler]:
+    """Decorator: register ``handler`` as ``kvlab NAME``. ``configure(parser)`` declares its arguments;
+    ``handler(args)`` runs it and returns the exit code."""
+    def register(handler: Handler) -> Handler:
+        if name in _COMMANDS:
+            raise ConfigError(f"kvlab command {name!r} is registered twice")
+        _COMMANDS[name] = (help, configure, handler)
+        return handler
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="kvlab", description="See how a paged KV cache works.")
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, configure, handler) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        configure(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except KVLabError as e:  # bad input found after parsing: a trace file, a size the pool refuses
+        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError | ValueError) else 1
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """``"16,32,64"`` -> ``[16, 32, 64]``: distinct positive ints."""
+    sizes = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} must be distinct positive integers separated by commas")
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------------- sweep
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    from .sizing import DEFAULT_SIZES, GOALS
+    from .workloads import ALIASES, WORKLOADS
+
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES],
+                     help="generated workload scenario (default: chat)")
+    src.add_argument("--trace", metavar="PATH", help="a JSONL or CSV trace file instead of a generated workload")
+    p.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES), metavar="B,B,...",
+                   help="block sizes in tokens (default: %(default)s)")
+    p.add_argument("--requests", type=_positive_int, default=500, metavar="N", help="requests to generate")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--goal", choices=GOALS, default="balanced", help="cost weights for the recommendation")
+    p.add_argument("--no-attention", action="store_true", help="skip timing paged attention (counts only)")
+    p.add_argument("--rounds", type=_positive_int, default=5, help="attention timing rounds (best of)")
+    p.add_argument("--device", default=None, help="torch device for the attention timing (default: kvlab's)")
+    p.add_argument("--plot", metavar="PNG", help="also save the sweep's figure to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("sweep", "measure internal waste, bookkeeping, prefix-sharing loss and attention time per block "
+                  "size on a workload, and recommend a block size (text 2.2.1)", _sweep_args)
+def _sweep(args: argparse.Namespace) -> int:
+    from .sizing import GOALS, ChunkSizeOptimizer, plot_sweep
+    from .workloads import make_workload, read_trace
+
+    workload = (read_trace(args.trace) if args.trace
+                else make_workload(args.workload or "chat", args.requests, args.seed))
+    opt = ChunkSizeOptimizer()
+    result = opt.sweep(workload, args.sizes, attention=not args.no_attention, progress=not args.no_progress,
+                       rounds=args.rounds, device=args.device)
+    stats = opt.sequence_length_stats
+    print(result.to_markdown(args.goal))
+    print(f"\nsequence lengths: mean {stats['mean']:.0f}, median {stats['median']:.0f}, p95 {stats['p95']:.0f}, "
+          f"max {stats['max']}")
+    print("text's rule of thumb (p95): " + ", ".join(f"{g} {opt.recommend_chunk_size(g)}" for g in GOALS))
+    print("measured recommendation:    " + ", ".join(f"{g} {result.recommend(g)}" for g in GOALS))
+    print(f"recommended block size ({args.goal}): {result.recommend(args.goal)}")
+    if args.plot:
+        plot_sweep(result, args.goal).savefig(args.plot, dpi=100)
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- run, demo
+def _run_args(p: argparse.ArgumentParser) -> None:
+    from .engine import EngineConfig
+    from .workloads import ALIASES, WORKLOADS
+
+    d = EngineConfig()
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="scenario (default: chat)")
+    src.add_argument("--trace", metavar="PATH", help="a JSONL or CSV trace file instead of a generated workload")
+    p.add_argument("--requests", type=_positive_int, default=1000, metavar="N", help="requests to generate")
+    p.add_argument("--rate", type=float, default=200.0, help="arrivals per second (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
+    p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
+    p.add_argument("--policy", default=d.policy, choices=["lru", "fifo", "lfu", "random"], help="eviction policy")
+    p.add_argument("--preemption", default=d.preemption, choices=["recompute", "swap"])
+    p.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
+                   help="longest sequence; the contiguous baseline reserves this much per request")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--baseline", action="store_true", help="also run the contiguous max-length baseline")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("run", "run a workload through the paged serving engine (metadata mode) and print a summary table "
+                "(text 2.2.6)", _run_args)
+def _run_cmd(args: argparse.Namespace) -> int:
+    from .engine import Engine, EngineConfig
+    from .metrics import format_table
+    from .workloads import make_workload, read_trace
+
+    workload = read_trace(args.trace) if args.trace else make_workload(args.workload, args.requests, args.seed,
+                                                                         rate=args.rate)
+    cfg = dict(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy, preemption=args.preemption,
+               max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
+    rows = {"paged": Engine(workload, EngineConfig(**cfg)).run(progress=not args.no_progress)}
+    if args.baseline:
+        rows["contiguous"] = Engine(workload, EngineConfig(**cfg, memory="contiguous")).run(
+            progress=not args.no_progress)
+    print(format_table(rows))
+    return 0
+
+
+@command("demo", "run the default workload through a pool and print the engine's report and the text's "
+                 "2.2.6 claims beside kvlab's measurements", lambda p: None)
+def _demo(args: argparse.Namespace) -> int:
+    from .claims import claims_report
+    from .engine import Engine, EngineConfig
+    from .metrics import format_table
+    from .workloads import make_workload
+
+    w = make_workload("chat", 1000, 0, rate=200.0)
+    rows = {m: Engine(w, EngineConfig(memory=m)).run() for m in ("paged", "contiguous")}
+    print(format_table(rows))
+    print()
+    print(claims_report())
+    return 0
