@@ -21,7 +21,7 @@ each block. :class:`SequenceManager` does every operation on tables, always thro
 
 Invariants (checked by :meth:`SequenceManager.check_invariants`): a resident table entry is ALLOCATED; the
 refcount of every block equals the number of table entries naming it; a table has ``ceil(num_tokens / B)``
-entries; a swapped-out entry is ``-1`` and its data is on the host.
+entries; exactly the swapped-out entries are ``-1`` (their data is on the host).
 Works on metadata-only pools (``with_storage=False``): token counts and tables without any K/V.
 """
 from __future__ import annotations
@@ -354,4 +354,5 @@ class SequenceManager:
         for s in self.seqs.values():
             assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
             assert all(self.pool._status[b] == BlockStatus.ALLOCATED for b in s.block_table if b >= 0), f"sequence {s.seq_id}: status"
-            assert (s.swapped is None) == (-1 not in s.block_table), f"sequence {s.seq_id}: swap state"
+            out = s.swapped.positions if s.swapped is not None else []
+            assert [i for i, b in enumerate(s.block_table) if b < 0] == out, f"sequence {s.seq_id}: swap state"

@@ -1,0 +1,197 @@
+"""Prefix cache: chained hashes, hits with references and verification, tenants, stats and events, cached blocks
+at refcount 0, tail-first eviction without orphans, stale entries, migration, and a property test."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec,
+                   OutOfBlocksError)
+from kvlab.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
+from kvlab.sequence import SequenceManager
+
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, device="cpu")
+
+
+def make(num_blocks=32):
+    pool = BlockPool(num_blocks, spec=SPEC)
+    return pool, SequenceManager(pool, prefix_cache=True)
+
+
+def run(mgr, prompt, tenant=None):
+    """Create a sequence for ``prompt``, append the uncached part, write K/V that encode the token ids, and
+    register its full blocks (what a model step does)."""
+    s = mgr.create(prompt, tenant=tenant)
+    rest = prompt[s.num_tokens:]
+    slots = s.append(rest)
+    kv = torch.tensor(rest, dtype=torch.float32)[:, None, None].expand(-1, 1, 4).contiguous()
+    mgr.pool.storage.write_slots(0, slots, kv, -kv)
+    mgr.cache_full_blocks(s)
+    return s
+
+
+def test_hash_chains_through_parent_and_tenant():
+    h = PrefixCache.block_hash
+    a = h(None, [1, 2, 3, 4])
+    assert a == h(None, [1, 2, 3, 4]) and len(a) == 16
+    assert h(a, [5, 6, 7, 8]) != h(h(None, [0, 2, 3, 4]), [5, 6, 7, 8])  # same block, other prefix
+    assert h(None, [1, 2, 3, 4], "alice") not in {a, h(None, [1, 2, 3, 4], "bob")}
+
+
+def test_hit_reuses_blocks_with_references_and_stats():
+    pool, mgr = make()
+    rec = EventRecorder(pool.events)
+    a = run(mgr, list(range(10)))
+    assert a.cached_blocks == 2 and [e.block_id for e in rec.of(PrefixStored)] == a.block_table[:2]
+    b = run(mgr, list(range(8)) + [50, 51, 52])
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert [pool._refs[x] for x in a.block_table[:2]] == [2, 2]
+    stats = mgr.prefix_cache.get_stats()
+    assert stats["requests"] == 2 and stats["queries"] == 4 and stats["hits"] == 2
+    assert stats["hit_rate"] == 0.5 and stats["tokens_saved"] == 8
+    hit = rec.of(PrefixHit)[0]
+    assert hit.block_ids == tuple(a.block_table[:2]) and hit.tokens == 8
+    mgr.check_invariants()
+
+
+def test_a_prompt_never_fully_matches():
+    pool, mgr = make()
+    run(mgr, list(range(8)))
+    s = mgr.create(list(range(8)))
+    assert s.num_tokens == 4  # one token of the prompt is always left to compute (its logits are needed)
+
+
+def test_cached_blocks_survive_refcount_zero_and_serve_hits():
+    pool, mgr = make()
+    a = run(mgr, list(range(13)))
+    head, partial = a.block_table[:3], a.block_table[3]
+    a.free()
+    assert all(pool.block(b).is_cached for b in head) and pool._status[partial] == BlockStatus.FREE
+    b = mgr.create(list(range(13)))
+    assert b.block_table == head
+    assert torch.equal(pool.storage.read_slots(0, b.slots())[0][:, 0, 0], torch.arange(12.0))
+
+
+def test_tenants_do_not_share():
+    pool, mgr = make()
+    run(mgr, list(range(9)), tenant="alice")
+    assert mgr.create(list(range(9)), tenant="bob").num_tokens == 0
+    assert mgr.create(list(range(9)), tenant="alice").num_tokens == 8
+
+
+def test_token_ids_are_verified_on_hit(monkeypatch):
+    pool, mgr = make()
+    run(mgr, [1, 2, 3, 4, 5])
+    monkeypatch.setattr(PrefixCache, "block_hash", staticmethod(lambda parent, toks, tenant=None: b"x" * 16))
+    assert mgr.create([9, 9, 9, 9, 9]).num_tokens == 0  # same hash, other tokens: a miss, not wrong data
+
+
+def test_eviction_takes_tails_before_heads():
+    pool, mgr = make(8)
+    rec = EventRecorder(pool.events)
+    a = run(mgr, list(range(17)))  # 4 full blocks cached + 1 partial
+    chain = a.block_table[:4]
+    a.free()
+    b = mgr.create()
+    b.append(4 * 7)  # 7 blocks: 4 free (3 + the partial tail) + 3 evicted from the cached chain of 4
+    evicted = [e.block_id for e in rec.of(PrefixEvicted)]
+    assert evicted == chain[::-1][:3]
+    assert mgr.prefix_cache.holds(chain[0]) and len(mgr.prefix_cache) == 1
+    assert mgr.create(list(range(17))).num_tokens == 4  # the head still serves
+    mgr.check_invariants()
+
+
+def test_guard_vetoes_a_head_whose_child_is_cached():
+    pool, mgr = make(8)
+    a = run(mgr, list(range(9)))
+    head, child = a.block_table[:2]
+    a.free()
+    pool.policy.discard(child)  # re-queue the child so that LRU would pick the head first ...
+    pool.policy.add(child)
+    assert [b for b, _ in pool.policy.order()][0] == head
+    assert pool.evict_block().block_id == child  # ... but the guard makes it take the tail
+
+
+def test_stale_entry_is_not_served():
+    pool, mgr = make()
+    a = run(mgr, list(range(9)))
+    head = a.block_table[0]
+    a.free()
+    pool.release_cached(head)  # dropped behind the cache's back
+    other = mgr.create()
+    other.append(4 * pool.num_free_blocks)
+    s = mgr.create(list(range(9)))
+    assert s.num_tokens == 0 and not mgr.prefix_cache.holds(head)
+
+
+def test_migration_keeps_entries_pointing_at_the_data():
+    pool, mgr = make(16)
+    a = run(mgr, list(range(9)))
+    old = a.block_table[:2]
+    a.free()
+    free = [b for b in range(16) if pool._status[b] == BlockStatus.FREE][-2:]
+    pool.migrate(old, free)
+    s = mgr.create(list(range(9)))
+    assert s.block_table == free
+    assert torch.equal(pool.storage.read_slots(0, s.slots())[0][:, 0, 0], torch.arange(8.0))
+
+
+def test_swap_keeps_prefix_blocks_resident():
+    pool, mgr = make()
+    a = run(mgr, list(range(10)))
+    cached = a.block_table[:2]
+    a.swap_out()
+    assert a.block_table[:2] == cached and a.block_table[2] == -1
+    a.swap_in()
+    mgr.check_invariants()
+
+
+def test_store_rejects_bad_blocks():
+    pool, mgr = make()
+    cache = mgr.prefix_cache
+    with pytest.raises(KVDataError, match="full blocks"):
+        cache.store(0, [1, 2], None)
+    with pytest.raises(IllegalTransitionError, match="FREE"):
+        cache.store(0, [1, 2, 3, 4], None)
+    b = pool.allocate()[0]
+    with pytest.raises(IllegalTransitionError, match="parent hash"):
+        cache.store(b, [1, 2, 3, 4], b"y" * 16)
+    assert len(cache) == 0 and not pool._reusable[b]
+
+
+def test_duplicate_content_stops_registration():
+    pool, mgr = make()
+    a = mgr.create(list(range(9)))
+    b = mgr.create(list(range(9)))  # both miss: the cache is empty
+    a.append(list(range(9)))
+    b.append(list(range(9)))
+    assert mgr.cache_full_blocks(a) == 2
+    assert mgr.cache_full_blocks(b) == 0 and not b.cacheable
+    assert mgr.create(list(range(9))).block_table == a.block_table[:2]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.booleans()), max_size=12),
+       st.sampled_from([None, "t"]))
+def test_no_cached_child_is_ever_orphaned(ops, tenant):
+    """Random prompts from a tiny alphabet (many shared prefixes) in a small pool: after every step each
+    registered block's parent is registered too, hits equal a fresh recomputation, and invariants hold."""
+    pool, mgr = make(10)
+    live = []
+    for prompt, finish in ops:
+        try:
+            s = run(mgr, prompt, tenant)
+        except OutOfBlocksError:  # a full pool refuses the append: finish everything and go on
+            for s in list(mgr.seqs.values()):
+                s.free()
+            live = []
+            continue
+        cached = pool.storage.read_slots(0, s.slots())[0][:, 0, 0]
+        assert torch.equal(cached, torch.tensor(prompt, dtype=torch.float32))
+        (s.free() if finish else live.append(s))
+        cache = mgr.prefix_cache
+        for b, e in cache._entry.items():
+            assert e.parent is None or e.parent in cache._block, f"block {b} orphaned"
+        mgr.check_invariants()
