@@ -754,8 +754,11 @@ class BlockPool:
                 self.storage.copy_blocks(np.concatenate([np.arange(a, a + k) for a, k in zip(s.tolist(), spans)]),
                                          np.concatenate([np.arange(b, b + k) for b, k in zip(d.tolist(), spans)]))
             t = self.clock.tick()
+            for o in set(self.order_np[d].tolist()):  # one vectorised pass per free list, not one per target
+                f = np.frombuffer(self._free[o], dtype=np.int32)
+                self._free[o] = array("i", f[~np.isin(f, d)].tobytes())
+            self._free_units -= int((1 << self.order_np[d].astype(np.int64)).sum())
             for a, b in zip(s.tolist(), d.tolist()):
-                self._pop_exact(b)
                 self._set_status(b, ALLOCATED)
                 for arr in (self._refs, self._tokens, self._last, self._created, self._hits, self._owner,
                             self._reusable):

@@ -23,7 +23,7 @@ from collections import defaultdict, deque
 import numpy as np
 
 from .allocator import DynamicAllocator
-from .errors import ConfigError
+from .errors import ConfigError, OutOfBlocksError
 from .pool import BlockPool
 
 Key = tuple[int, int]  # (owner, size_class)
@@ -34,7 +34,8 @@ class Preallocator:
 
     Args:
         pool: the pool to reserve from.
-        allocator: if given, nothing is reserved while requests wait in its queue.
+        allocator: if given, misses in a burst go through it, and nothing is reserved while requests wait in
+            its queue.
         window: burst length in clock steps over which demand is counted.
         horizon: how far back (clock steps) history counts; older demand, and the reserve kept for it, expire.
         headroom: factor on the predicted demand.
@@ -75,16 +76,18 @@ class Preallocator:
 
     # ------------------------------------------------------------------ serving
     def allocate(self, n: int = 1, *, owner: int = -1, size_class: int = 0) -> list[int]:
-        """``n`` ALLOCATED blocks for ``owner``: from its reserve (one commit), the rest in one batch from the
-        pool (free lists, splits, evictions). All or nothing: raises :class:`OutOfBlocksError` and leaves the
-        pool and the reserves as they were if the pool cannot supply the rest."""
+        """``n`` ALLOCATED blocks for ``owner``: from its reserve (one commit), the rest from the allocator if one
+        was given (one request each, no waiting) else in one batch from the pool. Raises
+        :class:`OutOfBlocksError` if the rest cannot be supplied, with the reserves untouched and no block taken:
+        the pool's batch changes nothing; through the allocator, blocks taken are returned, but cached blocks it
+        evicted on the way stay evicted."""
         if not isinstance(n, int) or n < 0:
             raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
         pool = self.pool
         with pool.lock:
             reserve = self.reserves.get((owner, size_class), [])
             hit = min(n, len(reserve))
-            extra = pool.allocate(n - hit, size_class=size_class, owner=owner) if n > hit else []
+            extra = self._allocate_misses(n - hit, owner, size_class) if n > hit else []
             taken = reserve[len(reserve) - hit:]
             pool.commit(taken)
             del reserve[len(reserve) - hit:]
@@ -93,6 +96,20 @@ class Preallocator:
             if n:
                 self.observe(owner, size_class, n)
             return taken + extra
+
+    def _allocate_misses(self, n: int, owner: int, size_class: int) -> list[int]:
+        if self.allocator is None:
+            return self.pool.allocate(n, size_class=size_class, owner=owner)
+        got: list[int] = []
+        try:
+            for _ in range(n):
+                t = self.allocator.allocate_optimal_block(size_class=size_class, owner=owner, wait=False)
+                got.append(t.block.block_id)
+        except OutOfBlocksError:
+            if got:
+                self.pool.free(got)
+            raise
+        return got
 
     def replenish(self) -> dict[Key, int]:
         """Return each reserve's surplus over its prediction, then top it up from FREE memory (never evicting);
