@@ -32,13 +32,15 @@ class FrameView(anywidget.AnyWidget):
     """Base of the views: shows frames of one pool (``pool``) or of a recording."""
 
     view = "pool"
+    _esm = esm_source("pool")
+    _css = css_source()
     frame = traitlets.Bytes(b"").tag(sync=True)
     frames_sent = traitlets.Int(0).tag(sync=True)
     frames_received = traitlets.Int(0).tag(sync=True)  # written by the browser
 
     def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(_esm=esm_source(self.view), _css=css_source(), **kwargs)
+        super().__init__(**kwargs)
         self.pool = pool
         self.history: Recording | None = None
         self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
@@ -48,6 +50,11 @@ class FrameView(anywidget.AnyWidget):
             self.load(recording)
         elif pool is not None:
             self.update()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if "view" in cls.__dict__:  # a view class, not the subclass traitlets makes when traits are added
+            cls._esm = esm_source(cls.view)
+        super().__init_subclass__(**kwargs)
 
     def show_frame(self, data: bytes) -> None:
         """Send one frame: one message carrying ``frame`` and ``frames_sent``."""

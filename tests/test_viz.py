@@ -1,0 +1,400 @@
+"""The Python side of the live views: frames against the pool (reference: the pool's own arrays and methods),
+flashes from events, pacing, live runs on asyncio, the random workload's invariants, views' messages, static
+figures, HTML export, packaging and lazy imports. The browser side is tested in tests/browser/."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import BlockPool, ConfigError, DoubleFreeError
+from kvlab.viz import (PRESETS, FrameBuilder, LiveRun, Pacer, RandomWorkload, Recording, build_frame, decode_frame,
+                       export_html, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool, record)
+from kvlab.viz import frames as fr
+from kvlab.viz.static import GAUGES, MAP_RGB, STATE_RGB, VICTIM_RGB, figure_png, pool_colors
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def reference_frame(p: BlockPool) -> dict[str, np.ndarray]:
+    """What a frame must hold, from the pool's snapshot (head fields spread over each block's span)."""
+    s = p.snapshot()
+    head = np.arange(p.num_blocks) & ~((1 << s["size_class"].astype(np.int64)) - 1)
+    refs = s["refcount"][head]
+    state = s["status"].copy()
+    state[(state == 2) & (refs == 0)] = fr.CACHED
+    return {"state": state, "refcount": np.minimum(refs, 255), "size_class": s["size_class"],
+            "tokens": s["tokens"][head], "owner": s["owner"][head], "last_access": s["last_access"][head]}
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), preset=st.sampled_from(sorted(PRESETS)), multi=st.booleans(),
+       steps=st.integers(1, 300))
+def test_frames_match_the_pool(seed, preset, multi, steps):
+    p = BlockPool(128, block_sizes=[16, 32, 64] if multi else None, with_storage=False, seed=seed)
+    w = RandomWorkload(p, preset=preset, seed=seed, steps=steps)
+    while w():
+        pass
+    p.check_invariants()
+    f = decode_frame(build_frame(p))
+    ref = reference_frame(p)
+    for key, want in ref.items():
+        assert np.array_equal(getattr(f, key), want), key
+    assert f.num_blocks == 128 and f.block_size == p.block_size and f.step == p.clock.now()
+    assert f.utilisation == pytest.approx(np.count_nonzero(p.status_np) / 128)
+    assert f.external == pytest.approx(p.calculate_fragmentation() / 100)
+    runs = p.free_runs()
+    assert f.scatter == pytest.approx(1 - runs.max() / runs.sum() if runs.size else 0.0)
+    used = p.status_np != 0
+    waste = 1 - p.tokens_np.sum() / (used.sum() * p.block_size) if used.any() else 0.0
+    assert f.internal_waste == pytest.approx(waste, abs=1e-6)
+    assert not f.flash.any()
+
+
+def test_flashes_evictions_and_moves_come_from_events_and_are_consumed():
+    p = BlockPool(8, with_storage=False)
+    with FrameBuilder(p) as b:
+        ids = p.allocate(8)
+        p.mark_reusable(ids[:4])
+        p.free(ids[:4][::-1])  # cached, LRU order 3, 2, 1, 0
+        f = decode_frame(b.build())
+        assert f.flash.tolist() == [fr.FLASH_ALLOCATED] * 8  # cached blocks stay allocated: no free flash
+        p.allocate(1)  # evicts block 3, the least recently released, and reuses it
+        p.free([5])
+        p.migrate([7], [5])
+        f = decode_frame(b.build())
+        assert f.flash[3] == fr.FLASH_ALLOCATED  # evicted then allocated again: the latest event wins
+        assert f.flash[5] == fr.FLASH_MOVED_IN and f.flash[7] == fr.FLASH_MOVED_OUT
+        (e,) = f.evictions
+        assert e["victim"] == 3 and e["policy"] == "lru" and e["candidates"][0][0] == 3
+        assert [c[0] for c in e["candidates"]] == [3, 2, 1, 0]
+        assert f.tail["evictions_total"] == 1 and f.moves == [[7, 5]]
+        p.evict_block()
+        f = decode_frame(b.build())
+        assert f.flash.tolist().count(fr.FLASH_EVICTED) == 1 and f.evictions[0]["victim"] == 2
+        assert f.moves == [] and decode_frame(b.build()).evictions == []
+    assert not p.events.subscribers  # closing the builder unsubscribes: the pool stops building events
+
+
+def test_refcounts_saturate_and_large_pools_carry_no_details():
+    p = BlockPool(fr.DETAILS_LIMIT + 1, with_storage=False)
+    p.allocate(1)
+    p.incref([0] * 300)
+    data = build_frame(p)
+    assert len(data) == fr.HEADER.size + 3 * p.num_blocks
+    f = decode_frame(data)
+    assert f.refcount[0] == 255 and f.tokens is None
+    small = decode_frame(build_frame(BlockPool(16, with_storage=False)))
+    assert small.tokens is not None and small.owner.tolist() == [-1] * 16
+
+
+def test_decode_rejects_what_is_not_a_frame():
+    data = build_frame(BlockPool(16, with_storage=False))
+    with pytest.raises(ConfigError, match="not a kvlab frame"):
+        decode_frame(b"XXXX" + data[4:])
+    with pytest.raises(ConfigError, match="should be"):
+        decode_frame(data[:-1])
+
+
+def test_pacer_lets_one_frame_per_interval():
+    t = [0.0]
+    pacer = Pacer(10, clock=lambda: t[0])
+    assert pacer.due()
+    pacer.mark()
+    t[0] = 0.05
+    assert not pacer.due()
+    t[0] = 0.1
+    assert pacer.due()
+    with pytest.raises(ConfigError, match="fps"):
+        Pacer(0)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def show_frame(self, data: bytes) -> None:
+        self.frames.append(data)
+
+
+def test_live_run_sends_paced_latest_frames_and_always_the_final_one():
+    t = [0.0]
+    p = BlockPool(64, with_storage=False)
+    w = RandomWorkload(p, seed=5, steps=1000)
+
+    def step() -> bool:
+        t[0] += 0.001  # each step takes 1 ms of the fake clock: 1,000 steps = 1 s
+        return w()
+
+    sink = Sink()
+    run = LiveRun(p, step, [sink], fps=30, clock=lambda: t[0])
+    assert run.run() == 1000 and run.state == "done"
+    assert 30 <= len(sink.frames) <= 32  # 30 paced frames in one second, plus the final one
+    assert run.frames_sent == len(sink.frames) == len(run.recording)
+    assert [decode_frame(f).seq for f in sink.frames] == list(range(len(sink.frames)))
+    final = decode_frame(sink.frames[-1])
+    assert np.array_equal(final.state, reference_frame(p)["state"]) and final.step == p.clock.now()
+    assert not p.events.subscribers and run.run() == 0
+
+
+def test_live_run_on_asyncio_finishes_pauses_and_stops_without_leftover_tasks():
+    async def main() -> None:
+        p = BlockPool(64, with_storage=False)
+        sink = Sink()
+        done = LiveRun(p, RandomWorkload(p, seed=1, steps=50), [sink])
+        await done
+        assert done.state == "done" and done.steps == 50 and done.task.done()
+        assert decode_frame(sink.frames[-1]).step == p.clock.now()
+
+        endless = LiveRun(p, RandomWorkload(p, seed=2), [sink])
+        endless.start()
+        await asyncio.sleep(0.02)
+        endless.pause()
+        frozen = endless.steps
+        await asyncio.sleep(0.02)
+        assert endless.steps == frozen and endless.state == "paused"  # the loop ran, the run did not
+        endless.resume()
+        await asyncio.sleep(0.02)
+        assert endless.steps > frozen
+        endless.stop()
+        await asyncio.gather(endless.task, return_exceptions=True)
+        assert endless.task.done() and endless.state == "stopped"
+        assert decode_frame(sink.frames[-1]).step == p.clock.now()  # the final state was sent
+
+        interrupted = LiveRun(p, RandomWorkload(p, seed=3), [sink])
+        waiter = asyncio.ensure_future(_await(interrupted))
+        await asyncio.sleep(0.02)
+        waiter.cancel()  # what an interrupted cell does to the coroutine awaiting the run
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert interrupted.task.done() and interrupted.state == "stopped"
+        assert not p.events.subscribers
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())
+
+
+async def _await(run: LiveRun) -> None:
+    await run
+
+
+def test_a_failing_step_ends_the_run_and_keeps_the_error():
+    p = BlockPool(16, with_storage=False)
+    calls = [0]
+
+    def step() -> bool:
+        calls[0] += 1
+        if calls[0] == 3:
+            p.free([0])
+            p.free([0])  # a double free on the third step
+        else:
+            p.allocate(1)
+        return True
+
+    sink = Sink()
+    run = LiveRun(p, step, [sink])
+    with pytest.raises(DoubleFreeError, match="block 0"):
+        run.run()
+    assert run.state == "failed" and run.error is not None and len(sink.frames) >= 1
+    assert not p.events.subscribers and run.step() is False
+
+
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_random_workload_keeps_invariants_and_replays(preset, multi):
+    def run(seed: int) -> Recording:
+        p = BlockPool(96, block_sizes=[16, 32, 64] if multi else None, with_storage=False, seed=seed)
+        w = RandomWorkload(p, preset=preset, seed=seed, steps=400)
+
+        def checked() -> bool:
+            more = w()
+            p.check_invariants()
+            return more
+
+        return record(p, checked, 400, every=40)
+
+    a, b = run(7), run(7)
+    assert len(a) == 11 and list(a) == list(b)  # same seed, same frames, byte for byte
+    states = np.concatenate([decode_frame(f).state for f in a])
+    assert {0, 2}.issubset(set(states.tolist()))
+
+
+def test_workload_and_record_reject_bad_arguments():
+    p = BlockPool(16, with_storage=False)
+    with pytest.raises(ConfigError, match="preset 'nope'"):
+        RandomWorkload(p, preset="nope")
+    with pytest.raises(ConfigError, match="steps"):
+        record(p, lambda: True, 0)
+
+
+def test_recording_keeps_the_latest_bytes():
+    rec = Recording(max_bytes=10)
+    for i in range(5):
+        rec.append(bytes([i]) * 4)
+    assert [f[0] for f in rec] == [3, 4] and rec.trimmed == 3 and rec.nbytes == 8
+
+
+# ---------------------------------------------------------------------------- views (no browser)
+def sent_messages(widget) -> list[tuple[dict, list]]:
+    calls: list[tuple[dict, list]] = []
+    widget._send = lambda msg, buffers=None: calls.append((msg, buffers or []))
+    return calls
+
+
+def test_one_message_per_frame_with_the_counter():
+    from kvlab.viz import PoolView
+    p = BlockPool(64, with_storage=False)
+    v = PoolView(p)
+    assert "kvPoolPanel" in v._esm and "export default" in v._esm and ".kv-root" in v._css
+    assert v.frames_sent == 1 and decode_frame(v.frame).num_blocks == 64
+    calls = sent_messages(v)
+    p.allocate(3)
+    v.update()
+    (msg, buffers), = calls
+    assert msg["state"]["frames_sent"] == 2 and msg["buffer_paths"] == [["frame"]]
+    assert [bytes(b) for b in buffers] == [v.frame]
+
+
+def test_views_answer_ready_with_history_and_hover_with_live_fields():
+    from kvlab.viz import EvictionView, PoolView
+    p = BlockPool(64, with_storage=False)
+    rec = record(p, RandomWorkload(p, seed=4, steps=60), 60, every=6)
+    v = EvictionView(recording=rec)
+    calls = []
+    v.send = lambda content, buffers=None: calls.append((content, buffers))
+    v._on_msg(v, {"type": "ready"}, [])
+    assert [c["type"] for c, _ in calls] == ["history"] and calls[0][0]["reset"]
+    assert [bytes(b) for b in calls[0][1]] == list(rec) and v.frame == rec[len(rec) - 1]
+    pv = PoolView(p)
+    calls.clear()
+    pv.send = lambda content, buffers=None: calls.append((content, buffers))
+    p.set_owner([0], 9)
+    pv._on_msg(pv, {"type": "inspect", "block": 0}, [])
+    pv._on_msg(pv, {"type": "inspect", "block": 10_000}, [])  # out of range: ignored
+    assert len(calls) == 1 and calls[0][0]["owner"] == 9 and calls[0][0]["block"] == 0
+    with pytest.raises(ConfigError, match="no frame"):
+        PoolView(recording=Recording())
+
+
+def test_dashboard_controls_selectors_and_bad_settings():
+    from kvlab.viz import Dashboard
+    d = Dashboard(num_blocks=256, block_size=16, seed=1)
+    sent = d.frames_sent
+    for _ in range(3):
+        d._on_msg(d, {"type": "control", "action": "step"}, [])
+    assert d.run.steps == 3 and d.frames_sent == sent + 3 and d.status == "paused"
+    d._on_msg(d, {"type": "control", "action": "explode"}, [])  # ignored
+    old = d.pool
+    with pytest.raises(ConfigError, match="unknown eviction policy 'mru'"):
+        d.policy = "mru"
+    with pytest.raises(ConfigError, match="block size 0"):
+        d.block_size = 0
+    assert d.pool is old and d.policy == "lru" and d.block_size == 16
+    d.block_size = 32
+    assert d.pool.num_blocks == 128 and d.pool.block_size == 32 and d.run is None
+    d.policy = "fifo"
+    assert d.pool.policy.name == "fifo"
+    d.workload = "bursty"
+    d.step()
+    assert d.workload_fn.preset == "bursty"
+    d.pool.check_invariants()
+
+    async def live() -> None:
+        d.start()
+        await asyncio.sleep(0.05)
+        assert d.status == "running" and d.run.steps > 1
+        d.pause()
+        assert d.status == "paused"
+        d.start()  # resume
+        d.stop()
+        await asyncio.gather(d.run.task, return_exceptions=True)
+        assert d.run.task.done() and d.status == "stopped"
+
+    asyncio.run(live())
+    assert not old.events.subscribers
+
+
+def test_every_view_carries_a_png_and_static_figures_render():
+    from kvlab.viz import Dashboard, EvictionView, FragmentationView, PoolView
+    p = BlockPool(128, with_storage=False)
+    rec = record(p, RandomWorkload(p, preset="bursty", seed=2, steps=400), 400, every=20)
+    for cls in (PoolView, EvictionView, FragmentationView):
+        data, _ = cls(recording=rec)._repr_mimebundle_()
+        assert base64.b64decode(data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "application/vnd.jupyter.widget-view+json" in data
+    data, _ = Dashboard(num_blocks=64)._repr_mimebundle_()
+    assert base64.b64decode(data["image/png"])[:4] == b"\x89PNG"
+    f = decode_frame(rec[len(rec) - 1])
+    evictions = [e for fr_ in rec for e in decode_frame(fr_).evictions]
+    assert evictions
+    for fig in (plot_pool(p), plot_pool(f), plot_evictions(evictions), plot_evictions([]),
+                plot_fragmentation(rec[0], [(0.1, 0, 0.2, 0.3)] * 3), plot_dashboard(f)):
+        assert figure_png(fig)[:4] == b"\x89PNG"
+    with pytest.raises(ConfigError, match="expected a BlockPool"):
+        plot_pool(42)
+
+
+def test_static_colours_are_the_widget_colours():
+    js = "\n".join((REPO / "widgets" / n).read_text() for n in ("common.js", "fragmentation.js", "eviction.js"))
+    def table(name: str) -> dict[str, tuple[int, ...]]:
+        body = re.search(r"const %s = \{(.*?)\};" % name, js, re.S).group(1)
+        return {k: tuple(map(int, v.split(","))) for k, v in re.findall(r"(\w+): \[(\d+, \d+, \d+)\]", body)}
+
+    assert {k: v for k, v in table("KV_RGB").items() if k != "GAP"} == STATE_RGB
+    assert table("KV_MAP") == MAP_RGB
+    assert re.search(r"KV_VICTIM = \[%d, %d, %d\]" % VICTIM_RGB, js)
+    for name, _, c in GAUGES:
+        assert f'["{name}", ' in js and "[%d, %d, %d]]" % c in js
+    p = BlockPool(16, with_storage=False)
+    p.allocate(2)
+    p.incref([1] * 7)
+    colors = pool_colors(decode_frame(build_frame(p)))
+    assert colors[0].tolist() == list(STATE_RGB["ALLOC1"]) and colors[1].tolist() == list(STATE_RGB["ALLOC8"])
+
+
+def test_export_html_embeds_everything(tmp_path):
+    p = BlockPool(32, with_storage=False)
+    rec = record(p, RandomWorkload(p, seed=9, steps=40), 40, every=8)
+    for view in ("pool", "eviction", "fragmentation", "dashboard"):
+        page = export_html(rec, tmp_path / f"{view}.html", view=view, title="<run>").read_text()
+        frames = json.loads(re.search(r'<script id="kvlab-frames" type="application/json">(.*?)</script>', page,
+                                      re.S).group(1))
+        assert [base64.b64decode(s) for s in frames] == list(rec)
+        assert "kvMount" in page and "KvReplayModel" in page and "&lt;run&gt;" in page
+        assert not re.search(r"(src|href)=|https?://|import\s*\(", page)  # nothing to fetch
+    with pytest.raises(ConfigError, match="no frame"):
+        export_html([], tmp_path / "x.html")
+    with pytest.raises(ConfigError, match="frame 1 of the recording"):
+        export_html([rec[0], b"junk"], tmp_path / "x.html")
+    with pytest.raises(ConfigError, match="unknown view"):
+        export_html(rec, tmp_path / "x.html", view="pie")
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_import_kvlab_loads_no_jupyter_and_views_load_lazily():
+    code = ("import sys, kvlab, kvlab.viz\n"
+            "assert not {'anywidget', 'ipywidgets', 'jupyter_client'} & set(sys.modules), sys.modules.keys()\n"
+            "assert kvlab.PoolView is kvlab.viz.PoolView and 'anywidget' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_wheel_ships_the_widget_modules(tmp_path):
+    from kvlab.viz.assets import VIEWS, esm_source, widget_dir
+    assert widget_dir() == REPO / "widgets"
+    assert all("export default" in esm_source(v) for v in VIEWS)
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(REPO)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("kvlab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "replay.js", "kvlab.css"):
+        assert f"kvlab/_widgets/{f}" in names, f
+    assert "kvlab/viz/assets.py" in names
