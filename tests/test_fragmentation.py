@@ -198,3 +198,36 @@ def test_attention_of_live_sequences_is_unchanged():
     pool.check_invariants()
     np.testing.assert_array_equal(np.sort(np.concatenate([tables[i] for i in live] + [filler[1::2]])),
                                   np.flatnonzero(pool.status_np != FREE))
+
+
+def test_sequence_manager_tables_follow_compaction():
+    from kvlab.sequence import SequenceManager
+
+    spec = small_spec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    pool = BlockPool(64, spec=spec)
+    mgr = SequenceManager(pool)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [mgr.create() for _ in range(5)]
+    for _ in range(6):  # interleaved growth scatters every table over the pool
+        for s in seqs:
+            slots = s.append(3)
+            for layer in range(spec.num_layers):
+                k, v = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+                pool.storage.write_slots(layer, slots, k, v)
+    seqs.append(seqs[0].fork())  # shared blocks move once and both tables follow
+    for s in (seqs.pop(3), seqs.pop(1)):
+        s.free()
+    q = torch.randn(len(seqs), 4, 8, generator=gen)
+
+    def outputs() -> list[torch.Tensor]:
+        return [paged_attention(q, pool, layer, mgr.block_tables(seqs), [len(s) for s in seqs])
+                for layer in range(spec.num_layers)]
+
+    before, tables = outputs(), [list(s.block_table) for s in seqs]
+    report = DefragmentationStrategy(pool).defragment(force=True)
+    assert report.moves and tables != [s.block_table for s in seqs]
+    pool.storage.kv[:, :, torch.from_numpy(np.flatnonzero(pool.status_np == FREE))] = float("nan")
+    assert all(torch.equal(a, b) for a, b in zip(before, outputs()))
+    assert seqs[0].block_table == seqs[-1].block_table
+    mgr.check_invariants()
+    pool.check_invariants()

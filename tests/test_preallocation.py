@@ -102,3 +102,19 @@ def test_allocate_is_all_or_nothing():
 def test_bad_configuration(kw):
     with pytest.raises(ConfigError):
         Preallocator(BlockPool(4, spec=small_spec()), **kw)
+
+
+def test_misses_go_through_the_allocator_when_given():
+    pool = BlockPool(8, spec=small_spec(), block_sizes=[4, 8])
+    fill = pool.allocate(8, size_class=0)
+    pool.mark_reusable(fill)
+    pool.free(fill)  # all cached, class 0: the pool alone cannot free a class-1 block
+    with pytest.raises(OutOfBlocksError):
+        Preallocator(pool).allocate(1, owner=1, size_class=1)
+    pre = Preallocator(pool, allocator=DynamicAllocator(pool))
+    got = pre.allocate(2, owner=1, size_class=1)  # planned evictions free two aligned pairs
+    assert len(got) == 2 and pool.num_cached_blocks == 4 and pre.stats["fallback"] == 2
+    with pytest.raises(OutOfBlocksError):
+        pre.allocate(3, owner=1, size_class=1)  # two more fit, not three: the two taken are returned
+    assert pool.num_free_blocks == 4 and pre.stats["fallback"] == 2
+    pool.check_invariants()
