@@ -420,47 +420,72 @@ class BlockPool:
         lock = self.lock
         lock.acquire()
         try:
-            if len(ids) <= 32 and not self.max_order and len(set(ids)) == len(ids):  # hot path: few base blocks
-                self._free_few(ids)
+            few = self._few(ids)
+            if few is not None:
+                self._release_few(few, free=True)
             else:
                 self._locks += 1
                 self._release(self._ids(ids), free=True)
         finally:
             lock.release()
 
-    def _free_few(self, ids: Ids) -> None:
-        """Scalar :meth:`free` for a few distinct base blocks: validate all, then apply."""
-        status, refs, n = self._status, self._refs, self.num_blocks
+    def _few(self, ids: Ids) -> list[int] | None:
+        """``ids`` as validated distinct ints when the scalar path applies (a short list or tuple without
+        repeats); None sends the call down the vectorised path. Scalar Python beats numpy's per-call overhead
+        below a few dozen blocks."""
+        if type(ids) not in (list, tuple) or len(ids) > 32 or (len(ids) > 1 and len(set(ids)) != len(ids)):
+            return None
+        n, out = self.num_blocks, []
         for b in ids:
-            if type(b) is not int or not 0 <= b < n:
+            if type(b) is not int or not 0 <= b < n or self.max_order:
                 b = self._check_id(b)
-            s = status[b]
-            if s == FREE or s == EVICTING or (s == ALLOCATED and not refs[b]):
-                raise DoubleFreeError(self._double_free_msg(b))
-        t = self.clock.tick()
-        self._hot_frees += 1
-        freed = []
+            out.append(b)
+        return out
+
+    def _release_few(self, ids: list[int], free: bool) -> None:
+        """Scalar :meth:`free` / :meth:`decref` of distinct blocks: validate all, then apply."""
+        status, refs = self._status, self._refs
         for b in ids:
-            b = int(b)
+            s = status[b]
+            if free and (s == FREE or s == EVICTING or (s == ALLOCATED and not refs[b])):
+                raise DoubleFreeError(self._double_free_msg(b))
+            if not free and s != ALLOCATED:
+                raise IllegalTransitionError(f"block {b} is {_NAMES[s]}: only ALLOCATED blocks hold references")
+            if not free and not refs[b]:
+                raise RefcountUnderflowError(f"block {b} has refcount 0; there is no reference to drop")
+        t = self.clock.tick()
+        if free:
+            self._hot_frees += 1
+            self._counts["frees"] += len(ids) - 1  # one is counted by _hot_frees
+        else:
+            self._locks += 1
+            self._counts["decrefs"] += len(ids)
+        left, kept, freed = [], [], []
+        for b in ids:
             self._last[b] = t
             r = refs[b] = refs[b] - 1
             if r:
-                if self._subs:
-                    self._publish(ev.RefChanged(t, (b,), -1, (r,)))
-            elif status[b] == ALLOCATED and self._reusable[b]:
+                left.append(b)
+            elif status[b] == ALLOCATED and (not free or self._reusable[b]):
                 self.policy.add(b)
-                if self._subs:
-                    self._publish(ev.Cached(t, (b,)))
-            else:
+                kept.append(b)
+            elif self._order[b]:
+                self._push_free(b)
+                freed.append(b)
+            else:  # inline _push_free for the base-block case: this is the hottest path of the pool
                 status[b] = FREE
-                self._tokens[b] = 0
+                self._tokens[b] = self._reusable[b] = 0
                 self._owner[b] = -1
                 self._free[0].append(b)
+                self._free_units += 1
                 freed.append(b)
-        self._free_units += len(freed)
-        self._counts["frees"] += len(ids) - 1  # one is counted by _hot_frees
-        if self._subs and freed:
-            self._publish(ev.Freed(t, tuple(freed)))
+        if self._subs:
+            if left:
+                self._publish(ev.RefChanged(t, tuple(left), -1, tuple(refs[b] for b in left)))
+            if kept:
+                self._publish(ev.Cached(t, tuple(kept)))
+            if freed:
+                self._publish(ev.Freed(t, tuple(freed)))
 
     def _unique(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
         """``(distinct ids, multiplicities)``; the common no-duplicate case costs two scatters, not a sort."""
@@ -530,8 +555,12 @@ class BlockPool:
         """Drop one reference from each block; at 0 a block keeps its data and becomes cached (evictable).
         Raises :class:`RefcountUnderflowError` (refcount already 0) and changes nothing."""
         with self.lock:
-            self._locks += 1
-            self._release(self._ids(ids), free=False)
+            few = self._few(ids)
+            if few is not None:
+                self._release_few(few, free=False)
+            else:
+                self._locks += 1
+                self._release(self._ids(ids), free=False)
 
     def release_block(self, block_id: int) -> None:
         """The text's name for releasing one block: :meth:`free` of ``[block_id]``."""
@@ -542,6 +571,10 @@ class BlockPool:
         and leaves the evictable set: this is how a prefix-cache hit reuses data instead of recomputing it."""
         with self.lock:
             self._locks += 1
+            few = self._few(ids)
+            if few is not None:
+                self._incref_few(few)
+                return
             a = self._ids(ids)
             if not a.size:
                 return
@@ -560,6 +593,22 @@ class BlockPool:
             self.last_np[uniq] = t
             if self._subs:
                 self._publish(ev.RefChanged(t, tuple(uniq.tolist()), 1, tuple(self.refs_np[uniq].tolist())))
+
+    def _incref_few(self, ids: list[int]) -> None:
+        status, refs = self._status, self._refs
+        for b in ids:
+            if status[b] != ALLOCATED:
+                raise IllegalTransitionError(f"block {b} is {_NAMES[status[b]]}: only ALLOCATED blocks "
+                                             f"can be referenced")
+        t = self.clock.tick()
+        for b in ids:
+            if not refs[b]:
+                self.policy.discard(b)
+            refs[b] += 1
+            self._hits[b] += 1
+            self._last[b] = t
+        if self._subs and ids:
+            self._publish(ev.RefChanged(t, tuple(ids), 1, tuple(refs[b] for b in ids)))
 
     def touch(self, ids: Ids) -> None:
         """Record an access (attention read) without changing references: LRU time and LFU count."""
