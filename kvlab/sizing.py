@@ -28,9 +28,9 @@ lengths                                p95     memory_efficient  performance_opt
 retrieval queries alone (10-100)       ~71     512               256                  64 (text: crash)
 =====================================  ======  ================  ===================  ========
 
-The measured sweep disagrees: on these workloads the balanced cost is lowest at 32-64 tokens (run
-``kvlab sweep --workload NAME``), because internal waste and prefix-sharing loss grow with the block while the
-per-block overhead shrinks only as ``1/B``.
+The measured sweep disagrees: on these workloads the balanced cost is lowest at 32-128 tokens (run
+``kvlab sweep --workload NAME``; which of them moves with the attention timings of the machine), because
+internal waste and prefix-sharing loss grow with the block while the per-block overhead shrinks only as ``1/B``.
 
 :func:`sweep` replaces the guess by a measurement. It runs a workload through a :class:`~kvlab.BlockPool` of
 each block size, every request resident at its final length (the moment a batch holds the most), and reads:
