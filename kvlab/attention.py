@@ -39,10 +39,11 @@ class AttentionWorkspace:
     def get(self, num_blocks: int, like: torch.Tensor) -> torch.Tensor:
         """A buffer for ``num_blocks`` blocks shaped like one layer's block ``like`` ``[B, heads, dim]``."""
         b = self.buf
-        if b is None or b.shape[1] < num_blocks or b.shape[2:] != like.shape or b.dtype != like.dtype \
-                or b.device != like.device:
-            grow = max(num_blocks, 2 * b.shape[1] if b is not None and b.shape[2:] == like.shape else 0)
-            self.buf = b = torch.empty((2, grow, *like.shape), dtype=like.dtype, device=like.device)
+        if b is not None and (b.shape[2:] != like.shape or b.dtype != like.dtype or b.device != like.device):
+            b = None  # another pool: start over
+        if b is None or b.shape[1] < num_blocks:
+            rows = max(num_blocks, 2 * b.shape[1]) if b is not None else num_blocks  # doubling: rare regrowth
+            self.buf = b = torch.empty((2, rows, *like.shape), dtype=like.dtype, device=like.device)
         return b
 
 

@@ -353,6 +353,7 @@ class SequenceManager:
         assert named == Counter(dict(zip(held.tolist(), refs[held].tolist()))), "refcounts disagree with tables"
         for s in self.seqs.values():
             assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
-            assert all(self.pool._status[b] == BlockStatus.ALLOCATED for b in s.block_table if b >= 0), f"sequence {s.seq_id}: status"
+            resident = [b for b in s.block_table if b >= 0]
+            assert all(self.pool._status[b] == BlockStatus.ALLOCATED for b in resident), f"sequence {s.seq_id}: status"
             out = s.swapped.positions if s.swapped is not None else []
             assert [i for i, b in enumerate(s.block_table) if b < 0] == out, f"sequence {s.seq_id}: swap state"
