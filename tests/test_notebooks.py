@@ -89,7 +89,7 @@ def test_executes_in_fast_mode(path: Path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg"}
+    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits the test's environment
     try:
@@ -103,3 +103,31 @@ def test_executes_in_fast_mode(path: Path):
                 os.environ[k] = v
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(180)
+def test_render_keeps_widget_state_and_links(tmp_path: Path):
+    """``kvlab html``: a chapter with live views becomes a page carrying the widgets' saved state; links to
+    other notebooks point at their HTML pages."""
+    from kvlab.render import render_chapters
+
+    src = tmp_path / "chapters"
+    src.mkdir()
+    for name in ("index.ipynb", "2_2_4_defragmentation.ipynb"):
+        (src / name).write_bytes((CHAPTERS / name).read_bytes())
+    before = os.environ.get("KVLAB_FAST")
+    pages = render_chapters(src, tmp_path / "site", fast=True, solutions=False)
+    assert os.environ.get("KVLAB_FAST") == before  # the caller's environment is restored
+    assert [p.name for p in pages] == ["2_2_4_defragmentation.html", "index.html"]
+    chapter, index = (p.read_text(encoding="utf-8") for p in pages)
+    assert "application/vnd.jupyter.widget-state+json" in chapter and "FragmentationView" not in index
+    assert 'href="2_2_4_defragmentation.html"' in index and 'href="2_2_4_defragmentation.ipynb"' not in index
+
+
+def test_render_rejects_a_folder_without_notebooks(tmp_path: Path):
+    from kvlab import ConfigError
+    from kvlab.render import render_chapters
+
+    with pytest.raises(ConfigError, match=str(tmp_path)):
+        render_chapters(tmp_path, tmp_path / "site")
