@@ -99,10 +99,27 @@ class PrefixCache:
               max_blocks: int | None = None) -> tuple[list[int], bytes | None]:
         """The cached blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks`` full blocks),
         each with one new reference taken for the caller; and the hash of the last one (None if no hit)."""
-        B = self.block_size
-        n = len(token_ids) // B if max_blocks is None else min(max_blocks, len(token_ids) // B)
+        ids, parent, n = self._walk(token_ids, tenant, max_blocks)
         self.requests += 1
         self.queries += n
+        if ids:
+            self.pool.incref(ids)
+            self.hits += len(ids)
+            if self.pool.events.subscribers:
+                self.pool.events.publish(PrefixHit(self.pool.clock.now(), tuple(ids), len(ids) * self.block_size,
+                                                   tenant))
+        return ids, parent
+
+    def peek(self, token_ids: Sequence[int], tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
+        """The blocks :meth:`match` would return now, without taking references or counting a lookup (admission
+        control asks what a prompt would cost before committing to it)."""
+        return self._walk(token_ids, tenant, max_blocks)[0]
+
+    def _walk(self, token_ids: Sequence[int], tenant: str | None,
+              max_blocks: int | None) -> tuple[list[int], bytes | None, int]:
+        """Follow the hash chain of ``token_ids``: (hit blocks, last hit's hash, full blocks looked up)."""
+        B = self.block_size
+        n = len(token_ids) // B if max_blocks is None else min(max_blocks, len(token_ids) // B)
         ids, parent = [], None
         for i in range(n):
             chunk = tuple(int(t) for t in token_ids[i * B:(i + 1) * B])
@@ -118,12 +135,7 @@ class PrefixCache:
                 break
             ids.append(b)
             parent = digest
-        if ids:
-            self.pool.incref(ids)
-            self.hits += len(ids)
-            if self.pool.events.subscribers:
-                self.pool.events.publish(PrefixHit(self.pool.clock.now(), tuple(ids), len(ids) * B, tenant))
-        return ids, parent
+        return ids, parent, n
 
     def store(self, block_id: int, token_ids: Sequence[int], parent: bytes | None,
               tenant: str | None = None) -> bytes | None:

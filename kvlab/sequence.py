@@ -22,7 +22,8 @@ each block. :class:`SequenceManager` does every operation on tables, always thro
 Invariants (checked by :meth:`SequenceManager.check_invariants`): a resident table entry is ALLOCATED; the
 refcount of every block equals the number of table entries naming it; a table has ``ceil(num_tokens / B)``
 entries; exactly the swapped-out entries are ``-1`` (their data is on the host).
-Works on metadata-only pools (``with_storage=False``): token counts and tables without any K/V.
+Works on metadata-only pools (``with_storage=False``): token counts and tables without any K/V;
+:meth:`SequenceManager.append_tokens` then skips building slot tensors nobody reads.
 """
 from __future__ import annotations
 
@@ -198,60 +199,78 @@ class SequenceManager:
         whole batch come from one ``pool.allocate`` (all or nothing: on :class:`OutOfBlocksError` nothing
         changed), shared partly filled tail blocks are copied first, token counts are updated and the slots of
         the new tokens returned in a :class:`PagedBatch`."""
-        if len(seqs) != len(new) or len({s.seq_id for s in seqs}) != len(seqs):
-            raise ConfigError(f"append_batch needs distinct sequences and one entry each, got {len(seqs)} "
-                              f"sequences and {len(new)} entries")
-        counts = []
-        for seq, x in zip(seqs, new):
-            self._live(seq)
-            n = x if isinstance(x, int) else len(x)
-            if isinstance(x, bool) or n < 0:
-                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
-            if seq.token_ids is not None and isinstance(x, int) and n:
-                raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({n})")
-            counts.append(n)
-        B, refs = self.block_size, self.pool._refs
-        # Plan: new blocks per sequence, plus a private copy for a shared, partly filled tail (copy-on-write).
-        # Refcounts are simulated in order, so of k sharers appending in one batch only the first r-1 copy.
-        left, plan = Counter(), []
-        for seq, n in zip(seqs, counts):
-            t = seq.block_table
-            cow = bool(n and seq.num_tokens % B and refs[t[-1]] - left[t[-1]] > 1)
-            if cow:
-                left[t[-1]] += 1
-            plan.append((cow, -(-(seq.num_tokens + n) // B) - len(t)))
-        fresh = self.pool.allocate(sum(c + k for c, k in plan)) if any(c or k for c, k in plan) else []
-        src, dst, it = [], [], iter(fresh)
-        for seq, (cow, k) in zip(seqs, plan):
-            t = seq.block_table
-            got = [next(it) for _ in range(cow + k)]
-            if cow:
-                src.append(t[-1])
-                dst.append(got[0])
-                t[-1] = got[0]
-            t.extend(got[cow:])
-            if got:
-                self.pool.set_owner(got, seq.seq_id)
-        if src:
-            if self.pool.storage is not None:
-                self.pool.storage.copy_blocks(src, dst)
-            self.pool.free(src)  # the sharers keep the originals
-            if self.pool.events.subscribers:
-                for s_, d_, seq in zip(src, dst, [s for s, (c, _) in zip(seqs, plan) if c]):
-                    self.pool.events.publish(CopiedOnWrite(self.pool.clock.now(), seq.seq_id, s_, d_))
-        starts = [s.num_tokens for s in seqs]
-        for seq, x, n in zip(seqs, new, counts):
-            for i in range(seq.num_tokens // B, -(-(seq.num_tokens + n) // B)):
-                self.pool.set_token_count(seq.block_table[i], min(B, seq.num_tokens + n - i * B))
-            seq.num_tokens += n
-            if seq.token_ids is not None:
-                seq.token_ids.extend(int(v) for v in x)
+        starts = self.append_tokens(seqs, new)
+        counts = [s.num_tokens - a for s, a in zip(seqs, starts)]
         tables = self.block_tables(seqs)
         rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts, dtype=torch.long))
         pos = torch.arange(rows.numel()) - torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.long)[rows] \
             + torch.tensor(starts, dtype=torch.long)[rows]
         return PagedBatch(self._slots(tables, rows, pos), pos.to(self.device), tables.to(self.device),
                           [s.num_tokens for s in seqs], counts)
+
+    def append_tokens(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> list[int]:
+        """The bookkeeping of :meth:`append_batch` (blocks, copy-on-write, token counts, token ids, same errors,
+        same all-or-nothing allocation) without building any tensor: the fast path of metadata-only
+        simulations, which never read slots. Returns each sequence's length before the append."""
+        if len(seqs) != len(new) or len({s.seq_id for s in seqs}) != len(seqs):
+            raise ConfigError(f"append_batch needs distinct sequences and one entry each, got {len(seqs)} "
+                              f"sequences and {len(new)} entries")
+        B, refs, live = self.block_size, self.pool._refs, self.seqs
+        # Plan: new blocks per sequence, plus a private copy for a shared, partly filled tail (copy-on-write).
+        # Refcounts are simulated in order, so of k sharers appending in one batch only the first r-1 copy.
+        left: dict[int, int] = {}
+        counts, plan, need = [], [], 0
+        for seq, x in zip(seqs, new):
+            if live.get(seq.seq_id) is not seq or seq.swapped is not None:
+                self._live(seq)  # raises the precise error
+            n = x if isinstance(x, int) else len(x)
+            if isinstance(x, bool) or n < 0:
+                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
+            if seq.token_ids is not None and isinstance(x, int) and n:
+                raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({n})")
+            t = seq.block_table
+            cow = False
+            if n and seq.num_tokens % B:
+                last = t[-1]
+                cow = refs[last] - left.get(last, 0) > 1
+                if cow:
+                    left[last] = left.get(last, 0) + 1
+            k = -(-(seq.num_tokens + n) // B) - len(t)
+            counts.append(n)
+            plan.append((cow, k))
+            need += cow + k
+        fresh = self.pool.allocate(need) if need else []
+        src, dst, cowed, at = [], [], [], 0
+        for seq, (cow, k) in zip(seqs, plan):
+            if not cow + k:
+                continue
+            t, got = seq.block_table, fresh[at:at + cow + k]
+            at += cow + k
+            if cow:
+                src.append(t[-1])
+                dst.append(got[0])
+                cowed.append(seq)
+                t[-1] = got[0]
+            t.extend(got[cow:])
+            self.pool.set_owner(got, seq.seq_id)
+        if src:
+            if self.pool.storage is not None:
+                self.pool.storage.copy_blocks(src, dst)
+            self.pool.free(src)  # the sharers keep the originals
+            if self.pool.events.subscribers:
+                for s_, d_, seq in zip(src, dst, cowed):
+                    self.pool.events.publish(CopiedOnWrite(self.pool.clock.now(), seq.seq_id, s_, d_))
+        starts, set_count = [], self.pool.set_token_count
+        for seq, x, n in zip(seqs, new, counts):
+            start = seq.num_tokens
+            starts.append(start)
+            end = seq.num_tokens = start + n
+            t = seq.block_table
+            for i in range(start // B, -(-end // B)):
+                set_count(t[i], min(B, end - i * B))
+            if n and seq.token_ids is not None:
+                seq.token_ids.extend(map(int, x))
+        return starts
 
     # ------------------------------------------------------------------ tables and slots
     def block_tables(self, seqs: Seq[Sequence]) -> torch.Tensor:
@@ -343,13 +362,14 @@ class SequenceManager:
         for seq in self.seqs.values():
             seq.block_table[:] = [moved.get(b, b) for b in seq.block_table]
 
-    def check_invariants(self) -> None:
-        """The pool's invariants, plus: refcount == number of table entries naming the block; resident entries
-        are ALLOCATED; table length == ceil(tokens / B). Raises AssertionError."""
+    def check_invariants(self, exclusive: bool = True) -> None:
+        """The pool's invariants, plus: refcount == number of table entries naming the block (and, when
+        ``exclusive``, no block is referenced by anything but these tables); resident entries are ALLOCATED;
+        table length == ceil(tokens / B). Raises AssertionError."""
         self.pool.check_invariants()
         named = Counter(b for s in self.seqs.values() for b in s.block_table if b >= 0)
         refs = self.pool.refs_np
-        held = np.flatnonzero(refs)
+        held = np.flatnonzero(refs) if exclusive else np.fromiter(named, dtype=np.int64, count=len(named))
         assert named == Counter(dict(zip(held.tolist(), refs[held].tolist()))), "refcounts disagree with tables"
         for s in self.seqs.values():
             assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
