@@ -1,8 +1,6 @@
-"""Random operation sequences on a pool, checked step by step against a plain reference model, plus threads."""
+"""Random operation sequences on a pool, checked step by step against a plain reference model. (Threads
+hammering one pool: tests/test_reliability.py.)"""
 from __future__ import annotations
-
-import random
-import threading
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -177,46 +175,3 @@ TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 
-
-def test_threads_hammering_keep_invariants():
-    """8 threads x mixed operations on one pool; a watchdog fails instead of hanging on a deadlock."""
-    pool = BlockPool(256, spec=small_spec(), with_storage=False)
-    errors: list[BaseException] = []
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        mine: list[int] = []  # one entry per reference this thread holds
-        try:
-            for _ in range(1500):
-                r = rng.random()
-                if r < 0.35:
-                    try:
-                        got = pool.allocate(rng.randint(1, 4))
-                    except OutOfBlocksError:
-                        continue
-                    mine.extend(got)
-                    if rng.random() < 0.3:
-                        pool.mark_reusable(got)
-                elif r < 0.55 and mine:
-                    b = rng.choice(mine)
-                    pool.incref([b])
-                    mine.append(b)
-                elif r < 0.95 and mine:
-                    batch = [mine.pop(rng.randrange(len(mine))) for _ in range(min(3, len(mine)))]
-                    pool.free(batch)  # duplicates drop several of this thread's references at once
-                else:
-                    pool.evict_block()
-            if mine:
-                pool.free(mine)
-        except BaseException as e:  # surfaced in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "deadlock: a worker did not finish within the watchdog"
-    assert not errors, errors[:3]
-    pool.check_invariants()
-    assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks  # every reference was returned
