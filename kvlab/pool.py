@@ -30,7 +30,7 @@ from __future__ import annotations
 import operator
 import threading
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from _util import small_spec
 from kvlab import BlockPool, BlockStatus, KVLabError, OutOfBlocksError
