@@ -141,7 +141,8 @@ def test_live_run_sends_paced_latest_frames_and_always_the_final_one():
     assert run.run() == 1000 and run.state == "done"
     assert 30 <= len(sink.frames) <= 32  # 30 paced frames in one second, plus the final one
     assert run.frames_sent == len(sink.frames) == len(run.recording)
-    assert [decode_frame(f).seq for f in sink.frames] == list(range(len(sink.frames)))
+    seqs = [decode_frame(f).seq for f in sink.frames]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one build per frame sent
     final = decode_frame(sink.frames[-1])
     assert np.array_equal(final.state, reference_frame(p)["state"]) and final.step == p.clock.now()
     assert not p.events.subscribers and run.run() == 0
@@ -223,7 +224,8 @@ def test_random_workload_keeps_invariants_and_replays(preset, multi):
         return record(p, checked, 400, every=40)
 
     a, b = run(7), run(7)
-    assert len(a) == 11 and list(a) == list(b)  # same seed, same frames, byte for byte
+    unnumbered = lambda rec: [f[:4] + f[8:] for f in rec]  # noqa: E731  (frame numbers are process-unique)
+    assert len(a) == 11 and unnumbered(a) == unnumbered(b)  # same seed, same frames, byte for byte
     states = np.concatenate([decode_frame(f).state for f in a])
     assert {0, 2}.issubset(set(states.tolist()))
 

@@ -125,7 +125,7 @@ function kvMount(model, el, makePanels, extra) {
   const hist = [];
   let idx = -1, live = true, received = 0, histBytes = 0;
   const btn = (act, label, title) => { const b = kvEl("button", "kv-btn", bar, label); b.dataset.act = act; b.title = title; return b; };
-  const back = btn("back", "◀", "step back"), toggle = btn("toggle", "❚❚", "pause / follow live");
+  const back = btn("back", "◀", "step back"), toggle = btn("toggle", "pause", "pause / follow live");
   const fwd = btn("fwd", "▶", "step forward");
   const slider = kvEl("input", "kv-slider", bar);
   slider.type = "range"; slider.min = 0; slider.max = 0; slider.value = 0;
@@ -140,7 +140,7 @@ function kvMount(model, el, makePanels, extra) {
     root.dataset.live = live ? "1" : "0";
     const f = hist[idx];
     label.textContent = f ? `frame ${idx + 1}/${hist.length} · step ${f.step} · seq ${f.seq} · received ${received}/${root.dataset.framesSent}` : "no frame yet";
-    toggle.textContent = live ? "❚❚" : "⏵";
+    toggle.textContent = live ? "pause" : "live";
   }
   function show(i) {
     if (!hist.length) return report();

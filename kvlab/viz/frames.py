@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from itertools import islice
+from itertools import count, islice
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,8 @@ MAX_EVICTIONS = 16  # per frame: the latest ones; ``evictions_total`` counts all
 MAX_MOVES = 256
 MAX_CANDIDATES = 8  # per eviction: the candidates the pool walked plus the policy's runners-up
 RANK_LIMIT = 2048
+_SEQ = count()  # frame numbers are unique in the process, so no two frames are equal bytes (a synced trait
+#                 set to equal bytes sends nothing, and the browser would count one frame less)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,6 @@ class FrameBuilder:
     def __init__(self, pool: BlockPool, *, details_limit: int = DETAILS_LIMIT) -> None:
         self.pool = pool
         self.details = pool.num_blocks <= details_limit
-        self.seq = 0
         self._flash = np.zeros(pool.num_blocks, np.uint8)
         self._ids = np.arange(pool.num_blocks, dtype=np.int64)
         self._evictions: list[dict[str, Any]] = []
@@ -176,9 +177,8 @@ class FrameBuilder:
         if self._moves:
             tail["moves"] = self._moves
         tail_bytes = json.dumps(tail, separators=(",", ":")).encode() if tail else b""
-        head = HEADER.pack(MAGIC, self.seq, n, p.block_size, step, n_used / n, external, waste, scatter,
+        head = HEADER.pack(MAGIC, next(_SEQ) & 0xFFFFFFFF, n, p.block_size, step, n_used / n, external, waste, scatter,
                            FLAG_DETAILS if self.details else 0, len(tail_bytes))
-        self.seq += 1
         self._flash[:] = 0
         self._evictions, self._moves = [], []
         return b"".join((head, state.tobytes(), refs8.tobytes(), meta.astype(np.uint8).tobytes(), details,

@@ -28,6 +28,29 @@ REPO = HERE.parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+# One pool in every state, as source so a notebook can build the same pool; the colour key of each block.
+KNOWN_POOL = """\
+p = BlockPool(16, with_storage=False)
+p.allocate(6)                      # 0..5, refcount 1
+p.incref([1])                      # refcount 2
+p.incref([2] * 8)                  # refcount 9: the darkest shade
+p.mark_reusable([3]); p.free([3])  # cached
+p.reserve(1)                       # 6 PENDING
+p.allocate(1); p.mark_reusable([7]); p.free([7]); p.begin_eviction([7])  # 7 EVICTING
+"""
+KNOWN_KEYS = ["ALLOC1", None, "ALLOC8", "CACHED", "ALLOC1", "ALLOC1", "PENDING", "EVICTING"] + ["FREE"] * 8
+
+
+@pytest.fixture
+def known_pool():
+    """(pool, colour key per block; None where the key is ALLOC1 mixed 1/7 towards ALLOC8, refcount 2)."""
+    from kvlab import BlockPool
+    ns = {"BlockPool": BlockPool}
+    exec(KNOWN_POOL, ns)
+    ns["p"].check_invariants()
+    return ns["p"], KNOWN_KEYS
+
+
 def _missing(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is missing, and browser tests must run in CI")

@@ -15,20 +15,6 @@ pytestmark = pytest.mark.browser
 B64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
 
 
-def known_pool() -> tuple[BlockPool, list[str]]:
-    """16 blocks in every state; returns the pool and the expected colour key per block."""
-    p = BlockPool(16, with_storage=False)
-    p.allocate(6)                      # 0..5, refcount 1
-    p.incref([1])                      # refcount 2
-    p.incref([2] * 8)                  # refcount 9: the darkest shade
-    p.mark_reusable([3]); p.free([3])  # cached
-    p.reserve(1)                       # 6 PENDING
-    p.allocate(1); p.mark_reusable([7]); p.free([7]); p.begin_eviction([7])  # 7 EVICTING
-    p.check_invariants()
-    keys = ["ALLOC1", None, "ALLOC8", "CACHED", "ALLOC1", "ALLOC1", "PENDING", "EVICTING"] + ["FREE"] * 8
-    return p, keys
-
-
 def mix(a, b, w):
     return [round(x + (y - x) * w) for x, y in zip(a, b)]
 
@@ -53,8 +39,8 @@ def root_data(page) -> dict:
     return page.evaluate("() => ({...document.querySelector('.kv-root').dataset})")
 
 
-def test_pool_view_colours_for_a_known_state(harness):
-    p, keys = known_pool()
+def test_pool_view_colours_for_a_known_state(harness, known_pool):
+    p, keys = known_pool
     mount(harness, "pool", [build_frame(p)])
     alloc2 = mix(STATE_RGB["ALLOC1"], STATE_RGB["ALLOC8"], 1 / 7)
     for b, key in enumerate(keys):
@@ -103,8 +89,8 @@ def test_flashes_fade_over_frames_and_counters_match(harness):
     assert harness.evaluate("() => m.sent[0].type") == "ready"
 
 
-def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness):
-    p, _ = known_pool()
+def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_pool):
+    p, _ = known_pool
     p.set_owner([2], 42)
     p.set_token_count(2, 11)
     mount(harness, "pool", [build_frame(p)])
@@ -184,8 +170,8 @@ def test_fragmentation_view_map_gauges_and_moves(harness):
     assert arrow == [0, 150, 190]  # the move 11 -> 1 is drawn (through the middle of cell 6, on its path)
 
 
-def test_dashboard_controls_send_messages(harness):
-    p, keys = known_pool()
+def test_dashboard_controls_send_messages(harness, known_pool):
+    p, _ = known_pool
     state = ('{status: "idle", speed: 100, policy: "lru", block_size: 16, workload: "steady", '
              'options: {policy: ["fifo", "lru"], block_size: [16, 32], workload: ["steady", "bursty"]}}')
     mount(harness, "dashboard", [build_frame(p)], state)
