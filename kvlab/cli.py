@@ -159,6 +159,21 @@ def _run_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all of benchmarks/bench_*.py)")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke test that they run, not a measurement")
+    p.add_argument("--json", default=None, help="where to write the rows (default bench-results/bench.json)")
+
+
+@command("bench", "run the benchmarks: one table of figures, baselines, ratios and goals, also written as JSON",
+         _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    bench_main(args.names or None, quick=args.quick, json_path=args.json)
+    return 0
+
+
 @command("demo", "run the default workload through a pool and print the engine's report and the text's "
                  "2.2.6 claims beside kvlab's measurements", lambda p: None)
 def _demo(args: argparse.Namespace) -> int:
