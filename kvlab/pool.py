@@ -420,7 +420,22 @@ class BlockPool:
         lock = self.lock
         lock.acquire()
         try:
-            few = self._few(ids)
+            if type(ids) is list and len(ids) == 1 and not self.max_order:  # hottest path: one base block
+                b = ids[0]
+                s = self._status[b] if type(b) is int and 0 <= b < self.num_blocks else -1
+                r = self._refs[b] if s == ALLOCATED else 0
+                if r == 1 and not self._reusable[b]:
+                    self._status[b] = FREE
+                    self._refs[b] = self._tokens[b] = 0
+                    self._owner[b] = -1
+                    self._last[b] = t = self.clock.tick()
+                    self._free[0].append(b)
+                    self._free_units += 1
+                    self._hot_frees += 1
+                    if self._subs:
+                        self._publish(ev.Freed(t, (b,)))
+                    return
+            few = self._few(ids)  # everything else, including every error, takes the general paths
             if few is not None:
                 self._release_few(few, free=True)
             else:
