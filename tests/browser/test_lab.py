@@ -1,0 +1,142 @@
+"""End to end in JupyterLab: a generated notebook is run in Chromium; the grid shows the expected colours for a
+known pool state, a live run streams every frame it sends (sent = received, counted on both sides), the player
+pauses and steps through received frames, the dashboard's controls drive the run in the kernel between steps,
+and one screenshot per view is saved for the docs."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import KNOWN_KEYS, KNOWN_POOL
+
+from kvlab.viz.static import STATE_RGB
+
+pytestmark = pytest.mark.browser
+
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+
+CELLS = [
+    "from kvlab import BlockPool\n"
+    "from kvlab.viz import Dashboard, EvictionView, FragmentationView, LiveRun, PoolView, RandomWorkload\n"
+    + KNOWN_POOL + "PoolView(p)",
+    "q = BlockPool(1024, with_storage=False, seed=1)\nlv = PoolView(q)\nlv",
+    "ev = EvictionView(q)\nev",
+    "fv = FragmentationView(q)\nfv",
+    "import time\n"
+    "work = RandomWorkload(q, preset='defrag', seed=1, steps=3000)\n"
+    "def slow_step():\n"
+    "    time.sleep(0.001)  # ~3 s of stepping: about 100 paced frames while this cell runs\n"
+    "    return work()\n"
+    "run = LiveRun(q, slow_step, [lv, ev, fv])\n"
+    "run.run()\n"
+    "print('SENT', run.frames_sent, lv.frames_sent, ev.frames_sent, fv.frames_sent)",
+    "d = Dashboard(num_blocks=2048, seed=2, speed=400)\nd",
+]
+
+
+def roots(page):
+    return page.locator(".jp-OutputArea-output .kv-root")
+
+
+def data(page, i: int) -> dict:
+    return page.evaluate("(i) => ({...document.querySelectorAll('.jp-OutputArea-output .kv-root')[i].dataset})", i)
+
+
+def cell_pixel(page, i: int, b: int) -> list[int]:
+    return page.evaluate("""([i, b]) => {
+      const root = document.querySelectorAll('.jp-OutputArea-output .kv-root')[i], p = root.kv.panels[0];
+      const g = p.layout(), ctx = p.canvas.getContext('2d');
+      return Array.from(ctx.getImageData((b % g.cols) * g.cell + 1, Math.floor(b / g.cols) * g.cell + 1, 1, 1).data.slice(0, 3));
+    }""", [i, b])
+
+
+def canvas_url(page, i: int) -> str:
+    return page.evaluate("(i) => document.querySelectorAll('.jp-OutputArea-output .kv-root')[i].kv.panels[0]"
+                         ".canvas.toDataURL()", i)
+
+
+def wait_until(fn, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_notebook_views_in_jupyterlab(browser, lab):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab["work"] / "views.ipynb")
+    page = browser.new_page(viewport={"width": 1600, "height": 1300})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{lab['url']}/lab/tree/views.ipynb")
+    page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-Notebook')", timeout=90_000)
+    page.wait_for_function("() => document.querySelector('.jp-Notebook') && "
+                           "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
+                           timeout=90_000)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    # The known state: every block has the colour of its state.
+    wait_until(lambda: roots(page).count() >= 4, 60, "the first four views")
+    alloc2 = [round(a + (b - a) / 7) for a, b in zip(STATE_RGB["ALLOC1"], STATE_RGB["ALLOC8"])]
+    for b, key in enumerate(KNOWN_KEYS):
+        assert cell_pixel(page, 0, b) == (list(STATE_RGB[key]) if key else alloc2), f"block {b}"
+
+    # The live run streamed while its cell ran: every frame sent arrived, on all three views.
+    out = page.locator(".jp-OutputArea-output pre", has_text="SENT")
+    out.wait_for(timeout=120_000)
+    sent = [int(x) for x in re.findall(r"\d+", out.inner_text())]
+    assert sent[0] > 20 and sent[1:] == [sent[0] + 1] * 3  # each view also got its first frame on creation
+    for i in (1, 2, 3):
+        wait_until(lambda i=i: data(page, i)["framesReceived"] == str(sent[1]), 30, f"frames of view {i}")
+        assert data(page, i)["framesSent"] == str(sent[1])
+    assert int(page.evaluate("() => document.querySelectorAll('.jp-OutputArea-output .kv-root')[1].kv.hist.length")) \
+        == sent[1]
+
+    # Pause / step back / step forward change what is shown.
+    live = canvas_url(page, 1)
+    view = roots(page).nth(1)
+    view.locator("[data-act=back]").click()
+    d = data(page, 1)
+    assert d["live"] == "0" and d["index"] == str(sent[1] - 2)
+    view.locator("[data-act=back]").click()
+    view.locator("[data-act=back]").click()
+    assert canvas_url(page, 1) != live
+    view.locator("[data-act=toggle]").click()
+    assert data(page, 1)["index"] == str(sent[1] - 1) and canvas_url(page, 1) == live
+
+    # The dashboard: step, run, pause and stop are handled by the kernel between steps.
+    wait_until(lambda: roots(page).count() >= 5, 60, "the dashboard")
+    dash = roots(page).nth(4)
+    dash.locator("[data-ctl=step]").click()
+    wait_until(lambda: data(page, 4)["framesReceived"] == "2", 20,
+               f"a stepped frame {data(page, 4)} {page.locator('.jp-OutputArea-output').nth(5).inner_text()[:2000]}")
+    dash.locator("[data-ctl=run]").click()
+    wait_until(lambda: dash.locator(".kv-status").inner_text() == "running", 20, "running")
+    wait_until(lambda: int(data(page, 4)["framesReceived"]) > 15, 30, "live frames")
+    dash.locator("[data-ctl=pause]").click()
+    wait_until(lambda: dash.locator(".kv-status").inner_text() == "paused", 20, "paused")
+    time.sleep(1)
+    d = data(page, 4)
+    assert d["framesReceived"] == d["framesSent"]
+    frozen = d["framesReceived"]
+    time.sleep(0.5)
+    assert data(page, 4)["framesReceived"] == frozen  # paused in the kernel: nothing more is sent
+    dash.locator("[data-act=back]").click()
+    assert data(page, 4)["index"] == str(int(frozen) - 2)
+
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    for i, name in ((1, "pool_view"), (2, "eviction_view"), (3, "fragmentation_view"), (4, "dashboard")):
+        roots(page).nth(i).screenshot(path=str(DOCS_IMG / f"{name}.png"))
+    dash.locator("[data-ctl=stop]").click()
+    wait_until(lambda: dash.locator(".kv-status").inner_text() == "stopped", 20, "stopped")
+    assert not errors, errors
+    page.close()
