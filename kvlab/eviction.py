@@ -118,8 +118,14 @@ class _HeapPolicy(EvictionPolicy):
         if not heap:
             return
         yield heap[0][1], float(heap[0][0][0])  # the common case wants only the victim: O(1) after cleaning
-        for k, b in sorted((k, b) for b, k in keys.items())[1:]:  # the heap top is the smallest live key
-            yield b, float(k[0])
+        k = 8  # then widen lazily: each round is one O(n) partial selection, not a full sort
+        while True:
+            top = heapq.nsmallest(k, ((key, b) for b, key in keys.items()))
+            for key, b in top[k // 2 if k > 8 else 1:]:  # the heap top is the smallest live key
+                yield b, float(key[0])
+            if len(top) < k:
+                return
+            k *= 2
 
 
 class FIFOPolicy(_HeapPolicy):
@@ -146,6 +152,7 @@ class RandomPolicy(EvictionPolicy):
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
         self._rng = random.Random(seed)
         self._items: list[int] = []
         self._pos: dict[int, int] = {}
@@ -174,8 +181,10 @@ class RandomPolicy(EvictionPolicy):
             return
         first = self._items[self._rng.randrange(len(self._items))]
         yield first, 0.0
+        # The runners-up come from a generator of their own: asking for a ranking (a widget does) must not
+        # change which victims later evictions pick.
         rest = [b for b in self._items if b != first]
-        self._rng.shuffle(rest)
+        random.Random(f"{self._seed}/{first}/{len(rest)}").shuffle(rest)
         for i, b in enumerate(rest, 1):
             yield b, float(i)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from itertools import islice
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -695,19 +696,21 @@ class BlockPool:
 
     # ------------------------------------------------------------------ eviction
     def _evict_one(self, reason: str, min_order: int = 0) -> int | None:
-        """Evict the policy's first acceptable victim (cached, not vetoed, at least ``min_order``)."""
+        """Evict the policy's first acceptable victim (cached, not vetoed, at least ``min_order``). When someone
+        listens, the event carries the victim and the policy's next candidates with their scores."""
+        order = self.policy.order()
         ranked = []
         victim = None
-        for b, score in self.policy.order():
-            if len(ranked) < 8:
-                ranked.append((b, score))
+        for b, score in order:
+            ranked.append((b, score))
             if self._order[b] >= min_order and (self.evict_guard is None or self.evict_guard(b)):
                 victim = b
                 break
         if victim is None:
             return None
-        if ranked[-1][0] != victim:  # the victim always stands in the candidate list it was chosen from
-            ranked.append((victim, 0.0))
+        if self._subs:  # victim first, then the candidates it was preferred to (passed over or next in line)
+            ranked = [ranked[-1]] + ranked[:-1]
+            ranked.extend(islice(order, max(0, 8 - len(ranked))))
         self.policy.discard(victim)
         t = self.clock.now()
         self._push_free(victim)
@@ -715,7 +718,7 @@ class BlockPool:
         for hook in self.evict_hooks:
             hook(victim)
         if self._subs:
-            self._publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked)))
+            self._publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked[:8])))
         return victim
 
     def evict_block(self, reason: str = "explicit") -> KVBlock | None:

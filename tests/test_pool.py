@@ -427,3 +427,25 @@ def test_pool_larger_than_device_memory_fails_fast_with_what_fits():
     spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu")
     with pytest.raises(ConfigError, match=r"at most \d+ blocks fit"):
         BlockPool(10**9, spec=spec)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "random"])
+def test_evicted_event_ranks_runners_up_and_listening_changes_nothing(spec, policy):
+    def run(listen: bool):
+        p = BlockPool(16, spec=spec, eviction_policy=policy, seed=5)
+        rec = EventRecorder(p.events) if listen else None
+        ids = p.allocate(16)
+        p.touch(ids[::3])
+        p.decref(ids)
+        victims = [p.evict_block().block_id for _ in range(6)]
+        return victims, rec
+    victims, rec = run(True)
+    assert victims == run(False)[0]  # observing the ranking never changes the policy's choices
+    evs = rec.of(kvlab.Evicted)
+    assert [e.block_id for e in evs] == victims
+    first = evs[0]
+    assert first.candidates[0][0] == first.block_id and len(first.candidates) == 8
+    assert len({b for b, _ in first.candidates}) == 8
+    if policy != "random":
+        scores = [s for _, s in first.candidates]
+        assert scores == sorted(scores)

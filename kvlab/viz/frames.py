@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from itertools import count, islice
+from itertools import count
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +44,6 @@ FLAG_DETAILS = 1
 DETAILS_LIMIT = 4096  # pools up to this size carry per-block tokens/owner/last access for hover in replays
 MAX_EVICTIONS = 16  # per frame: the latest ones; ``evictions_total`` counts all
 MAX_MOVES = 256
-MAX_CANDIDATES = 8  # per eviction: the candidates the pool walked plus the policy's runners-up
-RANK_LIMIT = 2048
 _SEQ = count()  # frame numbers are unique in the process, so no two frames are equal bytes (a synced trait
 #                 set to equal bytes sends nothing, and the browser would count one frame less)
 
@@ -127,25 +125,13 @@ class FrameBuilder:
             self._mark((e.block_id,), FLASH_EVICTED)
             self._evictions_total += 1
             self._evictions.append({"step": e.step, "victim": e.block_id, "policy": e.policy, "reason": e.reason,
-                                    "candidates": [[b, s] for b, s in e.candidates] + self._runners_up(e)})
+                                    "candidates": [[b, s] for b, s in e.candidates]})
             del self._evictions[:-MAX_EVICTIONS]
         elif isinstance(e, ev.Migrated):
             self._mark(e.src, FLASH_MOVED_OUT)
             self._mark(e.dst, FLASH_MOVED_IN)
             self._moves.extend([s, d] for s, d in zip(e.src, e.dst))
             del self._moves[:-MAX_MOVES]
-
-    def _runners_up(self, e: ev.Evicted) -> list[list[float]]:
-        """The policy's next candidates after the victim, read when it is chosen, so a view can show what the
-        victim was preferred to (the pool stops ranking at the victim). Skipped for the random policy, whose
-        ranking would consume its random stream, and for heap policies over ``RANK_LIMIT`` cached blocks, whose
-        full ranking costs a sort."""
-        policy = self.pool.policy
-        if policy.name == "random" or (policy.name != "lru" and len(policy) > RANK_LIMIT):
-            return []
-        seen = {b for b, _ in e.candidates}
-        room = MAX_CANDIDATES - len(seen)
-        return [[b, s] for b, s in islice(policy.order(), room + len(seen)) if b not in seen][:max(room, 0)]
 
     def build(self) -> bytes:
         """One frame of the pool as it is now, with the flashes collected since the previous frame."""
