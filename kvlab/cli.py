@@ -174,6 +174,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _html_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--src", default=None, help="chapters folder (default: the checkout's chapters/)")
+    p.add_argument("--out", default="site", help="output folder (default: site)")
+    p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
+    p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
+    p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
+
+
+@command("html", "execute the chapters and render them to static HTML with widget state, for a course site",
+         _html_args)
+def _html(args: argparse.Namespace) -> int:
+    from .render import render_chapters
+
+    for path in render_chapters(args.src, args.out, fast=args.fast, solutions=not args.no_solutions,
+                                timeout=args.timeout):
+        print(path)
+    return 0
+
+
 @command("demo", "run the default workload through a pool and print the engine's report and the text's "
                  "2.2.6 claims beside kvlab's measurements", lambda p: None)
 def _demo(args: argparse.Namespace) -> int:

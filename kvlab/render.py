@@ -7,7 +7,6 @@ along as PNGs. Links between notebooks (``x.ipynb``) are rewritten to the HTML p
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from pathlib import Path
@@ -50,8 +49,10 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
     if fast:
         os.environ["KVLAB_FAST"] = "1"  # kernels inherit the environment
     try:
+        from tqdm.auto import tqdm
+
         return [render_notebook(nb, out / nb.relative_to(src).with_suffix(".html"), timeout=timeout)
-                for nb in _notebooks(src, solutions)]
+                for nb in tqdm(_notebooks(src, solutions), desc="rendering", unit="notebook")]
     finally:
         if fast:
             if old is None:
@@ -59,16 +60,3 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
             else:
                 os.environ["KVLAB_FAST"] = old
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``kvlab html``: render the chapters to a static site."""
-    ap = argparse.ArgumentParser(prog="kvlab html", description=main.__doc__)
-    ap.add_argument("--src", default=None, help="chapters folder (default: the checkout's chapters/)")
-    ap.add_argument("--out", default="site", help="output folder (default: site)")
-    ap.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
-    ap.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
-    ap.add_argument("--timeout", type=int, default=600, help="seconds per cell")
-    a = ap.parse_args(argv)
-    for path in render_chapters(a.src, a.out, fast=a.fast, solutions=not a.no_solutions, timeout=a.timeout):
-        print(path)
-    return 0
