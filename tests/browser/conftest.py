@@ -63,7 +63,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # Playwright's sync API holds an event loop: end it with the module using it
 def browser():
     if not Path(CHROMIUM).exists():
         _missing(f"Chromium at {CHROMIUM}")
