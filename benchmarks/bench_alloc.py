@@ -146,15 +146,7 @@ def run(quick: bool = False) -> list[dict]:
     return bursty_rows(quick) + batch_rows(quick) + defrag_rows(quick)
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'benchmark':46} {'value':>10} {'unit':9} {'baseline':>9} {'ratio':>7} {'goal':>6}")
-    for r in rows:
-        fmt = lambda v: "" if v is None else v  # noqa: E731
-        print(f"{r['name']:46} {r['value']:>10} {r['unit']:9} {fmt(r['baseline']):>9} {fmt(r['ratio']):>7} "
-              f"{fmt(r['goal']):>6}")
-
-
 if __name__ == "__main__":
-    import sys
+    from kvlab.bench import run_script
 
-    print_table(run(quick="--quick" in sys.argv))
+    run_script(run)

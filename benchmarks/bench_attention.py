@@ -17,7 +17,6 @@ Run: ``python benchmarks/bench_attention.py [--quick] [--threads N]``.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import torch
@@ -120,17 +119,7 @@ def run(quick: bool = False) -> list[dict]:
     return [row for d in devices for b in (16, 64, 256) for row in bench(b, d, reps)]
 
 
-def main(argv: list[str]) -> None:
-    if "--threads" in argv:  # e.g. 1 on a machine shared with other jobs: oversubscribed thread pools stall
-        torch.set_num_threads(int(argv[argv.index("--threads") + 1]))
-    rows = run("--quick" in argv)
-    print(f"decode attention: {BATCH} seqs of {LENS} tokens, {HEADS} heads x {DIM}, fp32, shuffled blocks, "
-          f"{torch.get_num_threads()} CPU threads")
-    print(f"{'case':58} {'value':>10} {'baseline':>10} {'ratio':>7} {'goal':>6}")
-    for r in rows:
-        goal = "" if r["goal"] is None else f"<={r['goal']}"
-        print(f"{r['name']:58} {r['value']:8.3f} {r['unit']:<4}{r['baseline']:8.3f} {r['ratio']:7.2f} {goal:>6}")
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from kvlab.bench import run_script
+
+    run_script(run)

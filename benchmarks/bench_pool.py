@@ -130,13 +130,7 @@ def copy_bandwidth(quick: bool) -> list[dict]:
     return out
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'benchmark':44} {'value':>10} {'unit':9} {'baseline':>9} {'ratio':>6} {'goal':>6}")
-    for r in rows:
-        fmt = lambda v: "" if v is None else v  # noqa: E731
-        print(f"{r['name']:44} {r['value']:>10} {r['unit']:9} {fmt(r['baseline']):>9} {fmt(r['ratio']):>6} "
-              f"{fmt(r['goal']):>6}")
-
-
 if __name__ == "__main__":
-    print_table(run())
+    from kvlab.bench import run_script
+
+    run_script(run)

@@ -11,7 +11,6 @@ Rows per workload:
 """
 from __future__ import annotations
 
-import sys
 import time
 
 from kvlab import BlockPool, ChunkSizeOptimizer, KVSpec, make_workload, sweep
@@ -55,7 +54,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    table = run(quick="--quick" in sys.argv)
-    print(f"{'benchmark':58s} {'value':>9s} {'unit':>5s} {'baseline':>9s} {'ratio':>7s}  goal")
-    for r in table:
-        print(f"{r['name']:58s} {r['value']:9.4f} {r['unit']:>5s} {r['baseline']:9.4f} {r['ratio']:7.2f}  {r['goal']}")
+    from kvlab.bench import run_script
+
+    run_script(run)

@@ -12,7 +12,6 @@ import functools
 import http.server
 import json
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -159,7 +158,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    rows = run(quick="--quick" in sys.argv)
-    print(f"{'benchmark':44} {'value':>10} {'unit':6} {'baseline':>10} {'ratio':>7}  goal")
-    for r in rows:
-        print(f"{r['name']:44} {r['value']:>10} {r['unit']:6} {r['baseline']:>10} {r['ratio']:>7}  {r['goal']}")
+    from kvlab.bench import run_script
+
+    run_script(run)

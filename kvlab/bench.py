@@ -84,9 +84,22 @@ def format_table(result: dict[str, Any]) -> str:
     head = "| benchmark | figure | value | unit | baseline | ratio | goal |\n|---|---|---:|---|---:|---:|---:|"
     lines = [head]
     for r in result["rows"]:
-        lines.append(f"| {r['benchmark']} | {r['name']} | {_fmt(r['value'])} | {r.get('unit', '')} | "
+        lines.append(f"| {r.get('benchmark', '')} | {r['name']} | {_fmt(r['value'])} | {r.get('unit', '')} | "
                      f"{_fmt(r.get('baseline'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('goal'))} |")
     return "\n".join(lines)
+
+
+def run_script(run: Any, argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """The ``__main__`` of a benchmark file: ``--quick`` for small sizes, ``--threads N`` to pin torch's CPU
+    threads (on a machine shared with other jobs oversubscribed thread pools stall); prints the rows as a table."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--threads" in argv:
+        torch.set_num_threads(int(argv[argv.index("--threads") + 1]))
+    rows = run(quick="--quick" in argv)
+    print(format_table({"rows": rows}))
+    return rows
 
 
 def main(names: list[str] | None = None, quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
