@@ -313,11 +313,16 @@ class SequenceManager:
         return added
 
     # ------------------------------------------------------------------ swap
-    def swap_out(self, seq: Sequence) -> None:
-        """Move the blocks ``seq`` holds alone to host memory (pinned on CUDA); they go EVICTING -> FREE."""
+    def swappable(self, seq: Sequence) -> list[int]:
+        """Table positions :meth:`swap_out` would move: blocks ``seq`` holds alone that no cache names (an
+        empty list means swapping ``seq`` out would free no memory)."""
         self._live(seq)
         held = self.prefix_cache.holds if self.prefix_cache is not None else (lambda b: False)
-        pos = [i for i, b in enumerate(seq.block_table) if self.pool._refs[b] == 1 and not held(b)]
+        return [i for i, b in enumerate(seq.block_table) if self.pool._refs[b] == 1 and not held(b)]
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move the blocks ``seq`` holds alone to host memory (pinned on CUDA); they go EVICTING -> FREE."""
+        pos = self.swappable(seq)
         ids = [seq.block_table[i] for i in pos]
         storage = self.pool.storage
         data = None
