@@ -19,8 +19,10 @@ pool's policy evicts them. The cache keeps the chains whole:
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -52,6 +54,12 @@ class PrefixEvicted(Event):
     digest: str
 
 
+@lru_cache(maxsize=1024)
+def _salt(tenant: str | None) -> bytes:
+    """A tenant's 16-byte hash salt (empty without a tenant), computed once per tenant."""
+    return hashlib.blake2b(tenant.encode(), digest_size=16).digest() if tenant is not None else b""
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     digest: bytes
@@ -80,9 +88,8 @@ class PrefixCache:
     @staticmethod
     def block_hash(parent: bytes | None, token_ids: Sequence[int], tenant: str | None = None) -> bytes:
         """16-byte blake2b of the parent hash and the block's token ids, salted per tenant."""
-        salt = hashlib.blake2b(tenant.encode(), digest_size=16).digest() if tenant is not None else b""
-        h = hashlib.blake2b(parent or b"", digest_size=16, salt=salt)
-        h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        h = hashlib.blake2b(parent or b"", digest_size=16, salt=_salt(tenant))
+        h.update(array("q", token_ids).tobytes())  # int64 bytes, as numpy would give, without numpy's call cost
         return h.digest()
 
     def holds(self, block_id: int) -> bool:
@@ -122,7 +129,7 @@ class PrefixCache:
         n = len(token_ids) // B if max_blocks is None else min(max_blocks, len(token_ids) // B)
         ids, parent = [], None
         for i in range(n):
-            chunk = tuple(int(t) for t in token_ids[i * B:(i + 1) * B])
+            chunk = tuple(map(int, token_ids[i * B:(i + 1) * B]))
             digest = self.block_hash(parent, chunk, tenant)
             b = self._block.get(digest)
             if b is None:
@@ -142,7 +149,7 @@ class PrefixCache:
         """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
         it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
         b = self.pool._check_id(block_id)
-        chunk = tuple(int(t) for t in token_ids)
+        chunk = tuple(map(int, token_ids))
         if len(chunk) != self.block_size:
             raise KVDataError(f"block {b}: only full blocks of {self.block_size} tokens are cached, got {len(chunk)}")
         if self.pool._status[b] != BlockStatus.ALLOCATED or not self.pool._refs[b]:
