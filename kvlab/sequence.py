@@ -240,19 +240,27 @@ class SequenceManager:
             plan.append((cow, k))
             need += cow + k
         fresh = self.pool.allocate(need) if need else []
-        src, dst, cowed, at = [], [], [], 0
-        for seq, (cow, k) in zip(seqs, plan):
-            if not cow + k:
-                continue
-            t, got = seq.block_table, fresh[at:at + cow + k]
-            at += cow + k
-            if cow:
-                src.append(t[-1])
-                dst.append(got[0])
-                cowed.append(seq)
-                t[-1] = got[0]
-            t.extend(got[cow:])
-            self.pool.set_owner(got, seq.seq_id)
+        src, dst, cowed, starts, at = [], [], [], [], 0
+        tokens = self.pool._tokens  # counts are <= B and blocks ALLOCATED by construction: no re-validation
+        for seq, x, n, (cow, k) in zip(seqs, new, counts, plan):
+            t = seq.block_table
+            if cow + k:
+                got = fresh[at:at + cow + k]
+                at += cow + k
+                if cow:
+                    src.append(t[-1])
+                    dst.append(got[0])
+                    cowed.append(seq)
+                    t[-1] = got[0]
+                t.extend(got[cow:])
+                self.pool.set_owner(got, seq.seq_id)
+            start = seq.num_tokens
+            starts.append(start)
+            end = seq.num_tokens = start + n
+            for i in range(start // B, -(-end // B)):
+                tokens[t[i]] = min(B, end - i * B)
+            if n and seq.token_ids is not None:
+                seq.token_ids.extend(map(int, x))
         if src:
             if self.pool.storage is not None:
                 self.pool.storage.copy_blocks(src, dst)
@@ -260,16 +268,6 @@ class SequenceManager:
             if self.pool.events.subscribers:
                 for s_, d_, seq in zip(src, dst, cowed):
                     self.pool.events.publish(CopiedOnWrite(self.pool.clock.now(), seq.seq_id, s_, d_))
-        starts, set_count = [], self.pool.set_token_count
-        for seq, x, n in zip(seqs, new, counts):
-            start = seq.num_tokens
-            starts.append(start)
-            end = seq.num_tokens = start + n
-            t = seq.block_table
-            for i in range(start // B, -(-end // B)):
-                set_count(t[i], min(B, end - i * B))
-            if n and seq.token_ids is not None:
-                seq.token_ids.extend(map(int, x))
         return starts
 
     # ------------------------------------------------------------------ tables and slots
