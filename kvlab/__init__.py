@@ -9,7 +9,7 @@ from .allocator import (AllocationAbandoned, AllocationQueued, AllocationRecord,
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
 from .block import BlockStatus, KVBlock
 from .baseline import ContiguousAllocator, ContiguousMemory
-from .claims import Claim, claims_report, measure_claims
+from .claims import Claim, claims_report, measure_claims, prefetch_effect
 from .clock import LogicalClock, WallClock
 from .device import default_device
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
@@ -43,7 +43,7 @@ __all__ = [
     "exercises", "fast_mode", "sized",
     "Admitted", "Claim", "ContiguousAllocator", "ContiguousMemory", "CostModel", "Engine", "EngineConfig",
     "Finished", "MetricsLog", "Preempted", "RequestRecord", "StepMetrics", "SwappedIn", "TenantReclaimed",
-    "claims_report", "measure_claims", "run_workload",
+    "claims_report", "measure_claims", "prefetch_effect", "run_workload",
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
     "PrefixStored", "Sequence", "SequenceManager", "Swapped", "TinyConfig", "TinyLlama", "contiguous_attention",
     "paged_attention",

@@ -100,59 +100,61 @@ class ContiguousAllocator:
 class ContiguousMemory:
     """The engine's memory when ``EngineConfig.memory == "contiguous"``: every admitted request reserves
     ``max_model_len`` contiguous slots up front (its output length is unknown), so it never grows, never needs a
-    block later and is never preempted; admission waits until a long enough free run exists. Metadata only."""
+    block later and is never preempted; admission waits until a long enough free run exists. Metadata only.
+    Same interface as :class:`kvlab.engine.PagedMemory`."""
 
     def __init__(self, cfg, model=None) -> None:  # cfg: kvlab.engine.EngineConfig (no import: it imports us)
         if model is not None:
             raise ConfigError("the contiguous baseline runs metadata-only: pass no model")
         self.bs, self.region = cfg.block_size, cfg.max_model_len
+        self.region_blocks = -(-self.region // self.bs)
         self.arena = ContiguousAllocator(cfg.num_blocks * cfg.block_size)
         self.capacity_slots = self.arena.capacity
         self.events = EventBus()
         self.evictions = 0  # nothing is cached, so nothing is ever evicted
+        self.promised = 0  # a region never grows: nothing is ever promised
         self._tokens = 0
 
     def prompt_ids(self, req) -> list[int]:
         return [0] * req.prompt_len
 
-    def next_token(self, job) -> int:
-        return 0
-
     def available(self) -> int:
         """Blocks' worth of slots in the longest free run: only a contiguous run can take a request."""
         return self.arena.largest_free // self.bs
 
+    def held(self, job) -> int:
+        return self.region_blocks if job.req.id in self.arena.regions else 0
+
     def blocks_for(self, job, n: int) -> int:
         return 0
 
-    def lookup(self, job) -> int:
-        return 0
+    def lookup(self, job) -> list[int]:
+        return []
 
-    def blocks_for_admission(self, job, cached: int, n: int) -> int:
-        return -(-self.region // self.bs)
+    def admission_need(self, job, hits, n: int) -> int:
+        return self.region_blocks
 
-    def admit(self, job, cached: int) -> None:
+    def admit(self, job) -> None:
         self.arena.reserve(job.req.id, self.region)
-        job.blocks = -(-self.region // self.bs)
-
-    def grow(self, job, n: int) -> None:
-        """Nothing to do: the region was reserved at its maximum length."""
+        job.computed = 0
 
     def execute(self, batch) -> None:
         self._tokens += sum(n for _, n in batch)
 
-    def release(self, job, abort: bool) -> None:
+    def release(self, job) -> None:
         if job.req.id in self.arena.regions:
             self.arena.release(job.req.id)
             self._tokens -= job.computed
-        job.blocks = 0
 
-    def swap_out(self, job) -> None:
+    def swap_out(self, job) -> int:
         raise ConfigError(f"request {job.req.id}: the contiguous baseline never preempts (its regions never grow)")
 
     swap_in = swap_out
 
     def swap_need(self, job) -> int:
+        return 0
+
+    def swappable(self, job) -> int:
         return 0
 
     def gauges(self) -> tuple[int, int, float]:

@@ -81,6 +81,15 @@ def measure_claims(requests: int = 2000, seed: int = 0, num_blocks: int = 4096, 
     return out
 
 
+def prefetch_effect(requests: int = 40, seed: int = 1, num_blocks: int = 400) -> dict[str, dict[str, Any]]:
+    """The text's prefetching (§2.2.6, long sequences) measured: the same swap-heavy document workload with and
+    without prefetch (swap preemption, no prefix caching so that every preemption is a swap). A prefetched
+    swap-in overlaps the next step's compute; an on-demand one stalls its step. Returns both summaries."""
+    w = make_workload("document", requests, seed, rate=50.0)
+    cfg = dict(num_blocks=num_blocks, max_model_len=8192, preemption="swap", prefix_caching=False)
+    return {name: _run(w, prefetch=on, **cfg) for name, on in (("prefetch", True), ("no prefetch", False))}
+
+
 def claims_report(claims: list[Claim] | None = None) -> str:
     """The claims of §2.2.6 beside kvlab's measurements, as plain text."""
     claims = claims if claims is not None else measure_claims()

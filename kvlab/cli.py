@@ -196,7 +196,7 @@ def _html(args: argparse.Namespace) -> int:
 @command("demo", "run the default workload through a pool and print the engine's report and the text's "
                  "2.2.6 claims beside kvlab's measurements", lambda p: None)
 def _demo(args: argparse.Namespace) -> int:
-    from .claims import claims_report
+    from .claims import claims_report, prefetch_effect
     from .engine import Engine, EngineConfig
     from .metrics import format_table
     from .workloads import make_workload
@@ -204,6 +204,10 @@ def _demo(args: argparse.Namespace) -> int:
     w = make_workload("chat", 1000, 0, rate=200.0)
     rows = {m: Engine(w, EngineConfig(memory=m)).run() for m in ("paged", "contiguous")}
     print(format_table(rows))
+    print()
+    print("Prefetch (swap-in ahead of need) on a swap-heavy document workload, simulated seconds:")
+    print(format_table(prefetch_effect(), ["finished", "steps", "preemptions", "swap_ins", "prefetched_swap_ins",
+                                           "swap_stall_s", "swap_in_stall_s", "stall_steps", "latency_mean_s", "time_s"]))
     print()
     print(claims_report())
     return 0

@@ -3,33 +3,44 @@
 §2.2.6 lists what a serving system built on fixed-size blocks should do for many users (thread safety,
 isolation between users, reclaiming a user's memory when they leave, monitoring) and for long sequences
 (splitting them into blocks, caching common blocks, managing memory so it never overflows, prefetching).
-:class:`Engine` does each of these on a :class:`~kvlab.BlockPool` and measures the outcome.
+:class:`Engine` does each of these on a :class:`~kvlab.BlockPool` and measures the outcome. Every request is a
+:class:`~kvlab.sequence.Sequence` of a :class:`~kvlab.sequence.SequenceManager` (block tables, swap) with a
+:class:`~kvlab.prefix.PrefixCache` (hash chains); the engine only decides *who* runs and *who* yields.
 
 One step of :meth:`Engine.step`:
 
 1. **arrivals** whose time has come join their tenant's queue (when nothing runs, the clock jumps to the next);
 2. **running** requests get their tokens first: one decode token each, then the next chunk of an unfinished
-   prompt (chunked prefill: at most ``max_batched_tokens`` per step in all);
+   prompt (chunked prefill: at most ``max_batched_tokens`` per step in all). The blocks a request will need
+   are *promised* here (preempting victims if they cannot be) and taken when the batch runs, in one allocation;
 3. **swapped** requests come back next (oldest first), before any new request, so none starves;
 4. **waiting** requests are admitted round-robin over tenants while sequences, tokens and blocks last
-   (a prefix-cache hit skips the cached part of the prompt);
-5. the batch runs (metadata mode only counts; real mode runs the tiny decoder through the paged cache);
-6. finished requests release their blocks (full prompt blocks stay cached for later prefix hits).
+   (a prefix-cache hit skips the cached part of the prompt; :meth:`PrefixCache.peek` prices it first);
+5. the batch runs: metadata mode appends token counts (:meth:`SequenceManager.append_tokens`), real mode runs
+   the tiny decoder through the paged KV tensor (:meth:`TinyLlama.step`) and samples greedily;
+6. finished requests release their blocks (full blocks stay cached for later prefix hits);
+7. with ``prefetch`` swapped requests come back now, while blocks are free (see *Time*).
 
 **Preemption.** When a request needs a block that its tenant's quota or the pool cannot supply, the engine
 preempts a victim: among running requests of tenants holding more than their reservation (or of the asking
 tenant itself), the tenant furthest above its reservation loses its most recently admitted request (the one that
-has made the least progress under first-come-first-served). ``preemption="recompute"`` drops the victim's blocks
-and later recomputes its prompt plus what it generated (prefix-cache hits soften that); ``"swap"`` moves its
-blocks to host memory and back. With ``prefetch=True`` a swapped request is brought back at the end of a step,
-when blocks are free, so the copy overlaps the next step's compute instead of stalling it.
+has made the least progress under first-come-first-served). ``preemption="recompute"`` frees the victim's
+sequence and later recomputes its prompt plus what it generated (its registered blocks stay cached, so a
+re-admission hits them); ``"swap"`` copies the blocks the victim holds alone to host memory and back; blocks it
+shares or that the prefix cache names stay in the pool, so swapping never breaks prefix sharing. Two cases fall
+back to recompute, since a swap could not free memory there: a victim holding only shared or cached blocks, and
+the oldest swapped request when nothing runs and it cannot come back (swapped requests hold what it needs).
 
 **Tenants.** ``quotas[t]`` caps the blocks tenant ``t`` holds; ``reservations[t]`` are blocks no other tenant
-may take while ``t`` holds fewer (isolation: a flood from one tenant cannot starve another).
-:meth:`Engine.remove_tenant` aborts a tenant's requests and reclaims every block they held.
+may take while ``t`` holds fewer (isolation: a flood from one tenant cannot starve another). A shared block
+counts for every request holding it. :meth:`Engine.remove_tenant` aborts a tenant's requests and reclaims every
+block they held.
 
 **Time.** Steps are counted; seconds come from :class:`CostModel` in metadata mode (an explicit, stated
-assumption) and from the wall clock in real mode.
+assumption) and from the wall clock in real mode. Copies to and from host memory at preemption or at an
+on-demand swap-in stall the step. A *prefetched* swap-in (end of the previous step) overlaps the next step's
+compute and stalls only by what it takes longer than that compute: this is the effect of prefetching, measured
+as ``swap_in_stall_s`` (and ``swap_stall_s``, which adds swap-outs) with and without it.
 """
 from __future__ import annotations
 
@@ -39,12 +50,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import Event
-from .pool import BlockPool
-from .spec import KVSpec
-from .baseline import ContiguousMemory
 from .metrics import MetricsLog, RequestRecord, StepMetrics, format_table
+from .pool import BlockPool
+from .prefix import PrefixCache
+from .sequence import Sequence, SequenceManager
+from .spec import KVSpec
 from .workloads import Request, Workload
 
 WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
@@ -61,7 +74,7 @@ class Admitted(Event):
 
 @dataclass(frozen=True, slots=True)
 class Preempted(Event):
-    """A running request lost its blocks: ``mode`` is ``"recompute"`` or ``"swap"``."""
+    """A running request lost its blocks: ``mode`` is ``"recompute"`` or ``"swap"``; ``blocks`` it held."""
     request_id: int
     tenant: str
     mode: str
@@ -71,7 +84,7 @@ class Preempted(Event):
 
 @dataclass(frozen=True, slots=True)
 class SwappedIn(Event):
-    """A swapped request's blocks came back; ``prefetched`` when it happened ahead of need."""
+    """A swapped request's ``blocks`` came back; ``prefetched`` when it happened ahead of need."""
     request_id: int
     blocks: int
     prefetched: bool
@@ -97,19 +110,23 @@ class TenantReclaimed(Event):
 # ---------------------------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class CostModel:
-    """Simulated seconds of one step: ``base_s + token_s * tokens + context_s * context + swap_token_s * swapped``.
+    """Simulated seconds of one step: ``base_s + token_s * tokens + context_s * context`` of compute, plus
+    ``swap_token_s`` per token copied between host and device where the copy stalls the step.
 
-    ``tokens`` are the tokens computed this step, ``context`` the cached tokens attention reads, ``swapped``
-    the tokens copied between host and device outside the step's compute. The defaults are an assumption in the
-    range of a 7B model on one data-centre GPU (5 ms fixed, 40 µs per computed token, 0.5 µs per token read,
-    20 µs per token swapped); change them and the absolute figures change, the comparisons much less."""
+    ``tokens`` are the tokens computed this step, ``context`` the cached tokens attention reads. The defaults
+    are an assumption in the range of a 7B model on one data-centre GPU (5 ms fixed, 40 µs per computed token,
+    0.5 µs per token read, 20 µs per token swapped); change them and the absolute figures change, the
+    comparisons much less."""
     base_s: float = 5e-3
     token_s: float = 4e-5
     context_s: float = 5e-7
     swap_token_s: float = 2e-5
 
-    def step_s(self, tokens: int, context: int, swapped: int = 0) -> float:
-        return self.base_s + self.token_s * tokens + self.context_s * context + self.swap_token_s * swapped
+    def step_s(self, tokens: int, context: int) -> float:
+        return self.base_s + self.token_s * tokens + self.context_s * context
+
+    def swap_s(self, tokens: int) -> float:
+        return self.swap_token_s * tokens
 
 
 @dataclass
@@ -148,189 +165,145 @@ class EngineConfig:
         if low:
             raise ConfigError(f"reservation above quota for tenants {low} (quota, reservation)")
 
+
 # ---------------------------------------------------------------------------------------------------- memory
 @dataclass(slots=True, eq=False)
 class Job:
     """A request inside the engine. ``tokens`` are the tokens known so far (prompt, then each generated one);
-    the KV cache holds the first ``computed`` of them. A step feeds ``tokens[computed:computed + n]``; when that
-    reaches the end, the model samples the next token. ``blocks`` is what its memory holds now, ``counted`` what
-    its tenant was charged for."""
+    the KV cache holds the first ``computed`` of them (``seq.num_tokens`` in paged mode). A step feeds
+    ``tokens[computed:computed + n]``; when that reaches the end, the model samples the next token.
+    ``pending`` blocks are promised for this step's tokens; ``counted`` is what its tenant is charged."""
     req: Request
     rec: RequestRecord
     tokens: list[int]
     computed: int = 0
     generated: int = 0
-    state: str = "waiting"
-    table: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)
-    blocks: int = 0
+    state: str = WAITING
+    seq: Sequence | None = None
+    pending: int = 0
     counted: int = 0
-    host: Any = None
 
 
 class PagedMemory:
     """The paged KV cache behind the engine: a :class:`~kvlab.BlockPool` (metadata-only unless a model runs),
-    one block table per job, and prefix caching by hash chains over full blocks (block ``i``'s key hashes block
-    ``i - 1``'s key and its own token ids, so equal keys mean equal prefixes)."""
+    a :class:`SequenceManager` holding one sequence per admitted request, and a :class:`PrefixCache`.
 
-    def __init__(self, cfg: "EngineConfig", model: Any = None) -> None:
-        spec = model.spec if model is not None else KVSpec(block_size=cfg.block_size)
-        if spec.block_size != cfg.block_size:
-            raise ConfigError(f"the model's KVSpec has block_size {spec.block_size}, the engine {cfg.block_size}")
+    ``promised`` blocks are owed to this step's batch and allocated when it runs (one ``pool.allocate``); the
+    scheduler never promises more than :meth:`available` minus what is already promised."""
+
+    def __init__(self, cfg: EngineConfig, model: Any = None) -> None:
+        spec = (model.cfg.kv_spec(cfg.block_size, model.dtype, model.device) if model is not None
+                else KVSpec(block_size=cfg.block_size))
         self.pool = BlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy, with_storage=model is not None)
+        self.manager = SequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
+        self.cache: PrefixCache | None = self.manager.prefix_cache
         self.events = self.pool.events
-        self.model, self.bs, self.caching = model, cfg.block_size, cfg.prefix_caching
+        self.model, self.bs = model, cfg.block_size
+        self.track_ids = self.cache is not None or model is not None  # else only counts matter
+        self.vocab = model.cfg.vocab_size if model is not None else 32000
         self.capacity_slots = cfg.num_blocks * cfg.block_size
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
-        self.pool.evict_hooks.append(self._forget)
-        self.queried = self.hit = 0
-        self._pending_hits: list[int] = []
+        self.promised = 0
 
     @property
     def evictions(self) -> int:
         return self.pool._counts["evictions"]
 
     def prompt_ids(self, req: Request) -> list[int]:
-        if self.caching or self.model is not None:
-            return req.prompt_token_ids(self.model.vocab_size if self.model is not None else 32000)
-        return [0] * req.prompt_len  # the ids matter to nobody: skip deriving them
-
-    def next_token(self, job: Job) -> int:
-        if self.model is not None:
-            return job.host_next  # set by execute
-        return (job.req.id * 7919 + job.generated) % 32000  # deterministic stand-in for a sampled token
+        return req.prompt_token_ids(self.vocab) if self.track_ids else [0] * req.prompt_len
 
     def available(self) -> int:
-        return self.pool.num_free_blocks + self.pool.num_cached_blocks
+        """Blocks a new promise may use: FREE or cached (evictable), less what is already promised."""
+        return self.pool.num_free_blocks + self.pool.num_cached_blocks - self.promised
+
+    def held(self, job: Job) -> int:
+        """Pool blocks ``job`` holds a reference to (its resident table entries)."""
+        seq = job.seq
+        if seq is None:
+            return 0
+        return len(seq.block_table) - (len(seq.swapped.positions) if seq.swapped is not None else 0)
 
     def blocks_for(self, job: Job, n: int) -> int:
-        return max(0, -(-(job.computed + n) // self.bs) - len(job.table))
+        """New blocks ``n`` more tokens of resident ``job`` need (the last block's free slots come first)."""
+        return max(0, -(-(job.computed + n) // self.bs) - len(job.seq.block_table))
 
-    def lookup(self, job: Job) -> int:
-        """Tokens of ``job``'s prompt found in the prefix cache (full blocks; at least one token stays to
-        compute, since the step that computes it yields the first output token)."""
-        hits, h = [], 0
-        if self.caching:
-            toks, bs = job.tokens, self.bs
-            for i in range((len(toks) - 1) // bs):
-                h = hash((h, *toks[i * bs:(i + 1) * bs]))
-                b = self._by_hash.get(h)
-                if b is None:
-                    break
-                hits.append(b)
-        self._pending_hits = hits
-        return len(hits) * self.bs
+    # -------------------------------------------------------------------------------- admission
+    def lookup(self, job: Job) -> list[int]:
+        """Cached blocks of ``job``'s prompt (full blocks; one token at least stays to compute, since the step
+        that computes it yields the first output token). Nothing is taken yet."""
+        if self.cache is None:
+            return []
+        return self.cache.peek(job.tokens, job.req.tenant, (len(job.tokens) - 1) // self.bs)
 
-    def blocks_for_admission(self, job: Job, cached: int, n: int) -> int:
+    def admission_need(self, job: Job, hits: list[int], n: int) -> int:
+        """Blocks admitting ``job`` with its first ``n`` tokens takes from :meth:`available`: new blocks, plus
+        the cached hits that leave the evictable set once referenced."""
         refs = self.pool._refs
-        revived = sum(1 for b in self._pending_hits if not refs[b])  # cached hits stop being evictable
-        return -(-(cached + n) // self.bs) - len(self._pending_hits) + revived
+        revived = sum(1 for b in hits if not refs[b])
+        return -(-(len(hits) * self.bs + n) // self.bs) - len(hits) + revived
 
-    def admit(self, job: Job, cached: int) -> None:
-        hits = self._pending_hits
-        if self.caching:
-            self.queried += (len(job.tokens) - 1) // self.bs
-            self.hit += len(hits)
-        if hits:
-            self.pool.incref(hits)
-            job.table = list(hits)
-            job.hashes = [self._hash_of[b] for b in hits]
-        job.computed = cached
-        job.blocks = len(job.table)
+    def admit(self, job: Job) -> None:
+        """Create ``job``'s sequence; its prompt's cached prefix is referenced, not recomputed."""
+        job.seq = self.manager.create(job.tokens if self.cache is not None else None, tenant=job.req.tenant)
+        job.computed = job.seq.num_tokens
 
-    def grow(self, job: Job, n: int) -> None:
-        k = self.blocks_for(job, n)
-        if k:
-            job.table.extend(self.pool.allocate(k, owner=job.req.id))
-            job.blocks = len(job.table)
+    # -------------------------------------------------------------------------------- the batch
+    def execute(self, batch: list[tuple[Job, int]]) -> list[int] | None:
+        """Append this step's tokens, taking the promised blocks. Real mode runs the model through the paged
+        cache and returns the greedy next token of every row; metadata mode only counts (and returns None)."""
+        seqs = [j.seq for j, _ in batch]
+        feeds: list[Any] = ([j.tokens[j.computed:j.computed + n] for j, n in batch] if self.track_ids
+                            else [n for _, n in batch])
+        self.promised = 0
+        for j, _ in batch:
+            j.pending = 0
+        if self.model is not None:  # the model appends and registers full blocks itself
+            return self.model.step(self.manager, seqs, feeds).argmax(-1).tolist()
+        self.manager.append_tokens(seqs, feeds)
+        if self.cache is not None:
+            bs, cache_full = self.bs, self.manager.cache_full_blocks
+            for seq in seqs:
+                if seq.cacheable and seq.num_tokens // bs > seq.cached_blocks:
+                    cache_full(seq)
+        return None
 
-    def execute(self, batch: list[tuple[Job, int]]) -> None:
-        """Write this step's tokens: real KV through the model, or just the blocks' token counts."""
-        if self.model is not None:
-            self.model.engine_step(self.pool, batch)
-        tokens, bs, caching = self.pool._tokens, self.bs, self.caching
-        for job, n in batch:
-            start, end = job.computed, job.computed + n
-            table = job.table
-            if n == 1:  # decode: one slot of one block
-                tokens[table[start // bs]] = start % bs + 1
-            else:
-                for i in range(start // bs, -(-end // bs)):
-                    tokens[table[i]] = min(bs, end - i * bs)
-            if caching and end % bs < n and end // bs > len(job.hashes):  # a block filled up this step
-                self._register(job, end // bs)
+    def release(self, job: Job) -> None:
+        """Free ``job``'s sequence, tail first: private blocks become FREE, registered ones stay cached."""
+        if job.seq is not None:
+            self.manager.free(job.seq)
+            job.seq = None
 
-    def _register(self, job: Job, full: int) -> None:
-        """Publish ``job``'s newly filled blocks in the prefix cache (the first block with a given key wins)."""
-        toks, bs, h = job.tokens, self.bs, job.hashes[-1] if job.hashes else 0
-        fresh = []
-        for i in range(len(job.hashes), min(full, len(toks) // bs)):
-            h = hash((h, *toks[i * bs:(i + 1) * bs]))
-            job.hashes.append(h)
-            b = job.table[i]
-            if h not in self._by_hash and b not in self._hash_of:
-                self._by_hash[h], self._hash_of[b] = b, h
-                fresh.append(b)
-        if fresh:
-            self.pool.mark_reusable(fresh)
-
-    def _forget(self, b: int) -> None:
-        h = self._hash_of.pop(b, None)
-        if h is not None:
-            del self._by_hash[h]
-
-    def release(self, job: Job, abort: bool) -> None:
-        """Drop ``job``'s references, tail first: private blocks become FREE, registered ones stay cached."""
-        if job.table:
-            self.pool.free(job.table[::-1])
-        job.table, job.hashes, job.blocks = [], [], 0
-
-    def swap_out(self, job: Job) -> None:
-        """Move ``job``'s KV to host memory: private blocks go ALLOCATED -> EVICTING -> FREE, shared ones are
-        only released (their other holders keep them)."""
-        pool, refs = self.pool, self.pool._refs
-        data = pool.storage.gather_blocks(job.table).cpu() if pool.storage is not None else None
-        counts = [pool._tokens[b] for b in job.table]
-        private = [b for b in job.table if refs[b] == 1]
-        shared = [b for b in job.table if refs[b] > 1]
-        for b in private:
-            self._forget(b)
-        if private:
-            pool.begin_eviction(private)
-            pool.finish_eviction(private)
-        if shared:
-            pool.free(shared)
-        job.host = (data, counts)
-        job.table, job.hashes, job.blocks = [], [], 0  # a swapped job holds no pool block
-
-    def swap_in(self, job: Job) -> None:
-        """Bring ``job``'s KV back into fresh blocks: reserved PENDING, data copied, then committed."""
-        data, counts = job.host
-        ids = self.pool.reserve(len(counts), owner=job.req.id)
-        if data is not None:
-            self.pool.storage.scatter_blocks(ids, data)
-        self.pool.commit(ids)
-        for b, c in zip(ids, counts):
-            self.pool._tokens[b] = c
-        job.table, job.host, job.blocks = ids, None, len(ids)
+    def swap_out(self, job: Job) -> int:
+        """Copy the blocks ``job`` holds alone to host memory and free them; returns the tokens copied."""
+        self.manager.swap_out(job.seq)
+        return sum(job.seq.swapped.tokens)
 
     def swap_need(self, job: Job) -> int:
-        return len(job.host[1])
+        return len(job.seq.swapped.positions)
 
+    def swappable(self, job: Job) -> int:
+        """Blocks a swap-out of resident ``job`` would free (those it holds alone and no cache names)."""
+        return len(self.manager.swappable(job.seq))
+
+    def swap_in(self, job: Job) -> int:
+        """Bring ``job``'s host blocks back into fresh blocks; returns the tokens copied."""
+        tokens = sum(job.seq.swapped.tokens)
+        self.manager.swap_in(job.seq)
+        return tokens
+
+    # -------------------------------------------------------------------------------- gauges
     def gauges(self) -> tuple[int, int, float]:
-        """(reserved slots, token slots, fragmentation) right now."""
+        """(reserved slots, token slots, fragmentation) right now; cached blocks count as reserved."""
         pool = self.pool
         reserved = (pool.num_blocks - pool.num_free_blocks) * self.bs
         return reserved, int(pool.tokens_np.sum()), pool.calculate_fragmentation() / 100
 
     def hit_rate(self) -> float:
-        return self.hit / self.queried if self.queried else 0.0
+        c = self.cache
+        return c.hits / c.queries if c is not None and c.queries else 0.0
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants()
-        for b, h in self._hash_of.items():
-            assert self._by_hash[h] == b and self.pool._status[b] != 0, f"prefix entry of block {b} is stale"
+        self.manager.check_invariants()
+        assert self.promised == 0, f"{self.promised} blocks promised outside a step"
 
 
 class _Preempt(Exception):
@@ -343,9 +316,11 @@ class Engine:
 
     Drive it with :meth:`step` (one step; False once every request finished) or :meth:`run`. Events
     (:class:`Admitted`, :class:`Preempted`, :class:`SwappedIn`, :class:`Finished`, :class:`TenantReclaimed`,
-    :class:`~kvlab.metrics.StepMetrics`) go to :attr:`events`, the pool's own bus in paged mode.
+    :class:`~kvlab.metrics.StepMetrics`, and the pool's, sequences' and prefix cache's own) go to
+    :attr:`events`, the pool's bus in paged mode. ``model`` (a :class:`~kvlab.model.TinyLlama`) turns on real
+    mode: the KV tensor holds real K/V and the tokens are the model's greedy choices.
 
-    Invariants after every step: every running request's KV holds exactly its ``computed`` tokens; each
+    Invariants after every step: every resident request's sequence holds exactly its ``computed`` tokens; each
     tenant holds at most its quota; with every request finished the pool holds only cached prefix blocks
     (none referenced) and passes ``check_invariants``.
     """
@@ -353,30 +328,38 @@ class Engine:
     def __init__(self, workload: Workload | Iterable[Request], config: EngineConfig | None = None, *,
                  model: Any = None, **overrides: Any) -> None:
         cfg = config or EngineConfig()
-        if overrides:
-            cfg = EngineConfig(**{**cfg.__dict__, **overrides})
+        # A private copy: remove_tenant edits the tenant tables, never the caller's config.
+        cfg = EngineConfig(**{**cfg.__dict__, "quotas": dict(cfg.quotas),
+                              "reservations": dict(cfg.reservations), **overrides})
         self.config = cfg
         reqs = sorted(workload.requests if isinstance(workload, Workload) else workload,
                       key=lambda r: (r.arrival, r.id))
         too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
         if too_long:
             raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
-        self.memory: PagedMemory | ContiguousMemory = (PagedMemory(cfg, model) if cfg.memory == "paged" else ContiguousMemory(cfg, model))
+        cap = {r.tenant: min(cfg.num_blocks, cfg.quotas.get(r.tenant, cfg.num_blocks)) for r in reqs}
+        never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
+        if never and cfg.memory == "paged":
+            raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold")
+        self.memory: PagedMemory | ContiguousMemory = (PagedMemory(cfg, model) if cfg.memory == "paged"
+                                                       else ContiguousMemory(cfg, model))
         self.events = self.memory.events
-        self._paged = cfg.memory == "paged"
         self.model = model
         self.log = MetricsLog()
+        self.outputs: dict[int, list[int]] = {}  # request id -> the tokens it generated
         self._arrivals = deque(reqs)
         self._queues: dict[str, deque[Job]] = {}
         self._rr: deque[str] = deque()  # tenants in round-robin order
         self.running: list[Job] = []
         self.swapped: deque[Job] = deque()
-        self.held: dict[str, int] = {}  # blocks per tenant
+        self.held: dict[str, int] = {}  # blocks per tenant (held + promised)
         self.now_s = 0.0
         self.step_count = 0
         self.preemptions = 0
-        self.swap_stall_tokens = 0
         self.finished_count = 0
+        self.swap_ins = self.prefetched_ins = 0
+        self.swap_in_stall_s = 0.0  # the part of the stall prefetching can hide
+        self._sync_out = self._sync_in = self._async_in = 0  # tokens copied this step (out, in, in overlapped)
         self._wall = time.perf_counter
 
     # -------------------------------------------------------------------------------- public API
@@ -398,25 +381,30 @@ class Engine:
             self._arrive()
         t0 = self._wall()
         batch = self._schedule()
-        stall = self.swap_stall_tokens
-        self.swap_stall_tokens = 0
         prefill = decode = context = 0
         for job, n in batch:
             context += job.computed
-            if job.computed + n < len(job.tokens) or job.generated or n > 1:
-                prefill += n
+            if n == 1 and job.generated and job.computed + 1 == len(job.tokens):
+                decode += 1
             else:
-                decode += n
-        self.memory.execute(batch)
+                prefill += n
+        next_ids = self.memory.execute(batch)
         self.step_count += 1
+        cost = self.config.cost
         if self.model is None:
-            self.now_s += self.config.cost.step_s(prefill + decode, context, stall)
+            compute = cost.step_s(prefill + decode, context)
+            stall_in = cost.swap_s(self._sync_in) + max(0.0, cost.swap_s(self._async_in) - compute)
+            stall = cost.swap_s(self._sync_out) + stall_in
+            self.now_s += compute + stall
+            self.swap_in_stall_s += stall_in
         else:
+            stall = 0.0
             self.now_s += self._wall() - t0
-        self._complete(batch)
+        self._sync_out = self._sync_in = self._async_in = 0
+        self._complete(batch, next_ids)
         if self.config.prefetch:
             self._prefetch()
-        self._record(prefill, decode)
+        self._record(prefill, decode, stall)
         return True
 
     def run(self, progress: bool = False, max_steps: int | None = None) -> dict[str, Any]:
@@ -427,10 +415,9 @@ class Engine:
             bar = tqdm(total=len(self.log.requests) + len(self._arrivals), unit="req", desc=self.config.memory)
         seen = 0
         while (max_steps is None or self.step_count < max_steps) and self.step():
-            if bar is not None and len(self.log.steps) % 64 == 0:
-                n = self.finished_count
-                bar.update(n - seen)
-                seen = n
+            if bar is not None and self.step_count % 64 == 0:
+                bar.update(self.finished_count - seen)
+                seen = self.finished_count
         if bar is not None:
             bar.update(self.finished_count - seen)
             bar.close()
@@ -442,6 +429,8 @@ class Engine:
                "preemption": self.config.preemption}
         out.update(self.log.summary())
         out["prefix_hit_tokens"] = sum(r.prefix_hit_tokens for r in self.log.requests.values())
+        out["swap_ins"], out["prefetched_swap_ins"] = self.swap_ins, self.prefetched_ins
+        out["swap_in_stall_s"] = self.swap_in_stall_s
         return out
 
     def table(self) -> str:
@@ -462,8 +451,8 @@ class Engine:
                 self.running.remove(job)
             elif job.state == SWAPPED:
                 self.swapped.remove(job)
-            self.memory.release(job, abort=True)
-            self._account(job, 0)
+            self.memory.release(job)
+            self._account(job)
             job.state = FINISHED
         self._queues.pop(tenant, None)
         if tenant in self._rr:
@@ -479,12 +468,13 @@ class Engine:
         return blocks
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the memory or the tenant accounting drifted."""
+        """Raise AssertionError if the memory, a sequence or the tenant accounting drifted."""
         self.memory.check_invariants()
-        live = [*self.running, *self.swapped]
-        per: dict[str, int] = {}
-        for j in live:
-            per[j.req.tenant] = per.get(j.req.tenant, 0) + j.blocks
+        mem, per = self.memory, {}
+        for j in (*self.running, *self.swapped):
+            assert j.counted == mem.held(j) + j.pending, f"request {j.req.id}: charged {j.counted} blocks"
+            assert j.seq is None or j.seq.num_tokens == j.computed, f"request {j.req.id}: KV holds the wrong tokens"
+            per[j.req.tenant] = per.get(j.req.tenant, 0) + j.counted
         assert {t: n for t, n in self.held.items() if n} == {t: n for t, n in per.items() if n}, \
             f"tenant accounting {self.held} != blocks held by their requests {per}"
         for t, q in self.config.quotas.items():
@@ -504,18 +494,18 @@ class Engine:
             q.append(Job(r, rec, self.memory.prompt_ids(r)))
 
     def _schedule(self) -> list[tuple[Job, int]]:
-        cfg = self.config
-        budget = cfg.max_batched_tokens
+        cfg, mem = self.config, self.memory
+        budget, bs, paged = cfg.max_batched_tokens, cfg.block_size, cfg.memory == "paged"
         batch: list[tuple[Job, int]] = []
         # Decode tokens first (they keep TPOT low), then continuing prompt chunks.
-        paged, bs = self._paged, cfg.block_size
         for job in sorted(self.running, key=lambda j: len(j.tokens) - j.computed > 1):
             if job.state != RUNNING or not budget:
                 continue
             n = min(len(job.tokens) - job.computed, budget)
-            if paged and job.computed + n > len(job.table) * bs:  # only a job crossing a block boundary allocates
+            need = mem.blocks_for(job, n) if paged and job.computed + n > len(job.seq.block_table) * bs else 0
+            if need:
                 try:
-                    self._grow(job, n)
+                    self._promise(job, need)
                 except _Preempt:
                     continue
             batch.append((job, n))
@@ -524,18 +514,23 @@ class Engine:
         batch = [(j, n) for j, n in batch if j.state == RUNNING]
         budget = cfg.max_batched_tokens - sum(n for _, n in batch)
         while self.swapped and len(self.running) < cfg.max_num_seqs:
-            job = self.swapped[0]
-            if not self._fits(job.req.tenant, self.memory.swap_need(job)):
+            job = self.swapped.popleft()
+            if self._fits(job.req.tenant, mem.swap_need(job)):
+                self._sync_in += self._swap_in(job, prefetched=False)
+            elif not self.running:  # only swapped requests hold memory: this one is recomputed instead
+                self._requeue(job)
+                self._event(Preempted(self.step_count, job.req.id, job.req.tenant, "recompute", job.counted,
+                                      "swapped requests hold the memory it needs"))
+                self._account(job)
+            else:
+                self.swapped.appendleft(job)
                 break
-            self.swapped.popleft()
-            self._swap_in(job, prefetched=False)
-        if self.swapped:
-            return batch
-        self._admit(batch, budget)
+        if not self.swapped:
+            self._admit(batch, budget)
         return batch
 
     def _admit(self, batch: list[tuple[Job, int]], budget: int) -> None:
-        cfg, tried = self.config, 0
+        cfg, mem, tried = self.config, self.memory, 0
         while budget and len(self.running) < cfg.max_num_seqs and tried < len(self._rr):
             tenant = self._rr[0]
             self._rr.rotate(-1)
@@ -544,20 +539,25 @@ class Engine:
                 tried += 1
                 continue
             job = q[0]
-            cached = self.memory.lookup(job)
-            n = min(len(job.tokens) - cached, budget)
-            need = self.memory.blocks_for_admission(job, cached, n)
-            if not self._fits(tenant, need):
-                tried += 1
-                continue
+            # Whole-prompt blocks bound what admission takes, hits or not: price the hits only when that
+            # bound does not fit (a cache walk hashes every full block of the prompt).
+            if not self._fits(tenant, -(-len(job.tokens) // mem.bs)):
+                hits = mem.lookup(job)
+                n = min(len(job.tokens) - len(hits) * mem.bs, budget)
+                if not self._fits(tenant, mem.admission_need(job, hits, n)):
+                    tried += 1
+                    continue
             tried = 0
             q.popleft()
-            self.memory.admit(job, cached)
+            mem.admit(job)
+            cached = job.computed
+            n = min(len(job.tokens) - cached, budget)
             job.rec.prefix_hit_tokens += cached
             job.state = RUNNING
             self.running.append(job)
-            self.memory.grow(job, n)
-            self._account(job, job.blocks)
+            job.pending = mem.blocks_for(job, n)
+            mem.promised += job.pending
+            self._account(job)
             batch.append((job, n))
             budget -= n
             if self.events.subscribers:
@@ -567,33 +567,32 @@ class Engine:
         """Whether ``tenant`` may take ``need`` more blocks: within its quota, and leaving every other tenant's
         unused reservation untouched."""
         cfg = self.config
-        held = self.held.get(tenant, 0)
         quota = cfg.quotas.get(tenant)
-        if quota is not None and held + need > quota:
+        if quota is not None and self.held.get(tenant, 0) + need > quota:
             return False
         owed = sum(max(0, r - self.held.get(t, 0)) for t, r in cfg.reservations.items() if t != tenant)
         return need <= self.memory.available() - owed
 
-    def _grow(self, job: Job, n: int) -> None:
-        """Make room for ``n`` more tokens of running ``job``, preempting victims as the rule says; raises
-        :class:`_Preempt` when ``job`` itself had to go."""
+    def _promise(self, job: Job, need: int) -> None:
+        """Promise ``need`` blocks to running ``job`` for this step, preempting victims as the rule says;
+        raises :class:`_Preempt` when ``job`` itself had to go."""
         tenant = job.req.tenant
-        need = self.memory.blocks_for(job, n)
-        while need and not self._fits(tenant, need):
-            victim = self._victim(tenant, job)
+        while not self._fits(tenant, need):
+            victim = self._victim(tenant, job, need)
             self._preempt(victim, "quota" if tenant in self.config.quotas and victim.req.tenant == tenant
                           else "out of blocks")
             if victim is job:
                 raise _Preempt
-        self.memory.grow(job, n)
-        self._account(job, job.blocks)
+        job.pending += need
+        self.memory.promised += need
+        self._account(job)
 
-    def _victim(self, tenant: str, asking: Job) -> Job:
+    def _victim(self, tenant: str, asking: Job, need: int) -> Job:
         """The documented rule: the tenant furthest above its reservation (the asking tenant always qualifies;
         under its own quota only its own requests do) loses its most recently admitted running request."""
         cfg = self.config
         quota = cfg.quotas.get(tenant)
-        own_quota = quota is not None and self.held.get(tenant, 0) + self.memory.blocks_for(asking, 1) > quota
+        own_quota = quota is not None and self.held.get(tenant, 0) + need > quota
         best, best_key = asking, None
         for i, j in enumerate(self.running):
             t = j.req.tenant
@@ -609,32 +608,46 @@ class Engine:
 
     def _preempt(self, job: Job, reason: str) -> None:
         self.running.remove(job)
-        blocks = job.blocks
+        mem = self.memory
+        blocks = job.counted
+        mem.promised -= job.pending
+        job.pending = 0
         mode = self.config.preemption
+        if mode == "swap" and not mem.swappable(job):
+            mode = "recompute"  # all it holds is shared or cached: a swap would free nothing
         if mode == "swap":
-            self.memory.swap_out(job)
+            self._sync_out += mem.swap_out(job)
             job.state = SWAPPED
             self.swapped.append(job)
         else:
-            self.memory.release(job, abort=False)
-            job.computed = 0
-            job.state = WAITING
-            self._queues[job.req.tenant].appendleft(job)
-        self._account(job, job.blocks)
+            self._requeue(job)
+        self._account(job)
         job.rec.preemptions += 1
         self.preemptions += 1
-        if self.events.subscribers:
-            self.events.publish(Preempted(self.step_count, job.req.id, job.req.tenant, mode, blocks, reason))
+        self._event(Preempted(self.step_count, job.req.id, job.req.tenant, mode, blocks, reason))
 
-    def _swap_in(self, job: Job, prefetched: bool) -> None:
-        self.memory.swap_in(job)
+    def _requeue(self, job: Job) -> None:
+        """Recompute ``job`` later: free its sequence (registered blocks stay cached for its return) and put it
+        first in its tenant's queue."""
+        self.memory.release(job)
+        job.computed = 0
+        job.state = WAITING
+        self._queues[job.req.tenant].appendleft(job)
+
+    def _event(self, event: Event) -> None:
+        if self.events.subscribers:
+            self.events.publish(event)
+
+    def _swap_in(self, job: Job, prefetched: bool) -> int:
+        tokens = self.memory.swap_in(job)
         job.state = RUNNING
         self.running.append(job)
-        self._account(job, job.blocks)
-        if not prefetched:
-            self.swap_stall_tokens += job.computed
+        self._account(job)
+        self.swap_ins += 1
+        self.prefetched_ins += prefetched
         if self.events.subscribers:
-            self.events.publish(SwappedIn(self.step_count, job.req.id, job.blocks, prefetched))
+            self.events.publish(SwappedIn(self.step_count, job.req.id, self.memory.held(job), prefetched))
+        return tokens
 
     def _prefetch(self) -> None:
         """Bring swapped requests back ahead of need while blocks are free (the copy overlaps the next step)."""
@@ -644,24 +657,25 @@ class Engine:
             if not self._fits(job.req.tenant, self.memory.swap_need(job) + len(self.running)):
                 return
             self.swapped.popleft()
-            self._swap_in(job, prefetched=True)
+            self._async_in += self._swap_in(job, prefetched=True)
 
-    def _account(self, job: Job, blocks: int) -> None:
-        """Tenant bookkeeping: ``job`` now holds ``blocks`` (it held ``job.counted``)."""
-        t = job.req.tenant
-        self.held[t] = self.held.get(t, 0) + blocks - job.counted
-        job.counted = blocks
+    def _account(self, job: Job) -> None:
+        """Tenant bookkeeping: ``job`` is now charged what it holds plus what it was promised."""
+        t, now = job.req.tenant, self.memory.held(job) + job.pending
+        self.held[t] = self.held.get(t, 0) + now - job.counted
+        job.counted = now
 
     # -------------------------------------------------------------------------------- completion and metrics
-    def _complete(self, batch: list[tuple[Job, int]]) -> None:
+    def _complete(self, batch: list[tuple[Job, int]], next_ids: list[int] | None) -> None:
         step, now, mem = self.step_count, self.now_s, self.memory
-        for job, n in batch:
+        for i, (job, n) in enumerate(batch):
             job.computed += n
             if job.computed < len(job.tokens):
                 continue
             rec = job.rec
             if job.generated < job.req.output_len:
-                job.tokens.append(mem.next_token(job))
+                job.tokens.append(next_ids[i] if next_ids is not None
+                                  else (job.req.id * 7919 + job.generated) % 32000)  # a stand-in sample
                 job.generated += 1
                 if rec.first_step < 0:
                     rec.first_step, rec.first_s = step, now
@@ -669,21 +683,22 @@ class Engine:
                 if rec.first_step < 0:  # nothing to generate: the prompt's last step is its first "token"
                     rec.first_step, rec.first_s = step, now
                 rec.finish_step, rec.finish_s = step, now
+                self.outputs[job.req.id] = job.tokens[len(job.tokens) - job.generated:]
                 self.running.remove(job)
-                mem.release(job, abort=False)
-                self._account(job, 0)
+                mem.release(job)
+                self._account(job)
                 job.state = FINISHED
                 self.finished_count += 1
                 if self.events.subscribers:
                     self.events.publish(Finished(step, job.req.id, job.req.tenant, rec.ttft_s, rec.tpot_s))
 
-    def _record(self, prefill: int, decode: int) -> None:
+    def _record(self, prefill: int, decode: int, stall: float) -> None:
         mem = self.memory
         reserved, tokens, frag = mem.gauges()
         m = StepMetrics(self.step_count, self.now_s, len(self.running), self.num_waiting, len(self.swapped),
                         prefill, decode, mem.capacity_slots, reserved, tokens, frag, mem.evictions,
                         self.preemptions, mem.hit_rate(), self.finished_count,
-                        tuple(sorted((t, n) for t, n in self.held.items() if n)))
+                        tuple(sorted((t, n) for t, n in self.held.items() if n)), stall)
         self.log.steps.append(m)
         if self.events.subscribers:
             self.events.publish(m)

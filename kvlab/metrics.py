@@ -8,6 +8,7 @@ always kept in :class:`MetricsLog`). Definitions, the same for the paged engine 
   sequence; the never-used tail of a max-length contiguous region);
 * ``fragmentation`` -- free slots that the next request cannot use / free slots (0 for a uniform paged pool,
   where every free block serves any request);
+* ``stall_s`` -- seconds the step waited on copies between host and device memory (swap preemption);
 * per request: ``ttft`` (arrival to first output token) and ``tpot`` (mean time between later output tokens), in
   engine steps and in seconds (simulated seconds from the engine's :class:`~kvlab.engine.CostModel`, or wall
   seconds in real mode).
@@ -40,6 +41,7 @@ class StepMetrics(Event):
     prefix_hit_rate: float
     finished: int
     tenant_blocks: tuple[tuple[str, int], ...] = ()
+    stall_s: float = 0.0
 
     @property
     def utilisation(self) -> float:
@@ -124,6 +126,8 @@ class MetricsLog:
             "internal_waste": float(np.mean([s.internal_waste for s in busy])) if busy else 0.0,
             "fragmentation": float(np.mean([s.fragmentation for s in busy])) if busy else 0.0,
             "peak_reserved_slots": max((s.reserved_slots for s in self.steps), default=0),
+            "swap_stall_s": sum(s.stall_s for s in self.steps),
+            "stall_steps": sum(1 for s in self.steps if s.stall_s),
         }
         out["throughput_tok_s"] = out["output_tokens"] / out["time_s"] if out["time_s"] else 0.0
         for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]), ("ttft", "steps", [r.ttft_steps for r in done]),

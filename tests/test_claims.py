@@ -1,7 +1,7 @@
 """The §2.2.6 claims report: every claim is measured, stated with its setup, and given a verdict."""
 from __future__ import annotations
 
-from kvlab.claims import claims_report, measure_claims
+from kvlab.claims import claims_report, measure_claims, prefetch_effect
 
 
 def test_claims_report_measures_each_claim():
@@ -14,3 +14,11 @@ def test_claims_report_measures_each_claim():
     for c in claims:
         assert c.text in text and c.measured in text and c.setup in text
     assert text.count("NOT supported") == sum(not c.supported for c in claims)
+
+
+def test_prefetch_effect_is_measured_on_the_same_workload():
+    runs = prefetch_effect(requests=20)
+    on, off = runs["prefetch"], runs["no prefetch"]
+    assert on["finished"] == off["finished"] == 20 and on["requests"] == off["requests"]
+    assert on["prefetched_swap_ins"] > 0 == off["prefetched_swap_ins"]
+    assert on["swap_in_stall_s"] < off["swap_in_stall_s"]

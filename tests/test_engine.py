@@ -1,20 +1,26 @@
-"""Engine: determinism, completion without leaks, preemption by recompute and swap, tenant quotas, baseline."""
+"""Engine: determinism, completion without leaks, preemption by recompute and swap, prefetch, tenant quotas,
+real mode against the model without paging, the sequence/prefix fast paths it relies on, and the baseline."""
 from __future__ import annotations
 
 import pytest
 
+from kvlab import BlockPool, KVSpec
 from kvlab.baseline import ContiguousAllocator
-from kvlab.engine import Engine, EngineConfig, Preempted, TenantReclaimed
+from kvlab.engine import Admitted, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed
 from kvlab.errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from kvlab.events import EventRecorder
 from kvlab.metrics import StepMetrics
+from kvlab.model import TinyConfig, TinyLlama
+from kvlab.prefix import PrefixHit
+from kvlab.sequence import SequenceManager
 from kvlab.workloads import Request, make_workload
 
 
 def _drained(e: Engine, aborted: str = "") -> None:
-    """Every request finished: no referenced block is left, only cached prefix blocks."""
+    """Every request finished: no sequence and no referenced block is left, only cached prefix blocks."""
     e.check_invariants()
     pool = e.memory.pool
+    assert not e.memory.manager.seqs and not e.running and not e.swapped
     assert not pool.refs_np.any(), "a block is still referenced after every request finished"
     assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks
     assert all(r.finish_step >= 0 for r in e.log.requests.values() if r.tenant != aborted)
@@ -28,13 +34,46 @@ def test_same_seed_same_metrics():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_completes_every_request(mode):
-    w = make_workload("document", 60, seed=1, rate=50)
-    e = Engine(w, num_blocks=400, max_model_len=8192, preemption=mode)
+    w = make_workload("document", 40, seed=1, rate=50)
+    e = Engine(w, num_blocks=400, max_model_len=8192, preemption=mode, prefix_caching=False)
     rec = EventRecorder(e.events, (Preempted,))
     s = e.run()
-    assert s["finished"] == 60 and s["preemptions"] > 0 and len(rec) == s["preemptions"]
+    assert s["finished"] == 40 and s["preemptions"] > 0 and len(rec) == s["preemptions"]
     assert {ev.mode for ev in rec} == {mode}
     _drained(e)
+    assert e.memory.pool.num_free_blocks == 400
+
+
+def test_swap_keeps_prefix_sharing_and_completes():
+    """With prefix caching, a swap moves only private blocks; shared and cached ones stay resident (a victim
+    holding nothing else is recomputed instead) and every request still finishes."""
+    w = make_workload("document", 30, seed=1, rate=50)
+    e = Engine(w, num_blocks=400, max_model_len=8192, preemption="swap")
+    rec = EventRecorder(e.events, (Preempted,))
+    resident = 0  # blocks swapped requests keep in the pool (shared or named by the cache)
+    while e.step():
+        resident = max(resident, sum(e.memory.held(j) for j in e.swapped))
+        assert all(e.memory.held(j) == len(j.seq.block_table) - e.memory.swap_need(j) for j in e.swapped)
+    s = e.summary()
+    assert s["finished"] == 30 and s["prefix_hit_tokens"] > 0 and resident > 0
+    assert "swap" in {ev.mode for ev in rec} and s["swap_ins"] > 0
+    _drained(e)
+
+
+def test_prefetch_hides_swap_in_stalls():
+    """Same swap-heavy run with and without prefetch: same requests finish; prefetched swap-ins overlap compute,
+    so the seconds steps spend waiting on host copies drop."""
+    w = make_workload("document", 40, seed=1, rate=50)
+    cfg = dict(num_blocks=400, max_model_len=8192, preemption="swap", prefix_caching=False)
+    on, off = Engine(w, prefetch=True, **cfg), Engine(w, prefetch=False, **cfg)
+    rec = EventRecorder(on.events, (SwappedIn,))
+    a, b = on.run(), off.run()
+    assert a["finished"] == b["finished"] == 40
+    assert a["prefetched_swap_ins"] > 0 == b["prefetched_swap_ins"]
+    assert sum(ev.prefetched for ev in rec) == a["prefetched_swap_ins"]
+    assert a["swap_in_stall_s"] < b["swap_in_stall_s"] and a["swap_stall_s"] < b["swap_stall_s"]
+    assert a["swap_stall_s"] == pytest.approx(on.log.series("stall_s").sum())
+    _drained(on), _drained(off)
 
 
 def test_no_prefix_caching_frees_everything():
@@ -44,10 +83,63 @@ def test_no_prefix_caching_frees_everything():
     assert e.memory.pool.num_free_blocks == 256
 
 
-def test_prefix_cache_saves_prefill():
+def test_prefix_cache_saves_prefill_and_events_share_the_pool_bus():
     w = make_workload("chat", 150, seed=4, rate=60)
-    on, off = Engine(w, num_blocks=1024).run(), Engine(w, num_blocks=1024, prefix_caching=False).run()
+    e = Engine(w, num_blocks=1024)
+    rec = EventRecorder(e.events, (Admitted, Finished, StepMetrics, PrefixHit))
+    on, off = e.run(), Engine(w, num_blocks=1024, prefix_caching=False).run()
     assert on["prefix_hit_tokens"] > 0 and off["prefix_hit_tokens"] == 0 and on["prefix_hit_rate"] > 0.3
+    assert e.events is e.memory.pool.events
+    kinds = {type(ev) for ev in rec}
+    assert kinds == {Admitted, Finished, StepMetrics, PrefixHit}
+    assert sum(ev.tokens for ev in rec if isinstance(ev, PrefixHit)) == on["prefix_hit_tokens"]
+    _drained(e)
+
+
+MODEL = TinyLlama(TinyConfig())
+
+
+def _real_requests() -> list[Request]:
+    shared = tuple(range(10, 30))  # 5 blocks of 4 shared by every prompt: prefix hits
+    return [Request(i, 0.0, 20 + (i % 3) * 5, 5 + i % 4,
+                    prompt_tokens=shared + tuple((i * 7 + k) % 101 for k in range((i % 3) * 5))) for i in range(8)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_real_mode_tokens_equal_the_model_without_paging(mode):
+    """The tiny decoder through the engine's paged KV tensor, with chunked prefill, prefix hits and preemption,
+    generates exactly the tokens of full recomputation without any cache."""
+    reqs = _real_requests()
+    e = Engine(reqs, model=MODEL, num_blocks=16, block_size=4, max_model_len=64, max_batched_tokens=16,
+               preemption=mode)
+    rec = EventRecorder(e.events, (Preempted,))
+    s = e.run()
+    assert s["finished"] == 8 and s["prefix_hit_tokens"] > 0 and mode in {ev.mode for ev in rec}
+    assert e.memory.pool.storage is not None
+    for r in reqs:
+        assert e.outputs[r.id] == MODEL.generate_full(r.prompt_tokens, r.output_len), f"request {r.id}"
+    _drained(e)
+
+
+def test_engine_fast_paths_agree_with_sequence_and_prefix_api():
+    """append_tokens does append_batch's bookkeeping; peek is match without references or counting."""
+    runs = []
+    for fast in (False, True):
+        mgr = SequenceManager(BlockPool(32, spec=KVSpec(block_size=4)), prefix_cache=True)
+        a = mgr.create(list(range(9)))
+        (mgr.append_tokens if fast else mgr.append_batch)([a], [list(range(9))])
+        mgr.cache_full_blocks(a)
+        b = a.fork()
+        (mgr.append_tokens if fast else mgr.append_batch)([a, b], [[1, 2], [3]])  # b's tail is copied first
+        mgr.check_invariants()
+        runs.append(([s.block_table for s in (a, b)], [s.token_ids for s in (a, b)],
+                     mgr.pool.tokens_np.tolist(), mgr.pool.refs_np.tolist()))
+    assert runs[0] == runs[1]
+    cache = mgr.prefix_cache
+    before = (cache.get_stats(), mgr.pool.refs_np.tolist())
+    peeked = cache.peek(list(range(9)) + [5], None)
+    assert (cache.get_stats(), mgr.pool.refs_np.tolist()) == before
+    assert peeked == cache.match(list(range(9)) + [5], None)[0] == a.block_table[:2]
 
 
 def test_quota_respected_every_step_and_reservation_isolates():
@@ -103,6 +195,12 @@ def test_step_api_and_config_errors():
         EngineConfig(preemption="drop")
     with pytest.raises(ConfigError, match="reservations"):
         EngineConfig(num_blocks=10, reservations={"a": 11})
+    with pytest.raises(ConfigError, match="more blocks than their tenant"):
+        Engine([Request(0, 0.0, 100, 10, tenant="a")], num_blocks=64, block_size=4, quotas={"a": 20})
+    cfg = EngineConfig(quotas={"a": 5})
+    e = Engine([], cfg)
+    e.remove_tenant("a")
+    assert cfg.quotas == {"a": 5}, "the engine edited the caller's config"
 
 
 def test_contiguous_allocator_first_fit_and_merge():
