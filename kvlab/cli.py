@@ -147,8 +147,8 @@ def _run_cmd(args: argparse.Namespace) -> int:
     from .metrics import format_table
     from .workloads import make_workload, read_trace
 
-    workload = read_trace(args.trace) if args.trace else make_workload(args.workload, args.requests, args.seed,
-                                                                         rate=args.rate)
+    workload = (read_trace(args.trace) if args.trace
+                else make_workload(args.workload or "chat", args.requests, args.seed, rate=args.rate))
     cfg = dict(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy, preemption=args.preemption,
                max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
     rows = {"paged": Engine(workload, EngineConfig(**cfg)).run(progress=not args.no_progress)}
