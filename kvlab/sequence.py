@@ -133,7 +133,13 @@ class SequenceManager:
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
         self.pool, self.block_size = pool, pool.block_size
-        self.prefix_cache = PrefixCache(pool) if prefix_cache is True else (prefix_cache or None)
+        if prefix_cache is True:
+            prefix_cache = PrefixCache(pool)
+        elif prefix_cache is False:
+            prefix_cache = None
+        elif prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise ConfigError(f"prefix_cache must be a PrefixCache, True, False or None, not {prefix_cache!r}")
+        self.prefix_cache = prefix_cache  # an empty cache is falsy (it has a length): never test it for truth
         if self.prefix_cache is not None and self.prefix_cache.pool is not pool:
             raise ConfigError("the prefix cache belongs to another pool")
         self.seqs: dict[int, Sequence] = {}

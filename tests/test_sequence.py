@@ -297,3 +297,13 @@ class SequenceMachine(RuleBasedStateMachine):
 TestSequenceMachine = SequenceMachine.TestCase
 TestSequenceMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_an_empty_prefix_cache_given_to_the_manager_is_used():
+    from kvlab.prefix import PrefixCache
+    pool = BlockPool(8, spec=SPEC)
+    cache = PrefixCache(pool)
+    assert len(cache) == 0
+    assert SequenceManager(pool, prefix_cache=cache).prefix_cache is cache
+    with pytest.raises(ConfigError, match="prefix_cache must be"):
+        SequenceManager(pool, prefix_cache="yes")
