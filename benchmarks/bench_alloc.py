@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from kvlab import BlockPool, DefragmentationStrategy, DynamicAllocator, FragmentationDetector, Preallocator
+from kvlab.bench import ns_per_item
 
 
 def _bursty(quick: bool, prealloc: bool) -> tuple[np.ndarray, float]:
@@ -65,18 +66,6 @@ def bursty_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def _ns_per_block(fn, n: int, reps: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        gc.disable()
-        t = time.perf_counter_ns()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t) / (reps * n))
-        gc.enable()
-    return best
-
-
 def batch_rows(quick: bool) -> list[dict]:
     n, reps = 256, 20 if quick else 200
     pool = BlockPool(4096, with_storage=False)
@@ -101,7 +90,7 @@ def batch_rows(quick: bool) -> list[dict]:
         before = pool.lock_acquisitions
         fn()
         locks.append(pool.lock_acquisitions - before)
-    ours, base = _ns_per_block(batched, n, reps), _ns_per_block(one_by_one, n, reps)
+    ours, base = ns_per_item(batched, n, reps), ns_per_item(one_by_one, n, reps)
     return [{"name": f"batch alloc+incref+decref+free, n={n}", "value": round(ours, 1), "unit": "ns/block",
              "baseline": round(base, 1), "ratio": round(ours / base, 3), "goal": 0.5},
             {"name": f"  lock acquisitions per {n} blocks", "value": locks[0], "unit": "locks",

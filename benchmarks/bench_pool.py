@@ -6,14 +6,13 @@ Run: ``python benchmarks/bench_pool.py`` (or ``kvlab bench``).
 """
 from __future__ import annotations
 
-import gc
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from kvlab import BlockPool, KVSpec, default_device
+from kvlab.bench import ns_per_item
 
 
 class _Block:
@@ -54,25 +53,13 @@ class LinkedFreeQueue:
         last.next, self.tail.prev = self.tail, last
 
 
-def _ns_per_block(fn: Callable[[], None], n: int, reps: int) -> float:
-    best = float("inf")
-    for _ in range(5):  # best of 5 rounds: this machine is noisy
-        gc.disable()
-        t = time.perf_counter_ns()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter_ns() - t) / (reps * n))
-        gc.enable()
-    return best
-
-
 def run(quick: bool = False) -> list[dict]:
     rows = []
     goals = {1: 1.5, 16: None, 256: 0.5}
     for n in (1, 16, 256):
         reps = max(20, (2000 if quick else 20000) // n)
         q = LinkedFreeQueue(4096)
-        base = _ns_per_block(lambda: q.append_n(q.popleft_n(n)), n, reps)
+        base = ns_per_item(lambda: q.append_n(q.popleft_n(n)), n, reps)
         lock = threading.Lock()
 
         def locked() -> None:  # the same baseline paying for thread safety as the pool does
@@ -80,7 +67,7 @@ def run(quick: bool = False) -> list[dict]:
                 got = q.popleft_n(n)
             with lock:
                 q.append_n(got)
-        base_locked = _ns_per_block(locked, n, reps)
+        base_locked = ns_per_item(locked, n, reps)
         pool = BlockPool(4096, with_storage=False)
         if n == 1:
             def op() -> None:
@@ -88,7 +75,7 @@ def run(quick: bool = False) -> list[dict]:
         else:
             def op() -> None:
                 pool.free(pool.allocate(n))
-        ours = _ns_per_block(op, n, reps)
+        ours = ns_per_item(op, n, reps)
         rows.append({"name": f"pool alloc+free, n={n}", "value": round(ours, 1), "unit": "ns/block",
                      "baseline": round(base, 1), "ratio": round(ours / base, 2), "goal": goals[n]})
         rows.append({"name": f"  vs baseline with a lock per call, n={n}", "value": round(ours, 1),

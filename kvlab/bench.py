@@ -89,6 +89,25 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ns_per_item(fn: Any, items: int, reps: int, rounds: int = 5) -> float:
+    """Best of ``rounds`` timings of ``reps`` calls of ``fn``, in ns per item (``items`` per call), with the
+    garbage collector off while timing: this machine is noisy, and the best round is the least disturbed."""
+    import gc
+    import time
+
+    best = float("inf")
+    for _ in range(rounds):
+        gc.disable()
+        try:
+            t = time.perf_counter_ns()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter_ns() - t) / (reps * items))
+        finally:
+            gc.enable()
+    return best
+
+
 def run_script(run: Any, argv: list[str] | None = None) -> list[dict[str, Any]]:
     """The ``__main__`` of a benchmark file: ``--quick`` for small sizes, ``--threads N`` to pin torch's CPU
     threads (on a machine shared with other jobs oversubscribed thread pools stall); prints the rows as a table."""

@@ -72,19 +72,31 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-# ---------------------------------------------------------------------------------------------------- sweep
-def _sweep_args(p: argparse.ArgumentParser) -> None:
-    from .sizing import DEFAULT_SIZES, GOALS
+def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
+    """Where the requests come from: a generated scenario (``--workload``, ``--requests``, ``--seed``) or a trace."""
     from .workloads import ALIASES, WORKLOADS
 
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES],
-                     help="generated workload scenario (default: chat)")
+    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="generated scenario (default: chat)")
     src.add_argument("--trace", metavar="PATH", help="a JSONL or CSV trace file instead of a generated workload")
+    p.add_argument("--requests", type=_positive_int, default=requests, metavar="N", help="requests to generate")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+
+
+def _workload(args: argparse.Namespace, **kw: float):
+    from .workloads import make_workload, read_trace
+
+    return read_trace(args.trace) if args.trace else make_workload(args.workload or "chat", args.requests,
+                                                                    args.seed, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- sweep
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    from .sizing import DEFAULT_SIZES, GOALS
+
+    _workload_args(p, requests=500)
     p.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES), metavar="B,B,...",
                    help="block sizes in tokens (default: %(default)s)")
-    p.add_argument("--requests", type=_positive_int, default=500, metavar="N", help="requests to generate")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--goal", choices=GOALS, default="balanced", help="cost weights for the recommendation")
     p.add_argument("--no-attention", action="store_true", help="skip timing paged attention (counts only)")
     p.add_argument("--rounds", type=_positive_int, default=5, help="attention timing rounds (best of)")
@@ -97,10 +109,8 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
                   "size on a workload, and recommend a block size (text 2.2.1)", _sweep_args)
 def _sweep(args: argparse.Namespace) -> int:
     from .sizing import GOALS, ChunkSizeOptimizer, plot_sweep
-    from .workloads import make_workload, read_trace
 
-    workload = (read_trace(args.trace) if args.trace
-                else make_workload(args.workload or "chat", args.requests, args.seed))
+    workload = _workload(args)
     opt = ChunkSizeOptimizer()
     result = opt.sweep(workload, args.sizes, attention=not args.no_attention, progress=not args.no_progress,
                        rounds=args.rounds, device=args.device)
@@ -120,15 +130,10 @@ def _sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- run, demo
 def _run_args(p: argparse.ArgumentParser) -> None:
     from .engine import EngineConfig
-    from .workloads import ALIASES, WORKLOADS
 
     d = EngineConfig()
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="scenario (default: chat)")
-    src.add_argument("--trace", metavar="PATH", help="a JSONL or CSV trace file instead of a generated workload")
-    p.add_argument("--requests", type=_positive_int, default=1000, metavar="N", help="requests to generate")
+    _workload_args(p, requests=1000)
     p.add_argument("--rate", type=float, default=200.0, help="arrivals per second (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
     p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
     p.add_argument("--policy", default=d.policy, choices=["lru", "fifo", "lfu", "random"], help="eviction policy")
@@ -145,10 +150,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def _run_cmd(args: argparse.Namespace) -> int:
     from .engine import Engine, EngineConfig
     from .metrics import format_table
-    from .workloads import make_workload, read_trace
 
-    workload = (read_trace(args.trace) if args.trace
-                else make_workload(args.workload or "chat", args.requests, args.seed, rate=args.rate))
+    workload = _workload(args, rate=args.rate)
     cfg = dict(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy, preemption=args.preemption,
                max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
     rows = {"paged": Engine(workload, EngineConfig(**cfg)).run(progress=not args.no_progress)}
