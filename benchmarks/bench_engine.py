@@ -34,8 +34,10 @@ def run(quick: bool, full: bool = False) -> list[dict]:
                      "ratio": None, "goal": None})
         rows.append({"name": f"  requests/s ({n})", "value": n / dt, "unit": "req/s", "baseline": None,
                      "ratio": None, "goal": None})
-        rows.append({"name": f"  time growth {first[0]} -> {n}", "value": dt / first[1], "unit": "x",
-                     "baseline": n / first[0], "ratio": (dt / first[1]) / (n / first[0]), "goal": "ratio ~1 (linear)"})
+        if n != first[0]:
+            rows.append({"name": f"  time growth {first[0]} -> {n}", "value": dt / first[1], "unit": "x",
+                         "baseline": n / first[0], "ratio": (dt / first[1]) / (n / first[0]),
+                         "goal": "ratio ~1 (linear)"})
     n = sizes[0]
     dt_b, base = _time(n, "contiguous")
     paged = runs[n]
@@ -53,8 +55,6 @@ def run(quick: bool, full: bool = False) -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    print(f"{'name':42} {'value':>12} {'unit':>10} {'baseline':>10} {'ratio':>8}  goal")
-    for r in run(quick="--quick" in sys.argv, full="--full" in sys.argv):
-        fmt = lambda v: "" if v is None else f"{v:,.3g}"  # noqa: E731
-        print(f"{r['name']:42} {fmt(r['value']):>12} {r['unit']:>10} {fmt(r['baseline']):>10} "
-              f"{fmt(r['ratio']):>8}  {r['goal'] or ''}")
+    from kvlab.bench import run_script
+
+    run_script(lambda quick: run(quick, full="--full" in sys.argv))
