@@ -4,7 +4,6 @@ pauses and steps through received frames, the dashboard's controls drive the run
 and one screenshot per view is saved for the docs."""
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
