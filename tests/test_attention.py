@@ -44,7 +44,7 @@ def test_decode_matches_reference(block_size, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 24, 64, 256])
 def test_mixed_prefill_and_decode_batch(block_size):
     lens = [40, 7, 129, 300]
     qlens = [40, 1, 100, 3]  # full prefill, decode, prefill after a cached prefix, a few new tokens
