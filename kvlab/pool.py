@@ -117,7 +117,6 @@ class BlockPool:
         # One free stack per order, popped from the end; lowest ids come out first.
         self._free: list[array] = [array("i") for _ in range(self.max_order + 1)]
         self._carve(0, n)
-        self._free_units = n
 
         self.lock = threading.RLock()
         self.clock: Clock = clock or LogicalClock()
@@ -207,7 +206,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """FREE base blocks."""
-        return self._free_units
+        return sum(len(f) << o for o, f in enumerate(self._free))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -218,7 +217,7 @@ class BlockPool:
         return self.num_blocks
 
     def __repr__(self) -> str:
-        return (f"BlockPool({self.num_blocks} blocks x {self.block_size} tokens, free={self._free_units}, "
+        return (f"BlockPool({self.num_blocks} blocks x {self.block_size} tokens, free={self.num_free_blocks}, "
                 f"cached={len(self.policy)}, policy={self.policy.name}, device={self.spec.device})")
 
     # ------------------------------------------------------------------ events and bookkeeping helpers
@@ -234,12 +233,10 @@ class BlockPool:
         self._refs[b] = self._tokens[b] = self._reusable[b] = 0
         self._owner[b] = -1
         self._free[self._order[b]].append(b)
-        self._free_units += 1 << self._order[b]
 
     def _pop_exact(self, b: int) -> None:
         """Remove FREE block ``b`` from its free stack (O(free blocks of its order), rare path)."""
         self._free[self._order[b]].remove(b)
-        self._free_units -= 1 << self._order[b]
 
     def _publish(self, event: ev.Event) -> None:
         self.events.publish(event)
@@ -256,7 +253,6 @@ class BlockPool:
         """One FREE block of ``order``: from its free stack, else by splitting a larger one, else by evicting."""
         if self._free[order]:
             b = self._free[order].pop()
-            self._free_units -= 1 << order
             return b, "free"
         for o in range(order + 1, self.max_order + 1):
             if self._free[o]:
@@ -280,7 +276,6 @@ class BlockPool:
             free = self._free[0]
             if n == 1 and not size_class and free and status == ALLOCATED:  # hot path: one base block
                 b = free.pop()
-                self._free_units -= 1
                 t = self.clock.tick()
                 self._status[b] = ALLOCATED
                 self._refs[b] = self._hits[b] = 1
@@ -306,7 +301,7 @@ class BlockPool:
         if n > len(self._free[order]) and n > self._capacity_for(order):
             raise OutOfBlocksError(
                 f"asked for {n} blocks of {self.block_size << order} tokens; the pool has "
-                f"{self._free_units} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
+                f"{self.num_free_blocks} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
         t = self.clock.tick()
         if n <= 32 and not order and len(self._free[0]) >= n:  # scalar loop beats numpy's per-call overhead
             free, out = self._free[0], []
@@ -317,12 +312,10 @@ class BlockPool:
                 self._last[b] = self._created[b] = t
                 self._owner[b] = owner
                 out.append(b)
-            self._free_units -= n
             served = {"free": n}
         elif not order and len(self._free[0]) >= n:  # vectorised path: slice the free stack
             chunk = self._free[0][-n:]
             del self._free[0][-n:]
-            self._free_units -= n
             ids = np.frombuffer(chunk, dtype=np.int32)[::-1]
             self.status_np[ids] = status
             self.refs_np[ids] = 1
@@ -431,7 +424,6 @@ class BlockPool:
                     self._owner[b] = -1
                     self._last[b] = t = self.clock.tick()
                     self._free[0].append(b)
-                    self._free_units += 1
                     self._hot_frees += 1
                     if self._subs:
                         self._publish(ev.Freed(t, (b,)))
@@ -493,7 +485,6 @@ class BlockPool:
                 self._tokens[b] = self._reusable[b] = 0
                 self._owner[b] = -1
                 self._free[0].append(b)
-                self._free_units += 1
                 freed.append(b)
         if self._subs:
             if left:
@@ -557,7 +548,6 @@ class BlockPool:
                 self.reusable_np[gone] = 0
                 self.owner_np[gone] = -1
                 self._free[0].frombytes(gone[::-1].astype(np.int32).tobytes())
-                self._free_units += gone.size
         if self._subs:
             left = uniq[new > 0]
             if left.size:
@@ -824,7 +814,6 @@ class BlockPool:
             for o in set(self.order_np[d].tolist()):  # one vectorised pass per free list, not one per target
                 f = np.frombuffer(self._free[o], dtype=np.int32)
                 self._free[o] = array("i", f[~np.isin(f, d)].tobytes())
-            self._free_units -= int((1 << self.order_np[d].astype(np.int64)).sum())
             for a, b in zip(s.tolist(), d.tolist()):
                 self._set_status(b, ALLOCATED)
                 for arr in (self._refs, self._tokens, self._last, self._created, self._hits, self._owner,
@@ -883,7 +872,7 @@ class BlockPool:
         runs of that size counts as usable. With one size class every free block serves every request: 0 by
         construction, whatever the layout. (The text summed the size of FREE blocks' data, which is always 0.)"""
         with self.lock:
-            total = self._free_units
+            total = self.num_free_blocks
             if not total:
                 return 0
             top = 1 << self.max_order
@@ -927,7 +916,6 @@ class BlockPool:
             assert len(in_free) == len(set(in_free)), "a block is in a free list twice"
             free_heads = set(heads_a[st[heads_a] == FREE].tolist())
             assert set(in_free) == free_heads, f"free lists {sorted(set(in_free) ^ free_heads)[:5]} disagree with status"
-            assert self._free_units == int((st == FREE).sum()), "free counter drifted"
             assert (refs >= 0).all(), f"negative refcount at block {int(np.argmax(refs < 0))}"
             assert not refs[st == FREE].any(), "a FREE block has references"
             assert not self.tokens_np[st == FREE].any(), "a FREE block counts tokens"
