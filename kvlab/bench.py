@@ -92,19 +92,26 @@ def format_table(result: dict[str, Any]) -> str:
 def ns_per_item(fn: Any, items: int, reps: int, rounds: int = 5) -> float:
     """Best of ``rounds`` timings of ``reps`` calls of ``fn``, in ns per item (``items`` per call), with the
     garbage collector off while timing: this machine is noisy, and the best round is the least disturbed."""
+    return ns_per_item_together({"fn": fn}, items, reps, rounds)["fn"]
+
+
+def ns_per_item_together(fns: dict[str, Any], items: int, reps: int, rounds: int = 7) -> dict[str, float]:
+    """:func:`ns_per_item` for several functions timed in turn within each round, so that a noisy spell slows
+    all of them rather than one: ratios between them are then fair. Returns ns per item by name."""
     import gc
     import time
 
-    best = float("inf")
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
-        gc.disable()
-        try:
-            t = time.perf_counter_ns()
-            for _ in range(reps):
-                fn()
-            best = min(best, (time.perf_counter_ns() - t) / (reps * items))
-        finally:
-            gc.enable()
+        for name, fn in fns.items():
+            gc.disable()
+            try:
+                t = time.perf_counter_ns()
+                for _ in range(reps):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter_ns() - t) / (reps * items))
+            finally:
+                gc.enable()
     return best
 
 

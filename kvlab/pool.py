@@ -49,13 +49,17 @@ from .storage import KVStorage
 
 FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
 _NAMES = [s.name for s in BlockStatus]
+_ALLOCATED_BYTE = bytes([ALLOCATED])
+_ONE_REF = np.ones(1, dtype=np.int32).tobytes()  # one refcount as the refs array stores it
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def _zeros(code: str, n: int) -> tuple[array, np.ndarray]:
-    a = array(code, bytes(n * array(code).itemsize))
-    return a, np.frombuffer(a, dtype=a.typecode if code != "q" else np.int64)
+def _zeros(code: str, n: int) -> tuple[array | bytearray, np.ndarray]:
+    """A zeroed buffer for scalar access from Python plus a zero-copy numpy view of it. Byte fields are a
+    ``bytearray``, whose item stores cost about two thirds of an ``array('B')``'s."""
+    a = bytearray(n) if code == "B" else array(code, bytes(n * array(code).itemsize))
+    return a, np.frombuffer(a, dtype=np.uint8 if code == "B" else np.int64 if code == "q" else code)
 
 
 class BlockPool:
@@ -113,7 +117,15 @@ class BlockPool:
         self._owner, self.owner_np = _zeros("i", n)
         self.owner_np[:] = -1
         self._reusable, self.reusable_np = _zeros("B", n)
-        self._scratch = np.zeros(n, dtype=np.int32)  # duplicate detection in batch calls without sorting
+        # Batch-path helpers: duplicate detection without sorting, and recognising runs lo..hi-1 of ids (as a
+        # caller's list, and as they sit on a free stack) so that metadata writes become slices.
+        self._scratch = np.zeros(n, dtype=np.uint32)
+        self._arange32 = np.arange(n, dtype=np.uint32)
+        self._desc32 = np.arange(n - 1, -1, -1, dtype=np.int32)
+        # The int objects for ids below 65,536, shared by the lists the batch paths hand out: slicing this list
+        # costs a quarter of list(range(...)), and comparing a caller's list with a slice of it recognises a
+        # run without converting the list (the way CPython caches small ints, for the same reason).
+        self._id_objs = list(range(min(n, 1 << 16)))
         # One free stack per order, popped from the end; lowest ids come out first.
         self._free: list[array] = [array("i") for _ in range(self.max_order + 1)]
         self._carve(0, n)
@@ -167,23 +179,34 @@ class BlockPool:
         """Validated int64 array of block ids."""
         if isinstance(ids, torch.Tensor):
             ids = ids.cpu().numpy()
-        if isinstance(ids, list):  # array('q') converts ~2x faster than np.asarray and rejects non-ints
-            try:
-                ids = np.frombuffer(array("q", ids), dtype=np.int64)
+        if isinstance(ids, list):
+            try:  # array('I') converts ~3x faster than array('q'); a negative id falls through to 'q'
+                a = np.frombuffer(array("I", ids), dtype=np.uint32).astype(np.int64)
             except (TypeError, OverflowError):
-                raise UnknownBlockError(f"block ids must be ints, got {ids!r}") from None
-        a = np.asarray(ids)
-        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
-        a = a.astype(np.int64, copy=False)
+                try:
+                    a = np.frombuffer(array("q", ids), dtype=np.int64)
+                except (TypeError, OverflowError):
+                    raise UnknownBlockError(f"block ids must be ints in 0..{self.num_blocks - 1}, "
+                                            f"got {ids!r}") from None
+        else:
+            a = np.asarray(ids)
+            if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+                raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
+            a = a.astype(np.int64, copy=False)
         if a.size:
-            bad = (a < 0) | (a >= self.num_blocks)
-            if bad.any():
+            if a.max() >= self.num_blocks or a.min() < 0:
+                bad = (a < 0) | (a >= self.num_blocks)
                 raise UnknownBlockError(f"block {int(a[bad][0])} is not in this pool (ids 0..{self.num_blocks - 1})")
             if self.max_order:
                 for b in a[(a & ((1 << self.order_np[a].astype(np.int64)) - 1)) != 0]:
                     self._check_id(int(b))
         return a
+
+    def _distinct(self, a: np.ndarray) -> bool:
+        """Whether in-range ids ``a`` hold no repeats: two scatters and a bytes comparison, no sort."""
+        pos = self._arange32[:a.size]
+        self._scratch[a] = pos
+        return self._scratch[a].tobytes() == pos.tobytes()
 
     def block(self, block_id: int) -> KVBlock:
         """A :class:`KVBlock` view of ``block_id``."""
@@ -273,14 +296,14 @@ class BlockPool:
         lock = self.lock
         lock.acquire()  # acquire/release is ~2x cheaper than `with` on the hot path
         try:
-            free = self._free[0]
-            if n == 1 and not size_class and free and status == ALLOCATED:  # hot path: one base block
-                b = free.pop()
+            if n == 1 and not size_class and self._free[0] and status == ALLOCATED:  # hot path: one base block
+                b = self._free[0].pop()  # _pop_one inlined: a method call is a tenth of this path
                 t = self.clock.tick()
                 self._status[b] = ALLOCATED
                 self._refs[b] = self._hits[b] = 1
                 self._last[b] = self._created[b] = t
-                self._owner[b] = owner
+                if owner != -1:
+                    self._owner[b] = owner
                 self._hot_allocs += 1
                 if self._subs:
                     self._publish(ev.Allocated(t, (b,), 0, owner, "ALLOCATED", "free"))
@@ -302,28 +325,12 @@ class BlockPool:
             raise OutOfBlocksError(
                 f"asked for {n} blocks of {self.block_size << order} tokens; the pool has "
                 f"{self.num_free_blocks} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
-        t = self.clock.tick()
-        if n <= 32 and not order and len(self._free[0]) >= n:  # scalar loop beats numpy's per-call overhead
-            free, out = self._free[0], []
-            for _ in range(n):
-                b = free.pop()
-                self._status[b] = status
-                self._refs[b] = self._hits[b] = 1
-                self._last[b] = self._created[b] = t
-                self._owner[b] = owner
-                out.append(b)
-            served = {"free": n}
-        elif not order and len(self._free[0]) >= n:  # vectorised path: slice the free stack
-            chunk = self._free[0][-n:]
-            del self._free[0][-n:]
-            ids = np.frombuffer(chunk, dtype=np.int32)[::-1]
-            self.status_np[ids] = status
-            self.refs_np[ids] = 1
-            self.hits_np[ids] = 1
-            self.last_np[ids] = t
-            self.created_np[ids] = t
-            self.owner_np[ids] = owner
-            out, served = ids.tolist(), {"free": n}
+        t, status = self.clock.tick(), int(status)
+        if not order and len(self._free[0]) >= n:  # enough FREE base blocks: no split, no eviction
+            out = self._pop_many(n, t, owner, status) if n > 32 else [self._pop_one(t, owner, status)
+                                                                     for _ in range(n)]
+            self._counts["served_free"] += n
+            how = "free"
         else:
             out, served = [], {}
             for _ in range(n):
@@ -334,11 +341,45 @@ class BlockPool:
                 self._owner[b] = owner
                 out.append(b)
                 served[how] = served.get(how, 0) + 1
+            for how, k in served.items():
+                self._counts["served_" + how] += k
+            how = max(served, key=served.get, default="free")
         self._counts["allocations"] += n
-        for how, k in served.items():
-            self._counts["served_" + how] += k
         if self._subs and n:
-            self._publish(ev.Allocated(t, tuple(out), order, owner, _NAMES[status], max(served, key=served.get)))
+            self._publish(ev.Allocated(t, tuple(out), order, owner, _NAMES[status], how))
+        return out
+
+    def _pop_one(self, t: int, owner: int, status: int) -> int:
+        """Take the top base block of the free stack (scalar Python beats numpy below a few dozen blocks)."""
+        b = self._free[0].pop()
+        self._status[b] = status
+        self._refs[b] = self._hits[b] = 1
+        self._last[b] = self._created[b] = t
+        if owner != -1:  # FREE blocks already have owner -1
+            self._owner[b] = owner
+        return b
+
+    def _pop_many(self, n: int, t: int, owner: int, status: int) -> list[int]:
+        """Take the top ``n`` base blocks of the free stack with vectorised metadata writes: slices when they
+        form a run (the stack hands out lowest ids first, so runs are common), fancy indexing otherwise."""
+        free = self._free[0]
+        top = free[-1]
+        chunk = free[-n:]
+        del free[-n:]
+        hi = self.num_blocks - top  # the run top..top+n-1 sits on the stack as _desc32[hi-n:hi]
+        if chunk.tobytes() == self._desc32[max(hi - n, 0):hi].tobytes():
+            ix: slice | np.ndarray = slice(top, top + n)
+            out = self._id_objs[top:top + n] if top + n <= len(self._id_objs) else list(range(top, top + n))
+        else:
+            ix = np.frombuffer(chunk, dtype=np.int32)[::-1].astype(np.int64)
+            out = ix.tolist()
+        self.status_np[ix] = status
+        self.refs_np[ix] = 1
+        self.hits_np[ix] = 1
+        self.last_np[ix] = t
+        self.created_np[ix] = t
+        if owner != -1:
+            self.owner_np[ix] = owner
         return out
 
     def reserve(self, n: int = 1, *, size_class: int = 0, owner: int = -1) -> list[int]:
@@ -422,12 +463,14 @@ class BlockPool:
                     self._status[b] = FREE
                     self._refs[b] = self._tokens[b] = 0
                     self._owner[b] = -1
-                    self._last[b] = t = self.clock.tick()
                     self._free[0].append(b)
                     self._hot_frees += 1
+                    t = self.clock.tick()
                     if self._subs:
                         self._publish(ev.Freed(t, (b,)))
                     return
+            if type(ids) is list and len(ids) > 32 and not self.max_order and self._free_many(ids):
+                return
             few = self._few(ids)  # everything else, including every error, takes the general paths
             if few is not None:
                 self._release_few(few, free=True)
@@ -436,6 +479,42 @@ class BlockPool:
                 self._release(self._ids(ids), free=True)
         finally:
             lock.release()
+
+    def _free_many(self, ids: list) -> bool:
+        """:meth:`free` of a long list of distinct base blocks that each hold their only reference and keep no
+        reusable data (a finished sequence): the common case, in about a dozen numpy calls, with slices when
+        the ids are a run. Returns False, having changed nothing, for any other list; the general path then
+        serves or rejects it."""
+        n, lo, u = len(ids), ids[0], None
+        run = type(lo) is int and 0 <= lo and lo + n <= len(self._id_objs) and ids == self._id_objs[lo:lo + n]
+        if run:
+            at: slice | np.ndarray = slice(lo, lo + n)
+        else:
+            try:  # array('I') converts ~3x faster than array('q') or np.asarray, and refuses negatives, non-ints
+                u = array("I", ids)
+            except (TypeError, OverflowError):
+                return False
+            at = np.frombuffer(u, dtype=np.uint32).astype(np.int64)
+        try:
+            if (self.status_np[at].tobytes() != _ALLOCATED_BYTE * n  # IndexError: an id past the end
+                    or self.refs_np[at].tobytes() != _ONE_REF * n
+                    or self.reusable_np[at].tobytes() != bytes(n)
+                    or not (run or self._distinct(at))):
+                return False
+        except IndexError:
+            return False
+        t = self.clock.tick()
+        self.status_np[at] = FREE
+        self.refs_np[at] = 0
+        self.tokens_np[at] = 0
+        self.owner_np[at] = -1
+        hi = self.num_blocks - lo  # push the first id on top, as _carve does, so runs survive reuse
+        self._free[0].frombytes(self._desc32[hi - n:hi].tobytes() if u is None else u[::-1].tobytes())
+        self._locks += 1
+        self._counts["frees"] += n
+        if self._subs:
+            self._publish(ev.Freed(t, tuple(ids)))
+        return True
 
     def _few(self, ids: Ids) -> list[int] | None:
         """``ids`` as validated distinct ints when the scalar path applies (a short list or tuple without
@@ -469,12 +548,13 @@ class BlockPool:
             self._locks += 1
             self._counts["decrefs"] += len(ids)
         left, kept, freed = [], [], []
-        for b in ids:
-            self._last[b] = t
+        for b in ids:  # a block going FREE keeps its last access time: releasing it is not an access
             r = refs[b] = refs[b] - 1
             if r:
+                self._last[b] = t
                 left.append(b)
             elif status[b] == ALLOCATED and (not free or self._reusable[b]):
+                self._last[b] = t
                 self.policy.add(b)
                 kept.append(b)
             elif self._order[b]:
@@ -496,9 +576,7 @@ class BlockPool:
 
     def _unique(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
         """``(distinct ids, multiplicities)``; the common no-duplicate case costs two scatters, not a sort."""
-        order = np.arange(a.size, dtype=np.int32)
-        self._scratch[a] = order
-        if (self._scratch[a] == order).all():
+        if self._distinct(a):
             return a, 1
         return np.unique(a, return_counts=True)
 
@@ -529,13 +607,14 @@ class BlockPool:
         t = self.clock.tick()
         new = refs - counts
         self.refs_np[uniq] = new
-        self.last_np[uniq] = t
         self._counts["frees" if free else "decrefs"] += a.size
         zero = uniq[new == 0]
         kept = self.status_np[zero] == ALLOCATED
         if free:
             kept &= self.reusable_np[zero] == 1
         keep, gone = zero[kept], zero[~kept]
+        self.last_np[uniq[new > 0]] = t  # blocks going FREE keep their last access time
+        self.last_np[keep] = t
         for b in keep.tolist():
             self.policy.add(b)
         if gone.size:
@@ -638,16 +717,23 @@ class BlockPool:
 
     def set_token_count(self, block_id: int, count: int) -> None:
         """Number of filled slots of ``block_id`` (sequences update it as they append)."""
-        b = self._check_id(block_id)
-        if not 0 <= count <= self.block_size << self._order[b]:
-            raise KVDataError(f"block {b} holds at most {self.block_size << self._order[b]} tokens, not {count}")
-        if self._status[b] == FREE:
-            raise IllegalTransitionError(f"block {b} is FREE: it has no tokens to count")
-        self._tokens[b] = count
+        with self.lock:
+            b = self._check_id(block_id)
+            if not isinstance(count, (int, np.integer)) or not 0 <= count <= self.block_size << self._order[b]:
+                raise KVDataError(f"block {b} holds at most {self.block_size << self._order[b]} tokens, "
+                                  f"not {count!r}")
+            if self._status[b] == FREE:
+                raise IllegalTransitionError(f"block {b} is FREE: it has no tokens to count")
+            self._tokens[b] = count
 
     def set_owner(self, ids: Ids, owner: int) -> None:
         """Record who holds the blocks (shown by widgets; a shared block shows its last owner)."""
-        self.owner_np[self._ids(ids)] = owner
+        with self.lock:
+            a = self._ids(ids)
+            free = a[self.status_np[a] == FREE]
+            if free.size:
+                raise IllegalTransitionError(f"block {int(free[0])} is FREE: no one holds it")
+            self.owner_np[a] = owner
 
     # ------------------------------------------------------------------ state machine beyond alloc/free
     def commit(self, ids: Ids) -> None:
@@ -919,6 +1005,8 @@ class BlockPool:
             assert (refs >= 0).all(), f"negative refcount at block {int(np.argmax(refs < 0))}"
             assert not refs[st == FREE].any(), "a FREE block has references"
             assert not self.tokens_np[st == FREE].any(), "a FREE block counts tokens"
+            assert (self.owner_np[st == FREE] == -1).all(), "a FREE block has an owner"
+            assert not self.reusable_np[st == FREE].any(), "a FREE block is marked reusable"
             cached = set(heads_a[(st[heads_a] == ALLOCATED) & (refs[heads_a] == 0)].tolist())
             in_policy = {b for b, _ in self.policy.order()}
             assert len(self.policy) == len(in_policy), "eviction policy size disagrees with its order"

@@ -1,0 +1,136 @@
+"""The pool's vectorised batch paths (long allocate/free lists, runs as slices) against its general paths.
+
+``BlockPool`` serves ``allocate(n)`` and ``free(ids)`` for more than 32 base blocks with a few numpy calls,
+using slices when the ids form a run. The reference here is the same pool with those two fast paths switched
+off, so every call goes through the general code: after every step both pools must hold identical metadata,
+free stacks, evictable sets, counters and events, return the same ids and raise the same errors.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab import BlockPool, DoubleFreeError, EventRecorder, IllegalTransitionError, KVLabError, UnknownBlockError
+
+from _util import assert_same_state, pool_state
+
+N = 512
+
+
+def general_only(pool: BlockPool) -> BlockPool:
+    """Switch off the vectorised fast paths of ``pool`` (instance attributes shadow the methods)."""
+    pool._free_many = lambda ids: False
+    pool._pop_many = lambda n, t, owner, status: [pool._pop_one(t, owner, status) for _ in range(n)]
+    return pool
+
+
+def outcome(pool: BlockPool, op: str, *args, **kw):
+    try:
+        return getattr(pool, op)(*args, **kw)
+    except KVLabError as e:
+        return type(e)
+
+
+def ids_strategy(held: list[int], batches: list[list[int]]) -> st.SearchStrategy[list]:
+    """Lists the batch paths must handle: whole allocations (often runs), subsets, shuffles, repeats, stale
+    and foreign ids."""
+    run = st.integers(0, N - 40).flatmap(lambda lo: st.integers(33, min(200, N - lo)).map(
+        lambda k: list(range(lo, lo + k))))
+    picked = st.lists(st.sampled_from(held), min_size=33, max_size=120, unique=True) if len(held) >= 33 else run
+    whole = st.sampled_from(batches) if batches else run
+    spoilt = st.tuples(picked, st.sampled_from([N, 10**12, -1, "7", 1.0, None]), st.integers(0, 32)).map(
+        lambda t: t[0][:t[2]] + [t[1]] + t[0][t[2]:])
+    repeated = picked.map(lambda ids: ids + ids[:1])
+    return st.one_of(whole, whole, whole, picked, picked.map(sorted), run, repeated, spoilt)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_batch_paths_equal_general_paths(data):
+    fast, ref = BlockPool(N, with_storage=False), general_only(BlockPool(N, with_storage=False))
+    rec_fast, rec_ref = EventRecorder(fast.events), EventRecorder(ref.events)
+    held: list[int] = []
+    batches: list[list[int]] = []  # allocations of more than 32 blocks still fully held
+    for _ in range(data.draw(st.integers(5, 25), label="steps")):
+        op = data.draw(st.sampled_from(["allocate", "free", "free", "incref", "mark_reusable", "decref",
+                                        "set_token_count"]))
+        if op == "allocate" or not held:
+            op, args = "allocate", (data.draw(st.integers(1, 150), label="n"),)
+            kw = {"owner": data.draw(st.integers(-1, 3))}
+        elif op == "set_token_count":
+            args, kw = (data.draw(st.sampled_from(held)), data.draw(st.integers(0, fast.block_size))), {}
+        elif op in ("incref", "mark_reusable", "decref"):
+            args, kw = (data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=8)),), {}
+        else:
+            args, kw = (data.draw(ids_strategy(held, batches), label="ids"),), {}
+        got, want = outcome(fast, op, *args, **kw), outcome(ref, op, *args, **kw)
+        assert got == want, (op, args)
+        assert_same_state(pool_state(ref), pool_state(fast))
+        assert rec_fast.events == rec_ref.events
+        fast.check_invariants()
+        if op == "allocate" and isinstance(got, list):
+            held.extend(got)
+            batches.append(got)
+        held = [b for b in held if fast.refs_np[b] > 0]
+        batches = [ids for ids in batches if len(ids) > 32 and (fast.refs_np[ids] > 0).all()]
+
+
+def test_run_and_scattered_free_restore_the_stack():
+    pool = BlockPool(N, with_storage=False)
+    ids = pool.allocate(100)
+    assert ids == list(range(100))  # lowest ids first: a run
+    pool.free(ids)
+    assert pool.allocate(100) == ids  # the run is handed out again
+    shuffled = np.random.default_rng(0).permutation(ids).tolist()
+    pool.free(shuffled)
+    assert pool.allocate(100) == shuffled  # a free pushes its first id on top, scattered or not
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (lambda ids: ids + [ids[5]], DoubleFreeError, "released more times"),
+    (lambda ids: ids + [N], UnknownBlockError, f"block {N} is not in this pool"),
+    (lambda ids: ids + [-3], UnknownBlockError, "block -3 is not in this pool"),
+    (lambda ids: ids[:40] + ["x"], UnknownBlockError, "must be ints"),
+    (lambda ids: ids + [ids[-1] + 1], DoubleFreeError, f"block {41} is FREE"),
+])
+def test_long_free_rejects_bad_lists_unchanged(bad, error, words):
+    pool = BlockPool(N, with_storage=False)
+    ids = pool.allocate(41)
+    before = pool_state(pool)
+    with pytest.raises(error, match=words):
+        pool.free(bad(ids))
+    assert_same_state(before, pool_state(pool))
+
+
+def test_long_free_of_shared_or_reusable_blocks_takes_the_general_path():
+    pool = BlockPool(N, with_storage=False)
+    ids = pool.allocate(64)
+    pool.incref(ids[:10])
+    pool.mark_reusable(ids[10:20])
+    pool.free(ids)
+    assert (pool.refs_np[ids[:10]] == 1).all()  # shared: one reference left
+    assert pool.num_cached_blocks == 10  # reusable: cached, still evictable
+    assert pool.num_free_blocks == N - 20
+    pool.check_invariants()
+
+
+def test_freeing_is_not_an_access():
+    pool = BlockPool(N, with_storage=False)
+    for ids in (pool.allocate(1), pool.allocate(5), pool.allocate(50)):
+        last = pool.last_np[ids].copy()
+        pool.free(ids)
+        np.testing.assert_array_equal(pool.last_np[ids], last)
+
+
+def test_set_owner_refuses_free_blocks_unchanged():
+    pool = BlockPool(8, with_storage=False)
+    got = pool.allocate(2)
+    pool.set_owner(got, 3)
+    before = pool_state(pool)
+    with pytest.raises(IllegalTransitionError, match="block 2 is FREE"):
+        pool.set_owner([got[0], 2], 5)
+    assert_same_state(before, pool_state(pool))
+    assert pool.owner_np[got].tolist() == [3, 3]
