@@ -110,7 +110,7 @@ def run(quick: bool = False) -> list[dict]:
         if n == 256:
             sp = scattered_pool(4096)
             fns["scattered"] = lambda: sp.free(sp.allocate(n))
-        ns = ns_per_item_together(fns, n, reps=max(20, (2000 if quick else 20000) // n))
+        ns = ns_per_item_together(fns, n, reps=max(20, (2000 if quick else 20000) // n), rounds=5 if quick else 15)
         base = ns["baseline"]
 
         def row(name: str, value: float, baseline: float, goal: float | None = None) -> dict:

@@ -16,8 +16,10 @@ Invariants (checked by :meth:`BlockPool.check_invariants`, after every step of t
 * a block is in a free list iff it is FREE, and in the eviction policy's set iff it is cached;
 * refcount >= 0 everywhere and FREE => refcount 0 and token_count 0.
 
-Metadata lives in flat ``array.array`` buffers (fast single-element access from Python) with zero-copy numpy
-views (vectorised batch operations, snapshots for widgets); a :class:`KVBlock` is only a view onto them.
+Metadata lives in flat ``array.array`` / ``bytearray`` buffers (fast single-element access from Python) with
+zero-copy numpy views (vectorised batch operations, snapshots for widgets); a :class:`KVBlock` is only a view
+onto them. Batch calls on more than 32 base blocks write metadata with numpy, as slices when the ids form a run
+``lo..hi-1`` (the free stack hands out lowest ids first, so runs are common).
 Size classes: a pool built with ``block_sizes=[16, 32, 64]`` has base blocks of 16 tokens and blocks of order
 ``k`` spanning ``2**k`` base blocks, split from and merged back into larger buddies. A block's id is the index
 of its first base block. The default pool has one size (order 0 only): the uniform paged case.

@@ -27,3 +27,11 @@ def test_ns_per_item_measures_per_item():
     calls = []
     ns = bench.ns_per_item(lambda: calls.append(1), items=4, reps=10, rounds=2)
     assert len(calls) == 20 and ns > 0
+
+
+def test_ns_per_item_together_interleaves_rounds():
+    calls = []
+    ns = bench.ns_per_item_together({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                    items=2, reps=3, rounds=2)
+    assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert set(ns) == {"a", "b"} and all(v > 0 for v in ns.values())
