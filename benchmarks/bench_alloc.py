@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from kvlab import BlockPool, DefragmentationStrategy, DynamicAllocator, FragmentationDetector, Preallocator
-from kvlab.bench import ns_per_item
+from kvlab.bench import ns_per_item_together
 
 
 def _bursty(quick: bool, prealloc: bool) -> tuple[np.ndarray, float]:
@@ -90,7 +90,8 @@ def batch_rows(quick: bool) -> list[dict]:
         before = pool.lock_acquisitions
         fn()
         locks.append(pool.lock_acquisitions - before)
-    ours, base = ns_per_item(batched, n, reps), ns_per_item(one_by_one, n, reps)
+    ns = ns_per_item_together({"ours": batched, "base": one_by_one}, n, reps)
+    ours, base = ns["ours"], ns["base"]
     return [{"name": f"batch alloc+incref+decref+free, n={n}", "value": round(ours, 1), "unit": "ns/block",
              "baseline": round(base, 1), "ratio": round(ours / base, 3), "goal": 0.5},
             {"name": f"  lock acquisitions per {n} blocks", "value": locks[0], "unit": "locks",

@@ -18,7 +18,7 @@ Invariants (checked by :meth:`BlockPool.check_invariants`, after every step of t
 
 Metadata lives in flat ``array.array`` / ``bytearray`` buffers (fast single-element access from Python) with
 zero-copy numpy views (vectorised batch operations, snapshots for widgets); a :class:`KVBlock` is only a view
-onto them. Batch calls on more than 32 base blocks write metadata with numpy, as slices when the ids form a run
+onto them. Allocating or freeing 9 or more base blocks writes metadata with numpy, as slices when the ids form a run
 ``lo..hi-1`` (the free stack hands out lowest ids first, so runs are common).
 Size classes: a pool built with ``block_sizes=[16, 32, 64]`` has base blocks of 16 tokens and blocks of order
 ``k`` spanning ``2**k`` base blocks, split from and merged back into larger buddies. A block's id is the index
@@ -53,6 +53,9 @@ FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
 _NAMES = [s.name for s in BlockStatus]
 _ALLOCATED_BYTE = bytes([ALLOCATED])
 _ONE_REF = np.ones(1, dtype=np.int32).tobytes()  # one refcount as the refs array stores it
+# Crossovers measured with benchmarks/bench_pool.py: the allocate/free fast paths beat scalar Python from 9
+# blocks on; the general vectorised paths (validation, repeats, all or nothing) only from about 33.
+_FAST_MIN, _SCALAR_MAX = 9, 32
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -329,7 +332,7 @@ class BlockPool:
                 f"{self.num_free_blocks} free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
         t, status = self.clock.tick(), int(status)
         if not order and len(self._free[0]) >= n:  # enough FREE base blocks: no split, no eviction
-            out = self._pop_many(n, t, owner, status) if n > 32 else [self._pop_one(t, owner, status)
+            out = self._pop_many(n, t, owner, status) if n >= _FAST_MIN else [self._pop_one(t, owner, status)
                                                                      for _ in range(n)]
             self._counts["served_free"] += n
             how = "free"
@@ -471,7 +474,7 @@ class BlockPool:
                     if self._subs:
                         self._publish(ev.Freed(t, (b,)))
                     return
-            if type(ids) is list and len(ids) > 32 and not self.max_order and self._free_many(ids):
+            if type(ids) is list and len(ids) >= _FAST_MIN and not self.max_order and self._free_many(ids):
                 return
             few = self._few(ids)  # everything else, including every error, takes the general paths
             if few is not None:
@@ -522,7 +525,12 @@ class BlockPool:
         """``ids`` as validated distinct ints when the scalar path applies (a short list or tuple without
         repeats); None sends the call down the vectorised path. Scalar Python beats numpy's per-call overhead
         below a few dozen blocks."""
-        if type(ids) not in (list, tuple) or len(ids) > 32 or (len(ids) > 1 and len(set(ids)) != len(ids)):
+        if type(ids) not in (list, tuple) or len(ids) > _SCALAR_MAX:
+            return None
+        try:
+            if len(set(ids)) != len(ids):
+                return None
+        except TypeError:  # an unhashable "id": the general path rejects it with a typed error
             return None
         n, out = self.num_blocks, []
         for b in ids:
@@ -559,15 +567,10 @@ class BlockPool:
                 self._last[b] = t
                 self.policy.add(b)
                 kept.append(b)
-            elif self._order[b]:
-                self._push_free(b)
+            else:
                 freed.append(b)
-            else:  # inline _push_free for the base-block case: this is the hottest path of the pool
-                status[b] = FREE
-                self._tokens[b] = self._reusable[b] = 0
-                self._owner[b] = -1
-                self._free[0].append(b)
-                freed.append(b)
+        for b in reversed(freed):  # the first id ends on top of the free stack, as in every free path
+            self._push_free(b)
         if self._subs:
             if left:
                 self._publish(ev.RefChanged(t, tuple(left), -1, tuple(refs[b] for b in left)))
