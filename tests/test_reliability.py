@@ -188,7 +188,7 @@ def test_eight_threads_ten_thousand_operations_each():
                 r = rng.random()
                 if r < 0.3:
                     try:
-                        got = pool.allocate(rng.randint(1, 8))
+                        got = pool.allocate(rng.randint(1, 8) if rng.random() < 0.8 else rng.randint(9, 40))
                     except OutOfBlocksError:
                         continue
                     mine.extend(got)
