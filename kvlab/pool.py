@@ -490,16 +490,16 @@ class BlockPool:
         reusable data (a finished sequence): the common case, in about a dozen numpy calls, with slices when
         the ids are a run. Returns False, having changed nothing, for any other list; the general path then
         serves or rejects it."""
-        n, lo, u = len(ids), ids[0], None
+        n, lo, v = len(ids), ids[0], None
         run = type(lo) is int and 0 <= lo and lo + n <= len(self._id_objs) and ids == self._id_objs[lo:lo + n]
         if run:
             at: slice | np.ndarray = slice(lo, lo + n)
         else:
             try:  # array('I') converts ~3x faster than array('q') or np.asarray, and refuses negatives, non-ints
-                u = array("I", ids)
+                v = np.frombuffer(array("I", ids), dtype=np.uint32)
             except (TypeError, OverflowError):
                 return False
-            at = np.frombuffer(u, dtype=np.uint32).astype(np.int64)
+            at = v.astype(np.int64)
         try:
             if (self.status_np[at].tobytes() != _ALLOCATED_BYTE * n  # IndexError: an id past the end
                     or self.refs_np[at].tobytes() != _ONE_REF * n
@@ -514,7 +514,7 @@ class BlockPool:
         self.tokens_np[at] = 0
         self.owner_np[at] = -1
         hi = self.num_blocks - lo  # push the first id on top, as _carve does, so runs survive reuse
-        self._free[0].frombytes(self._desc32[hi - n:hi].tobytes() if u is None else u[::-1].tobytes())
+        self._free[0].frombytes(self._desc32[hi - n:hi].tobytes() if v is None else v[::-1].tobytes())
         self._locks += 1
         self._counts["frees"] += n
         if self._subs:
