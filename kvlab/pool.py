@@ -14,12 +14,12 @@ Invariants (checked by :meth:`BlockPool.check_invariants`, after every step of t
 * every base block is in exactly one block, blocks are buddy-aligned, and FREE + PENDING + ALLOCATED + EVICTING
   base blocks == ``num_blocks``;
 * a block is in a free list iff it is FREE, and in the eviction policy's set iff it is cached;
-* refcount >= 0 everywhere and FREE => refcount 0 and token_count 0.
+* refcount >= 0 everywhere, and a FREE block has refcount 0, token_count 0, owner -1 and is not reusable.
 
 Metadata lives in flat ``array.array`` / ``bytearray`` buffers (fast single-element access from Python) with
 zero-copy numpy views (vectorised batch operations, snapshots for widgets); a :class:`KVBlock` is only a view
-onto them. Allocating or freeing 9 or more base blocks writes metadata with numpy, as slices when the ids form a run
-``lo..hi-1`` (the free stack hands out lowest ids first, so runs are common).
+onto them. Allocating or freeing 9 or more base blocks writes metadata with numpy, as slices when the ids form
+a run ``lo..hi-1`` (the free stack hands out lowest ids first, so runs are common).
 Size classes: a pool built with ``block_sizes=[16, 32, 64]`` has base blocks of 16 tokens and blocks of order
 ``k`` spanning ``2**k`` base blocks, split from and merged back into larger buddies. A block's id is the index
 of its first base block. The default pool has one size (order 0 only): the uniform paged case.
@@ -355,7 +355,7 @@ class BlockPool:
         return out
 
     def _pop_one(self, t: int, owner: int, status: int) -> int:
-        """Take the top base block of the free stack (scalar Python beats numpy below a few dozen blocks)."""
+        """Take the top base block of the free stack (for batches below ``_FAST_MIN`` blocks)."""
         b = self._free[0].pop()
         self._status[b] = status
         self._refs[b] = self._hits[b] = 1
