@@ -125,7 +125,8 @@ class Defragmented(ev.Event):
 
 
 class DefragmentationStrategy:
-    """Merge free buddies, then compact ``pool`` (see the module docstring).
+    """Merge free buddies, then compact ``pool`` (see the module docstring), then sort its free lists so the
+    free region is handed out as runs of consecutive ids again.
 
     Args:
         minimum_fragmentation: percent; below it (by :meth:`FragmentationDetector.trigger_percent`) a call does
@@ -158,6 +159,7 @@ class DefragmentationStrategy:
             pool.migrate(src, dst, reason="compaction")
             if src:
                 merges += pool.merge_free_buddies()  # the vacated sources may pair up with free buddies
+            pool.sort_free_lists()  # the free region now hands out runs again
             moved = sum(pool.bytes_per_block << pool._order[d] for d in dst)
             report = DefragReport(True, merges, tuple(zip(src, dst)), moved, before, self._measure(),
                                   time.perf_counter() - t0)

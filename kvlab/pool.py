@@ -875,6 +875,15 @@ class BlockPool:
             self._counts["merges"] += merges
             return merges
 
+    def sort_free_lists(self) -> None:
+        """Reorder every free stack so the lowest ids come out first, as in a fresh pool. After compaction the
+        free space is one region at the top of the pool; sorted stacks hand it out as runs ``lo..hi-1``, which
+        the batch paths write with slices. Changes no block's state."""
+        with self.lock:
+            self._locks += 1
+            for o, f in enumerate(self._free):
+                self._free[o] = array("i", np.sort(np.frombuffer(f, dtype=np.int32))[::-1].tobytes())
+
     # ------------------------------------------------------------------ migration (compaction, swap-in)
     def migrate(self, src: Ids, dst: Ids, reason: str = "compaction") -> None:
         """Move ALLOCATED blocks ``src[i]`` into FREE blocks ``dst[i]`` of the same size class: one batched

@@ -231,3 +231,19 @@ def test_sequence_manager_tables_follow_compaction():
     assert seqs[0].block_table == seqs[-1].block_table
     mgr.check_invariants()
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("sizes", [None, [4, 8, 16]])
+def test_after_compaction_the_free_region_is_handed_out_as_runs(sizes):
+    pool = BlockPool(512, spec=small_spec(), with_storage=False, block_sizes=sizes)
+    rng = np.random.default_rng(3)
+    ids = pool.allocate(512)
+    keep = set(rng.choice(ids, 150, replace=False).tolist())
+    pool.free(rng.permutation([b for b in ids if b not in keep]).tolist())
+    got = pool.allocate(64)
+    assert got != list(range(got[0], got[0] + 64))  # scattered before
+    pool.free(got)
+    DefragmentationStrategy(pool).defragment(force=True)
+    pool.check_invariants()
+    got = pool.allocate(64)
+    assert got == list(range(150, 214))  # the lowest free ids, consecutive: one run

@@ -135,3 +135,16 @@ def test_set_owner_refuses_free_blocks_unchanged():
         pool.set_owner([got[0], 2], 5)
     assert_same_state(before, pool_state(pool))
     assert pool.owner_np[got].tolist() == [3, 3]
+
+
+def test_sort_free_lists_changes_only_the_order():
+    pool = BlockPool(N, with_storage=False)
+    ids = pool.allocate(N)
+    pool.free(np.random.default_rng(1).permutation(ids).tolist())
+    before = pool_state(pool)
+    pool.sort_free_lists()
+    after = pool_state(pool)
+    assert sorted(before[1][0]) == sorted(after[1][0]) and after[1][0] == sorted(after[1][0], reverse=True)
+    assert_same_state(before[:1] + (after[1],) + before[2:], after)
+    assert pool.allocate(50) == list(range(50))
+    pool.check_invariants()
