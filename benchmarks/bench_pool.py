@@ -4,7 +4,7 @@ the ratio to the baseline measured in the same run, plus the metadata cost of bu
 
 Extra rows explain the ratios. ``scattered`` repeats n=256 on a pool whose free stack was shuffled first, so
 no batch is a run of consecutive ids and every metadata write is fancy indexing (a long-running server's case;
-the plain rows start from a fresh pool, as the baseline does). At n=1, ``floor`` is two empty methods that take
+the plain rows start from a fresh pool, as the baseline does). At n=1, ``floor`` is two empty functions called under
 a lock, as ``allocate`` and ``free`` must; the row against the baseline with a lock per call gives the queue the
 same lock and idiom as the pool, so what remains of the ratio is the per-block metadata work.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -60,27 +61,30 @@ class LinkedFreeQueue:
         last.next, self.tail.prev = self.tail, last
 
 
-class LockedNoop:
-    """What every pool call pays before touching a block: a method call and the lock."""
+def locked_pair(allocate: Callable[[int], list], free: Callable[[list], None], n: int) -> Callable[[], None]:
+    """``free(allocate(n))`` taking a lock around each call, with the pool's lock type and idiom."""
+    lock = threading.RLock()
 
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-
-    def allocate(self, n: int) -> list[int]:
-        lock = self.lock
+    def run() -> None:
         lock.acquire()  # as BlockPool's hot paths do: cheaper than `with` here
         try:
-            return [0]
+            got = allocate(n)
         finally:
             lock.release()
-
-    def free(self, ids: list[int]) -> None:
-        lock = self.lock
         lock.acquire()
         try:
-            return None
+            free(got)
         finally:
             lock.release()
+    return run
+
+
+def _empty_allocate(n: int) -> list[int]:
+    return [0]
+
+
+def _empty_free(ids: list[int]) -> None:
+    return None
 
 
 def scattered_pool(num_blocks: int, seed: int = 0) -> BlockPool:
@@ -95,24 +99,12 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     goals = {1: 1.5, 16: None, 256: 0.5}
     for n in (1, 16, 256):
-        q, lock, pool = LinkedFreeQueue(4096), threading.RLock(), BlockPool(4096, with_storage=False)
-
-        def locked() -> None:  # the baseline paying for thread safety as the pool does: same lock, same idiom
-            lock.acquire()
-            try:
-                got = q.popleft_n(n)
-            finally:
-                lock.release()
-            lock.acquire()
-            try:
-                q.append_n(got)
-            finally:
-                lock.release()
-        fns = {"baseline": lambda: q.append_n(q.popleft_n(n)), "locked": locked,
+        q, pool = LinkedFreeQueue(4096), BlockPool(4096, with_storage=False)
+        fns = {"baseline": lambda: q.append_n(q.popleft_n(n)),
+               "locked": locked_pair(q.popleft_n, q.append_n, n),  # the baseline paying for thread safety
                "ours": lambda: pool.free(pool.allocate(n))}
         if n == 1:
-            noop = LockedNoop()
-            fns["floor"] = lambda: noop.free(noop.allocate(1))
+            fns["floor"] = locked_pair(_empty_allocate, _empty_free, 1)
         if n == 256:
             sp = scattered_pool(4096)
             fns["scattered"] = lambda: sp.free(sp.allocate(n))

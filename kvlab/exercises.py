@@ -116,6 +116,8 @@ def prompt(key: str) -> str:
 
 # ---------------------------------------------------------------------------- helpers
 def _same(answer: Any, truth: Any, what: str) -> tuple[bool, str]:
+    if isinstance(answer, (list, tuple)) and isinstance(truth, (list, tuple)):
+        answer = type(truth)(answer)  # a list answers a tuple question and the other way round
     if answer == truth:
         return True, f"{what} = {truth!r}"
     return False, f"你的答案 (your answer) {answer!r} ≠ kvlab 的结果 (kvlab's result)"
@@ -232,7 +234,7 @@ def _lru_scenario() -> list[int]:
            "接下来连续调用 4 次 evict_block()，依次淘汰哪些块？答案写成列表。",
            "LRU 看的是最后一次访问（释放、incref 都算访问）。块 0 被再次使用过。")
 def _judge_lru(answer: Any) -> tuple[bool, str]:
-    return _same(list(answer) if isinstance(answer, (list, tuple)) else answer, _lru_scenario(), "淘汰顺序 (order)")
+    return _same(answer, _lru_scenario(), "淘汰顺序 (order)")
 
 
 def _refcount_scenario() -> tuple[int, str]:
@@ -249,8 +251,7 @@ def _refcount_scenario() -> tuple[int, str]:
            "此时块 b 的 reference_count 和 status.name 是什么？答案写成 (refcount, 'STATUS')。",
            "allocate 给出引用计数 1；列表里重复的 id 会各加一次。计数没有降到 0 之前块一直是 ALLOCATED。")
 def _judge_refcount(answer: Any) -> tuple[bool, str]:
-    return _same(tuple(answer) if isinstance(answer, (list, tuple)) else answer, _refcount_scenario(),
-                 "(refcount, status)")
+    return _same(answer, _refcount_scenario(), "(refcount, status)")
 
 
 # ---------------------------------------------------------------------------- 2.2.3 allocation and release
@@ -269,8 +270,7 @@ def _sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 
            "每个用户再各自 allocate 2 个块。共享块的引用计数是多少？池里一共用掉多少块？答案写成 (refcount, used)。",
            "共享的块只存一份；每多一个用户引用计数加 1。")
 def _judge_sharing(answer: Any) -> tuple[bool, str]:
-    return _same(tuple(answer) if isinstance(answer, (list, tuple)) else answer, _sharing_scenario(),
-                 "(refcount, used blocks)")
+    return _same(answer, _sharing_scenario(), "(refcount, used blocks)")
 
 
 def _strategy_scenario() -> list[str]:
@@ -290,8 +290,7 @@ def _strategy_scenario() -> list[str]:
            "（'exact' / 'split' / 'merge' / 'evict' / 'wait'）？答案写成列表。",
            "第一次请求只能把大块一半一半切下来；切下的另一半留在空闲链表里，可以直接满足下一次。")
 def _judge_strategies(answer: Any) -> tuple[bool, str]:
-    return _same(list(answer) if isinstance(answer, (list, tuple)) else answer, _strategy_scenario(),
-                 "策略 (strategies)")
+    return _same(answer, _strategy_scenario(), "策略 (strategies)")
 
 
 # ---------------------------------------------------------------------------- 2.2.4 fragmentation
@@ -369,8 +368,7 @@ def _lock_scenario(n: int = 100) -> tuple[int, int]:
            "BlockPool.lock_acquisitions 各是多少？答案写成 (逐个, 批量)。",
            "每个公开的修改操作只拿一次锁，批量操作也一样。")
 def _judge_locks(answer: Any) -> tuple[bool, str]:
-    return _same(tuple(answer) if isinstance(answer, (list, tuple)) else answer, _lock_scenario(),
-                 "(one by one, batched)")
+    return _same(answer, _lock_scenario(), "(one by one, batched)")
 
 
 # ---------------------------------------------------------------------------- 2.2.6 applications
@@ -392,5 +390,4 @@ def _long_sequence_cost(tokens: int = 100_000, dtype_bytes: int = 2) -> tuple[in
            "每个 token 的 KV 字节数 = 2 (K 和 V) × 层数 × KV 头数 × head_dim × 每个元素的字节数；"
            "块数向上取整，字节数按整块算。")
 def _judge_long(answer: Any) -> tuple[bool, str]:
-    return _same(tuple(answer) if isinstance(answer, (list, tuple)) else answer, _long_sequence_cost(),
-                 "(blocks, bytes)")
+    return _same(answer, _long_sequence_cost(), "(blocks, bytes)")
