@@ -53,8 +53,8 @@ FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
 _NAMES = [s.name for s in BlockStatus]
 _ALLOCATED_BYTE = bytes([ALLOCATED])
 _ONE_REF = np.ones(1, dtype=np.int32).tobytes()  # one refcount as the refs array stores it
-# Crossovers measured with benchmarks/bench_pool.py: the allocate/free fast paths beat scalar Python from 9
-# blocks on; the general vectorised paths (validation, repeats, all or nothing) only from about 33.
+# Crossovers timed on the development machine: the allocate/free fast paths match scalar Python at 8 blocks and
+# win from there on; the general vectorised paths (validation, repeats, all or nothing) only from about 33.
 _FAST_MIN, _SCALAR_MAX = 9, 32
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
