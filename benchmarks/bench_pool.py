@@ -6,7 +6,9 @@ Extra rows explain the ratios. ``scattered`` repeats n=256 on a pool whose free 
 no batch is a run of consecutive ids and every metadata write is fancy indexing (a long-running server's case;
 the plain rows start from a fresh pool, as the baseline does). At n=1, ``floor`` is two empty functions called under
 a lock, as ``allocate`` and ``free`` must; the row against the baseline with a lock per call gives the queue the
-same lock and idiom as the pool, so what remains of the ratio is the per-block metadata work.
+same lock and idiom as the pool, so what remains of the ratio is the per-block metadata work. The two ``bound``
+rows time :class:`LeanPool`, that per-block work with nothing else around it, once in Python lists and once in
+the pool's numpy-viewable buffers: what any pure-Python pool with this bookkeeping pays at n=1.
 
 Run: ``python benchmarks/bench_pool.py`` (or ``kvlab bench``).
 """
@@ -14,13 +16,17 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from kvlab import BlockPool, KVSpec, default_device
+from kvlab import BlockPool, BlockStatus, KVSpec, default_device
 from kvlab.bench import ns_per_item_together
+from kvlab.pool import _zeros
+
+ALLOCATED = int(BlockStatus.ALLOCATED)
 
 
 class _Block:
@@ -79,6 +85,62 @@ def locked_pair(allocate: Callable[[int], list], free: Callable[[list], None], n
     return run
 
 
+class LeanPool:
+    """A bound, not a design: the least a thread-safe pool with :class:`BlockPool`'s per-block bookkeeping does
+    to allocate and free one block in Python. It keeps the pool's lock, logical step, event check, counters and
+    stamps (status, refcount, hit count, access and creation time on allocation; status, refcount and reusable
+    checks, then status, refcount, tokens and owner resets on free), and drops everything else: no size classes,
+    no clock object, ids as plain ints, no error messages. ``lists=True`` keeps the metadata in Python lists,
+    whose element access CPython 3.11 specialises; ``lists=False`` uses the pool's own ``bytearray``/``array``
+    buffers and free stack, the ones numpy can view for batch calls and snapshots."""
+
+    def __init__(self, n: int, lists: bool) -> None:
+        def field(code: str) -> list | array | bytearray:
+            return [0] * n if lists else _zeros(code, n)[0]
+        self.status, self.reusable = field("B"), field("B")
+        self.refs, self.tokens, self.owner = field("i"), field("i"), field("i")
+        self.last, self.created, self.hits = field("q"), field("q"), field("q")
+        for b in range(n):
+            self.owner[b] = -1
+        stack = range(n - 1, -1, -1)
+        self.stack = list(stack) if lists else array("i", stack)  # the pool's free stack is an array('i')
+        self.n, self.step, self.allocs, self.frees = n, 0, 0, 0
+        self.lock, self.subscribers = threading.RLock(), []
+
+    def allocate_one(self) -> int:
+        lock = self.lock
+        lock.acquire()
+        try:
+            b = self.stack.pop()
+            self.step = t = self.step + 1
+            self.status[b] = ALLOCATED  # chained stores: a tuple assignment would build a tuple
+            self.refs[b] = self.hits[b] = 1
+            self.last[b] = self.created[b] = t
+            self.allocs += 1
+            if self.subscribers:
+                raise NotImplementedError("the bound publishes no events")
+            return b
+        finally:
+            lock.release()
+
+    def free_one(self, b: int) -> None:
+        lock = self.lock
+        lock.acquire()
+        try:
+            if not (type(b) is int and 0 <= b < self.n and self.status[b] == ALLOCATED and self.refs[b] == 1
+                    and not self.reusable[b]):
+                raise ValueError(f"the bound frees only a block holding its one reference, not {b!r}")
+            self.status[b] = self.refs[b] = self.tokens[b] = 0
+            self.owner[b] = -1
+            self.stack.append(b)
+            self.step += 1
+            self.frees += 1
+            if self.subscribers:
+                raise NotImplementedError("the bound publishes no events")
+        finally:
+            lock.release()
+
+
 def _empty_allocate(n: int) -> list[int]:
     return [0]
 
@@ -105,6 +167,9 @@ def run(quick: bool = False) -> list[dict]:
                "ours": lambda: pool.free(pool.allocate(n))}
         if n == 1:
             fns["floor"] = locked_pair(_empty_allocate, _empty_free, 1)
+            for lists in (True, False):
+                lean = LeanPool(4096, lists)
+                fns[f"lean {lists}"] = (lambda p: lambda: p.free_one(p.allocate_one()))(lean)
         if n == 256:
             sp = scattered_pool(4096)
             fns["scattered"] = lambda: sp.free(sp.allocate(n))
@@ -118,6 +183,9 @@ def run(quick: bool = False) -> list[dict]:
         rows.append(row(f"  vs baseline with a lock per call, n={n}", ns["ours"], ns["locked"]))
         if n == 1:
             rows.append(row("  floor: two empty locked calls, n=1", ns["floor"], base))
+            rows.append(row("  bound: the pool's per-block work alone, list metadata, n=1", ns["lean True"], base))
+            rows.append(row("  bound: the pool's per-block work alone, its array metadata, n=1", ns["lean False"],
+                            base))
         if n == 256:
             rows.append(row("  scattered ids (shuffled free stack), n=256", ns["scattered"], base))
     rows.extend(copy_bandwidth(quick))
