@@ -39,7 +39,7 @@ def run(quick: bool, full: bool = False) -> list[dict]:
                          "baseline": n / first[0], "ratio": (dt / first[1]) / (n / first[0]),
                          "goal": "ratio ~1 (linear)"})
     n = sizes[0]
-    dt_b, base = _time(n, "contiguous")
+    _, base = _time(n, "contiguous")
     paged = runs[n]
     rows.append({"name": f"throughput paged vs contiguous ({n})", "value": paged["throughput_tok_s"],
                  "unit": "tok/sim-s", "baseline": base["throughput_tok_s"],

@@ -22,11 +22,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvlab import BlockPool, BlockStatus, KVSpec, default_device
+from kvlab import BlockPool, KVSpec, default_device
 from kvlab.bench import ns_per_item_together
-from kvlab.pool import _zeros
-
-ALLOCATED = int(BlockStatus.ALLOCATED)
+from kvlab.pool import ALLOCATED, FREE, _zeros
 
 
 class _Block:
@@ -130,7 +128,8 @@ class LeanPool:
             if not (type(b) is int and 0 <= b < self.n and self.status[b] == ALLOCATED and self.refs[b] == 1
                     and not self.reusable[b]):
                 raise ValueError(f"the bound frees only a block holding its one reference, not {b!r}")
-            self.status[b] = self.refs[b] = self.tokens[b] = 0
+            self.status[b] = FREE
+            self.refs[b] = self.tokens[b] = 0
             self.owner[b] = -1
             self.stack.append(b)
             self.step += 1
@@ -167,9 +166,9 @@ def run(quick: bool = False) -> list[dict]:
                "ours": lambda: pool.free(pool.allocate(n))}
         if n == 1:
             fns["floor"] = locked_pair(_empty_allocate, _empty_free, 1)
-            for lists in (True, False):
-                lean = LeanPool(4096, lists)
-                fns[f"lean {lists}"] = (lambda p: lambda: p.free_one(p.allocate_one()))(lean)
+            in_lists, in_buffers = LeanPool(4096, lists=True), LeanPool(4096, lists=False)
+            fns["bound lists"] = lambda: in_lists.free_one(in_lists.allocate_one())
+            fns["bound buffers"] = lambda: in_buffers.free_one(in_buffers.allocate_one())
         if n == 256:
             sp = scattered_pool(4096)
             fns["scattered"] = lambda: sp.free(sp.allocate(n))
@@ -183,8 +182,8 @@ def run(quick: bool = False) -> list[dict]:
         rows.append(row(f"  vs baseline with a lock per call, n={n}", ns["ours"], ns["locked"]))
         if n == 1:
             rows.append(row("  floor: two empty locked calls, n=1", ns["floor"], base))
-            rows.append(row("  bound: the pool's per-block work alone, list metadata, n=1", ns["lean True"], base))
-            rows.append(row("  bound: the pool's per-block work alone, its array metadata, n=1", ns["lean False"],
+            rows.append(row("  bound: the pool's per-block work alone, list metadata, n=1", ns["bound lists"], base))
+            rows.append(row("  bound: the pool's per-block work alone, its array metadata, n=1", ns["bound buffers"],
                             base))
         if n == 256:
             rows.append(row("  scattered ids (shuffled free stack), n=256", ns["scattered"], base))

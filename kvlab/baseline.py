@@ -41,10 +41,6 @@ class ContiguousAllocator:
     def largest_free(self) -> int:
         return max(self._lens, default=0)
 
-    def fits(self, n: int) -> bool:
-        """Whether a run of ``n`` contiguous slots is free now."""
-        return any(length >= n for length in self._lens)
-
     def reserve(self, owner: int, n: int) -> int:
         """Reserve the first free run of ``n`` slots for ``owner``; returns its start. Raises
         :class:`OutOfBlocksError` (nothing changes) when no run is long enough."""

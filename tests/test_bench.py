@@ -10,6 +10,8 @@ from hypothesis import given, settings, strategies as st
 from kvlab import BlockPool, bench
 from kvlab.cli import main
 
+bench_pool = bench.load("bench_pool")  # once: loading executes the benchmark file
+
 
 def test_every_benchmark_runs_in_quick_mode_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -51,7 +53,7 @@ def _walk(q) -> list[int]:
 
 
 def test_linked_queue_baseline_is_a_fifo_of_every_block():
-    q = bench.load("bench_pool").LinkedFreeQueue(8)
+    q = bench_pool.LinkedFreeQueue(8)
     got = q.popleft_n(3)
     assert [b.block_id for b in got] == [0, 1, 2] and all(b.ref_cnt == 1 for b in got)
     assert _walk(q) == [3, 4, 5, 6, 7]
@@ -64,7 +66,7 @@ def test_linked_queue_baseline_is_a_fifo_of_every_block():
 def test_lean_bound_does_the_pools_per_block_work(ops, lists):
     """The n=1 bound rows claim the pool's per-block work and nothing else: driven with the same single-block
     allocations and frees, it returns the same ids and leaves the same metadata and step as BlockPool."""
-    lean, pool, held = bench.load("bench_pool").LeanPool(8, lists), BlockPool(8, with_storage=False), []
+    lean, pool, held = bench_pool.LeanPool(8, lists), BlockPool(8, with_storage=False), []
     for op in ops:
         if op < 5 and len(held) < 8:
             b = lean.allocate_one()
