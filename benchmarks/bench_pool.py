@@ -2,13 +2,18 @@
 vLLM v1 keeps its free blocks (``FreeKVCacheBlockQueue``). Reports ns per block for alloc+free of n blocks and
 the ratio to the baseline measured in the same run, plus the metadata cost of building a 1,000,000-block pool.
 
-Extra rows explain the ratios. ``scattered`` repeats n=256 on a pool whose free stack was shuffled first, so
-no batch is a run of consecutive ids and every metadata write is fancy indexing (a long-running server's case;
-the plain rows start from a fresh pool, as the baseline does). At n=1, ``floor`` is two empty functions called under
+``pool`` is the pool as installed: at n=1 its single-block paths run in C (``kvlab/_hotpath.c``) when kvlab
+was built with a C compiler, and the row says so; ``Python paths`` times the same pool answering through its
+Python methods only, as it does without a compiler.
+
+Extra rows explain the ratios. ``scattered`` repeats n=256 on a pool whose free stack was shuffled first, so no
+batch is a run of consecutive ids and every metadata write is fancy indexing (a long-running server's case; the
+plain rows start from a fresh pool, as the baseline does). At n=1, ``floor`` is two empty functions called under
 a lock, as ``allocate`` and ``free`` must; the row against the baseline with a lock per call gives the queue the
 same lock and idiom as the pool, so what remains of the ratio is the per-block metadata work. The two ``bound``
 rows time :class:`LeanPool`, that per-block work with nothing else around it, once in Python lists and once in
-the pool's numpy-viewable buffers: what any pure-Python pool with this bookkeeping pays at n=1.
+the pool's numpy-viewable buffers: what any pure-Python pool with this bookkeeping pays at n=1, and why the
+pool's n=1 path is compiled.
 
 Run: ``python benchmarks/bench_pool.py`` (or ``kvlab bench``).
 """
@@ -140,6 +145,13 @@ class LeanPool:
             lock.release()
 
 
+def python_paths(pool: BlockPool) -> BlockPool:
+    """``pool`` answering through its Python methods only: drops the compiled methods it was given."""
+    vars(pool).pop("allocate", None)
+    vars(pool).pop("free", None)
+    return pool
+
+
 def _empty_allocate(n: int) -> list[int]:
     return [0]
 
@@ -165,6 +177,8 @@ def run(quick: bool = False) -> list[dict]:
                "locked": locked_pair(q.popleft_n, q.append_n, n),  # the baseline paying for thread safety
                "ours": lambda: pool.free(pool.allocate(n))}
         if n == 1:
+            py = python_paths(BlockPool(4096, with_storage=False))
+            fns["python"] = lambda: py.free(py.allocate(n))
             fns["floor"] = locked_pair(_empty_allocate, _empty_free, 1)
             in_lists, in_buffers = LeanPool(4096, lists=True), LeanPool(4096, lists=False)
             fns["bound lists"] = lambda: in_lists.free_one(in_lists.allocate_one())
@@ -178,9 +192,11 @@ def run(quick: bool = False) -> list[dict]:
         def row(name: str, value: float, baseline: float, goal: float | None = None) -> dict:
             return {"name": name, "value": round(value, 1), "unit": "ns/block", "baseline": round(baseline, 1),
                     "ratio": round(value / baseline, 2), "goal": goal}
-        rows.append(row(f"pool alloc+free, n={n}", ns["ours"], base, goals[n]))
+        how = " (compiled hot path)" if n == 1 and pool._hot is not None else ""
+        rows.append(row(f"pool alloc+free{how}, n={n}", ns["ours"], base, goals[n]))
         rows.append(row(f"  vs baseline with a lock per call, n={n}", ns["ours"], ns["locked"]))
         if n == 1:
+            rows.append(row("  the pool's Python paths alone, n=1", ns["python"], base))
             rows.append(row("  floor: two empty locked calls, n=1", ns["floor"], base))
             rows.append(row("  bound: the pool's per-block work alone, list metadata, n=1", ns["bound lists"], base))
             rows.append(row("  bound: the pool's per-block work alone, its array metadata, n=1", ns["bound buffers"],

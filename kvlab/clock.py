@@ -7,12 +7,12 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """Anything with ``now() -> int | float`` and ``tick()``; ``tick`` advances a logical clock and is a no-op
-    for a wall clock."""
+    """Anything with ``now() -> int`` and ``tick() -> int``; ``tick`` advances a logical clock and just reads a
+    wall clock. Ints, because the pool keeps its time stamps in int64 arrays."""
 
-    def now(self) -> float: ...
+    def now(self) -> int: ...
 
-    def tick(self) -> float: ...
+    def tick(self) -> int: ...
 
 
 class LogicalClock:
@@ -32,11 +32,11 @@ class LogicalClock:
 
 
 class WallClock:
-    """Seconds from ``time.perf_counter``; ``tick`` just reads it."""
+    """Nanoseconds from ``time.perf_counter_ns``; ``tick`` just reads it."""
 
     __slots__ = ()
 
-    def now(self) -> float:
-        return time.perf_counter()
+    def now(self) -> int:
+        return time.perf_counter_ns()
 
     tick = now

@@ -26,15 +26,23 @@ of its first base block. The default pool has one size (order 0 only): the unifo
 
 Every public mutation takes the pool's lock once (batch operations included), ticks the clock once, and
 publishes one typed event per effect (see :mod:`kvlab.events`).
+
+Allocating one base block and freeing a one-block list are the hottest calls; where kvlab was built with a C
+compiler, a compiled twin of just those two branches (``kvlab/_hotpath.c``) answers ``pool.allocate`` and
+``pool.free`` and hands every other call to the methods below, which stay the reference.
 """
 from __future__ import annotations
 
+import hashlib
 import operator
+import os
 import threading
+import warnings
 from itertools import islice
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,8 +64,37 @@ _ONE_REF = np.ones(1, dtype=np.int32).tobytes()  # one refcount as the refs arra
 # Crossovers timed on the development machine: the allocate/free fast paths match scalar Python at 8 blocks and
 # win from there on; the general vectorised paths (validation, repeats, all or nothing) only from about 33.
 _FAST_MIN, _SCALAR_MAX = 9, 32
+_INT32_MAX = 2**31 - 1  # owners are stored as int32
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _load_hotpath(source: Path = Path(__file__).with_name("_hotpath.c")) -> type | None:
+    """The compiled twin of :meth:`BlockPool.allocate` / :meth:`BlockPool.free`'s single-block paths
+    (``kvlab/_hotpath.c``, built when kvlab is installed), or None: not built (no C compiler), switched off with
+    ``KVLAB_PURE_PYTHON=1`` (to step through the Python in a debugger), or built from another version of
+    ``source`` (a warning then says to reinstall)."""
+    if os.environ.get("KVLAB_PURE_PYTHON"):
+        return None
+    try:
+        from ._hotpath import SOURCE_SHA256, HotPath
+    except ImportError:
+        return None
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != SOURCE_SHA256:
+        warnings.warn(f"{source} changed after it was compiled; reinstall kvlab (`make install`) to rebuild it. "
+                      "Using the Python paths meanwhile.", stacklevel=2)
+        return None
+    return HotPath
+
+
+HotPath = _load_hotpath()
+
+
+def _check_owner(owner: Any) -> int:
+    """``owner`` as the int32 owner field stores it (-1 = no one), else :class:`ConfigError`."""
+    if type(owner) is not int or not -1 <= owner <= _INT32_MAX:
+        raise ConfigError(f"owner must be an int in -1..{_INT32_MAX} (-1 = no one), got {owner!r}")
+    return owner
 
 
 def _zeros(code: str, n: int) -> tuple[array | bytearray, np.ndarray]:
@@ -131,12 +168,15 @@ class BlockPool:
         # costs a quarter of list(range(...)), and comparing a caller's list with a slice of it recognises a
         # run without converting the list (the way CPython caches small ints, for the same reason).
         self._id_objs = list(range(min(n, 1 << 16)))
-        # One free stack per order, popped from the end; lowest ids come out first.
+        # One free stack per order, popped from the end; lowest ids come out first. Changed in place, never
+        # replaced: the compiled hot path holds the order-0 stack.
         self._free: list[array] = [array("i") for _ in range(self.max_order + 1)]
         self._carve(0, n)
 
         self.lock = threading.RLock()
         self.clock: Clock = clock or LogicalClock()
+        if not isinstance(self.clock.now(), int):
+            raise ConfigError(f"the clock must count in ints (stamps are int64), but now() gave {self.clock.now()!r}")
         self.events = ev.EventBus()
         self.policy = make_policy(eviction_policy, seed).bind(self)
         self.eviction_policy = self.policy.name
@@ -148,6 +188,18 @@ class BlockPool:
         self._hot_allocs = self._hot_frees = 0  # hot-path counters (int attributes are cheaper than dict items)
         self._counts = {"allocations": 0, "frees": 0, "evictions": 0, "splits": 0, "merges": 0,
                         "migrations": 0, "decrefs": 0, "served_free": 0, "served_split": 0, "served_evict": 0}
+        self._hot = None
+        if HotPath is not None and type(self).allocate is BlockPool.allocate and type(self).free is BlockPool.free:
+            # The compiled single-block paths answer pool.allocate / pool.free and hand every other call to the
+            # methods below; they share this pool's lock, free stack, clock and buffers.
+            self._hot = HotPath(
+                pool=self, allocate=BlockPool.allocate, free=BlockPool.free, lock=self.lock, stack=self._free[0],
+                subscribers=self._subs, clock=self.clock,
+                step_slot=LogicalClock.step if type(self.clock) is LogicalClock else None,
+                status=self._status, refs=self._refs, hits=self._hits, last=self._last, created=self._created,
+                owner=self._owner, tokens=self._tokens, reusable=self._reusable, num_blocks=n,
+                uniform=not self.max_order, free_code=FREE, allocated_code=ALLOCATED)
+            self.allocate, self.free = self._hot.allocate, self._hot.free
 
     def _carve(self, start: int, stop: int) -> None:
         """Tile base blocks [start, stop) with the largest aligned free blocks and push them (lowest on top)."""
@@ -229,7 +281,13 @@ class BlockPool:
     @property
     def lock_acquisitions(self) -> int:
         """How many times a public mutation took the pool lock (one per call, batch calls included)."""
-        return self._locks + self._hot_allocs + self._hot_frees
+        return self._locks + sum(self._hot_counts())
+
+    def _hot_counts(self) -> tuple[int, int]:
+        """Single-block allocations and frees served by the hot paths, in Python and in C."""
+        if self._hot is None:
+            return self._hot_allocs, self._hot_frees
+        return self._hot_allocs + self._hot.allocs, self._hot_frees + self._hot.frees
 
     @property
     def num_free_blocks(self) -> int:
@@ -301,7 +359,8 @@ class BlockPool:
         lock = self.lock
         lock.acquire()  # acquire/release is ~2x cheaper than `with` on the hot path
         try:
-            if n == 1 and not size_class and self._free[0] and status == ALLOCATED:  # hot path: one base block
+            if (n == 1 and not size_class and self._free[0] and status == ALLOCATED  # hot path: one base block
+                    and (owner == -1 or type(owner) is int and 0 <= owner <= _INT32_MAX)):
                 b = self._free[0].pop()  # _pop_one inlined: a method call is a tenth of this path
                 t = self.clock.tick()
                 self._status[b] = ALLOCATED
@@ -326,6 +385,7 @@ class BlockPool:
                               f"(block sizes {self.block_sizes})")
         if status not in (ALLOCATED, PENDING):
             raise IllegalTransitionError(f"allocation ends in ALLOCATED or PENDING, not {_NAMES[status]}")
+        _check_owner(owner)
         if n > len(self._free[order]) and n > self._capacity_for(order):
             raise OutOfBlocksError(
                 f"asked for {n} blocks of {self.block_size << order} tokens; the pool has "
@@ -407,6 +467,7 @@ class BlockPool:
         """Allocate FREE block ``block_id`` (or the best block for ``kv_data``, or any block) and write
         ``kv_data`` ``[2, layers, t, heads, dim]`` into its first ``t`` slots. Nothing changes on error."""
         with self.lock:
+            _check_owner(owner)
             if kv_data is not None:
                 self._check_kv(kv_data, block_id)
             if block_id is None:
@@ -738,7 +799,7 @@ class BlockPool:
             free = a[self.status_np[a] == FREE]
             if free.size:
                 raise IllegalTransitionError(f"block {int(free[0])} is FREE: no one holds it")
-            self.owner_np[a] = owner
+            self.owner_np[a] = _check_owner(owner)
 
     # ------------------------------------------------------------------ state machine beyond alloc/free
     def commit(self, ids: Ids) -> None:
@@ -865,7 +926,7 @@ class BlockPool:
                 if not pairs:
                     continue
                 gone = set(pairs) | {b + (1 << o) for b in pairs}
-                self._free[o] = array("i", [b for b in self._free[o] if b not in gone])
+                self._free[o][:] = array("i", [b for b in self._free[o] if b not in gone])
                 for b in pairs:
                     self.order_np[b:b + (2 << o)] = o + 1
                     self._free[o + 1].append(b)
@@ -881,8 +942,8 @@ class BlockPool:
         the batch paths write with slices. Changes no block's state."""
         with self.lock:
             self._locks += 1
-            for o, f in enumerate(self._free):
-                self._free[o] = array("i", np.sort(np.frombuffer(f, dtype=np.int32))[::-1].tobytes())
+            for f in self._free:
+                f[:] = array("i", np.sort(np.frombuffer(f, dtype=np.int32))[::-1].tobytes())
 
     # ------------------------------------------------------------------ migration (compaction, swap-in)
     def migrate(self, src: Ids, dst: Ids, reason: str = "compaction") -> None:
@@ -912,8 +973,8 @@ class BlockPool:
                                          np.concatenate([np.arange(b, b + k) for b, k in zip(d.tolist(), spans)]))
             t = self.clock.tick()
             for o in set(self.order_np[d].tolist()):  # one vectorised pass per free list, not one per target
-                f = np.frombuffer(self._free[o], dtype=np.int32)
-                self._free[o] = array("i", f[~np.isin(f, d)].tobytes())
+                f = np.array(self._free[o], dtype=np.int32)  # a copy: a view would pin the stack's size
+                self._free[o][:] = array("i", f[~np.isin(f, d)].tobytes())
             for a, b in zip(s.tolist(), d.tolist()):
                 self._set_status(b, ALLOCATED)
                 for arr in (self._refs, self._tokens, self._last, self._created, self._hits, self._owner,
@@ -985,9 +1046,10 @@ class BlockPool:
         were served) plus the current state counts, cached blocks and the text's ``fragmentation``."""
         with self.lock:
             out = dict(self._counts)
-            out["allocations"] += self._hot_allocs
-            out["served_free"] += self._hot_allocs
-            out["frees"] += self._hot_frees
+            allocs, frees = self._hot_counts()
+            out["allocations"] += allocs
+            out["served_free"] += allocs
+            out["frees"] += frees
             out.update(self.status_counts())
             out.update(cached=len(self.policy), lock_acquisitions=self.lock_acquisitions,
                        fragmentation=self.calculate_fragmentation())
@@ -1014,6 +1076,7 @@ class BlockPool:
                 assert all(order[b] == o for b in lst), f"free list {o} holds a block of another class"
                 in_free.extend(lst)
             assert len(in_free) == len(set(in_free)), "a block is in a free list twice"
+            assert self._hot is None or self._hot.stack is self._free[0], "the compiled hot path lost the free stack"
             free_heads = set(heads_a[st[heads_a] == FREE].tolist())
             assert set(in_free) == free_heads, f"free lists {sorted(set(in_free) ^ free_heads)[:5]} disagree with status"
             assert (refs >= 0).all(), f"negative refcount at block {int(np.argmax(refs < 0))}"

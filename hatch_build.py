@@ -1,0 +1,42 @@
+"""Build hook: compile ``kvlab/_hotpath.c``, the C twin of the pool's single-block allocate/free paths.
+
+Runs for wheels and editable installs (``pip install -e .``, which ``make install`` uses). The extension is
+optional: with no C compiler or Python headers the build goes on with a warning and kvlab uses the same paths
+in Python (slower, identical results). The source's SHA-256 is compiled in, so ``kvlab.pool`` can refuse a
+binary built from an older ``_hotpath.c``.
+"""
+from __future__ import annotations
+
+import hashlib
+import shlex
+import subprocess
+import sysconfig
+from pathlib import Path
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+
+class HotPathHook(BuildHookInterface):
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict) -> None:
+        src = Path(self.root, "kvlab", "_hotpath.c")
+        out = src.with_name("_hotpath" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+        ldshared = sysconfig.get_config_var("LDSHARED")  # compiler + shared-library flags CPython was built with
+        if not ldshared:
+            self.app.display_warning("kvlab: no C build configuration here; the pool's hot paths stay in Python")
+            return
+        sha = hashlib.sha256(src.read_bytes()).hexdigest()
+        cmd = [*shlex.split(ldshared), "-O2", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+               f'-DKVLAB_SOURCE_SHA256="{sha}"', str(src), "-o", str(out)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            self.app.display_warning(f"kvlab: could not compile {src.name}; the pool's hot paths stay in Python.\n"
+                                     f"{detail.strip()[-2000:]}")
+            return
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        if version != "editable":  # an editable install imports it from the source tree, where it was built
+            build_data["force_include"][str(out)] = f"kvlab/{out.name}"
