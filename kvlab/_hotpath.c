@@ -149,6 +149,12 @@ static int unlock(HotPath *h) {
     return 0;
 }
 
+/* A call after the garbage collector broke this object's cycle with its pool (from a finaliser, say). */
+static PyObject *gone(void) {
+    PyErr_SetString(PyExc_ReferenceError, "this BlockPool is being destroyed");
+    return NULL;
+}
+
 /* clock.tick(): a new reference to the new time, or NULL with an exception set. */
 static PyObject *tick(HotPath *h) {
     if (!h->step_offset) return PyObject_CallNoArgs(h->tick);
@@ -209,6 +215,7 @@ static PyObject *hot_allocate(HotPath *h, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     long long owner;
     int hot = hot_arguments(args, nargs, kwnames, &owner);
+    if (!h->pool) return gone();
     if (!hot) return delegate(h, h->py_allocate, args, nargs, kwnames);  /* validates and words errors */
     if (lock(h) < 0) return NULL;
     if (PyList_GET_SIZE(h->subs) || Py_SIZE(h->stack) == 0) {  /* events to build, or a split/eviction due */
@@ -238,23 +245,32 @@ done:
 /* free(ids): the hot path of BlockPool.free, a list of one base block holding its only reference. */
 static PyObject *hot_free(HotPath *h, PyObject *ids) {
     Py_ssize_t i = -1;
+    PyObject *b = NULL;
+    if (!h->pool) return gone();
     if (h->uniform && PyList_CheckExact(ids) && PyList_GET_SIZE(ids) == 1 &&
         PyLong_CheckExact(PyList_GET_ITEM(ids, 0))) {
         int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(ids, 0), &overflow);
+        b = PyList_GET_ITEM(ids, 0);
+        long long v = PyLong_AsLongLongAndOverflow(b, &overflow);
         if (!overflow && v >= 0 && v < h->num_blocks) i = (Py_ssize_t)v;
     }
     if (i < 0) return PyObject_CallFunctionObjArgs(h->py_free, h->pool, ids, NULL);
-    if (lock(h) < 0) return NULL;
+    Py_INCREF(b);  /* the id stays ours even if another thread changes the caller's list */
+    if (lock(h) < 0) {
+        Py_DECREF(b);
+        return NULL;
+    }
     if (PyList_GET_SIZE(h->subs) || BUF(h, status, uint8_t)[i] != h->allocated_code ||
         BUF(h, refs, int32_t)[i] != 1 || BUF(h, reusable, uint8_t)[i]) {  /* shared, cached, double free... */
+        Py_DECREF(b);
         if (unlock(h) < 0) return NULL;
         return PyObject_CallFunctionObjArgs(h->py_free, h->pool, ids, NULL);
     }
     BUF(h, status, uint8_t)[i] = h->free_code;
     BUF(h, refs, int32_t)[i] = BUF(h, tokens, int32_t)[i] = 0;
     BUF(h, owner, int32_t)[i] = -1;
-    PyObject *r = PyObject_CallOneArg(h->push, PyList_GET_ITEM(ids, 0)), *t = NULL;
+    PyObject *r = PyObject_CallOneArg(h->push, b), *t = NULL;
+    Py_DECREF(b);
     if (r) {
         h->frees++;
         t = tick(h);
@@ -278,6 +294,7 @@ static PyMemberDef members[] = {
     {"allocs", T_LONGLONG, offsetof(HotPath, allocs), READONLY, "single-block allocations served in C"},
     {"frees", T_LONGLONG, offsetof(HotPath, frees), READONLY, "single-block frees served in C"},
     {"stack", T_OBJECT, offsetof(HotPath, stack), READONLY, "the free stack it pops and pushes"},
+    {"clock", T_OBJECT, offsetof(HotPath, clock), READONLY, "the clock it ticks"},
     {NULL},
 };
 

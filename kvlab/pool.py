@@ -1076,7 +1076,8 @@ class BlockPool:
                 assert all(order[b] == o for b in lst), f"free list {o} holds a block of another class"
                 in_free.extend(lst)
             assert len(in_free) == len(set(in_free)), "a block is in a free list twice"
-            assert self._hot is None or self._hot.stack is self._free[0], "the compiled hot path lost the free stack"
+            assert self._hot is None or (self._hot.stack is self._free[0] and self._hot.clock is self.clock), \
+                "the compiled hot path lost the free stack or the clock (both are fixed at construction)"
             free_heads = set(heads_a[st[heads_a] == FREE].tolist())
             assert set(in_free) == free_heads, f"free lists {sorted(set(in_free) ^ free_heads)[:5]} disagree with status"
             assert (refs >= 0).all(), f"negative refcount at block {int(np.argmax(refs < 0))}"

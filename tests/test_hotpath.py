@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvlab
 import kvlab.pool
 from kvlab import BlockPool, BlockStatus, ConfigError, EventRecorder, KVLabError, WallClock
 
@@ -226,3 +227,16 @@ def test_clocks_must_count_in_ints():
     assert 0 < pool.created_np[a[0]] < pool.created_np[b[0]]  # nanoseconds
     pool.free(a)
     pool.check_invariants()
+
+
+@compiled
+def test_replacing_the_clock_or_a_free_stack_is_caught():
+    pool = BlockPool(4, with_storage=False)
+    pool.check_invariants()
+    pool.clock = kvlab.LogicalClock()
+    with pytest.raises(AssertionError, match="fixed at construction"):
+        pool.check_invariants()
+    pool = BlockPool(4, with_storage=False)
+    pool._free[0] = type(pool._free[0])("i", pool._free[0])
+    with pytest.raises(AssertionError, match="fixed at construction"):
+        pool.check_invariants()
