@@ -17,6 +17,10 @@
 #define KVLAB_SOURCE_SHA256 "unknown"
 #endif
 
+enum field { STATUS, REFS, HITS, LAST, CREATED, OWNER, TOKENS, REUSABLE, NFIELDS };
+static const Py_ssize_t ITEMSIZE[NFIELDS] = {1, 4, 8, 8, 8, 4, 4, 1};
+static const char *FIELD[NFIELDS] = {"status", "refs", "hits", "last", "created", "owner", "tokens", "reusable"};
+
 typedef struct {
     PyObject_HEAD
     PyObject *pool;                       /* the BlockPool (passed first to the Python methods) */
@@ -27,8 +31,8 @@ typedef struct {
     PyObject *subs;                       /* pool._subs: any subscriber sends the call to Python */
     PyObject *clock, *tick;               /* pool.clock and its tick */
     Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`, else 0: tick() is then called */
-    Py_buffer status, refs, hits, last, created, owner, tokens, reusable;
-    int nbuf;                             /* how many of the buffers above are held (released in order) */
+    Py_buffer buf[NFIELDS];               /* the pool's metadata arrays, indexed by enum field */
+    int nbuf;                             /* how many of them are held (released in reverse) */
     Py_ssize_t num_blocks;
     int uniform;                          /* one size class: free() may take the fast path */
     uint8_t free_code, allocated_code;
@@ -37,31 +41,31 @@ typedef struct {
 
 static PyObject *one;
 
-#define BUF(h, f, T) ((T *)(h)->f.buf)
+#define BUF(h, f, T) ((T *)(h)->buf[f].buf)
 
-static Py_buffer *buffers(HotPath *h) { return &h->status; }  /* the eight views, contiguous in the struct */
-
-static int hold(HotPath *h, PyObject *obj, Py_ssize_t itemsize, const char *name) {
-    Py_buffer *view = buffers(h) + h->nbuf;
+/* Hold a writable view of the next field's array (which also keeps it from being resized). */
+static int hold(HotPath *h, PyObject *obj) {
+    enum field f = h->nbuf;
+    Py_buffer *view = &h->buf[f];
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
     h->nbuf++;  /* held from here on, so dealloc releases it even if it is rejected below */
-    if (view->itemsize != itemsize || view->len < h->num_blocks * itemsize) {
-        PyErr_Format(PyExc_ValueError, "HotPath: %s must hold %zd items of %zd bytes", name, h->num_blocks,
-                     itemsize);
+    if (view->itemsize != ITEMSIZE[f] || view->len < h->num_blocks * ITEMSIZE[f]) {
+        PyErr_Format(PyExc_ValueError, "HotPath: %s must hold %zd items of %zd bytes", FIELD[f], h->num_blocks,
+                     ITEMSIZE[f]);
         return -1;
     }
     return 0;
 }
 
 static void release_buffers(HotPath *h) {
-    while (h->nbuf) PyBuffer_Release(buffers(h) + --h->nbuf);
+    while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
 }
 
 static int traverse(HotPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->pool); Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->acquire);
     Py_VISIT(h->release); Py_VISIT(h->pop); Py_VISIT(h->push); Py_VISIT(h->stack); Py_VISIT(h->subs);
     Py_VISIT(h->clock); Py_VISIT(h->tick);
-    for (int i = 0; i < h->nbuf; i++) Py_VISIT(buffers(h)[i].obj);
+    for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
     return 0;
 }
 
@@ -83,19 +87,20 @@ static PyObject *attr(PyObject *obj, const char *name) { return PyObject_GetAttr
 
 static int init(HotPath *h, PyObject *args, PyObject *kw) {
     PyObject *pool, *py_allocate, *py_free, *lock, *stack, *subs, *clock, *step_slot;
-    PyObject *status, *refs, *hits, *last, *created, *owner, *tokens, *reusable;
+    PyObject *fields[NFIELDS];
     Py_ssize_t num_blocks;
     int uniform, free_code, allocated_code;
-    static char *names[] = {"pool", "allocate", "free", "lock", "stack", "subscribers", "clock", "step_slot", "status", "refs",
-                            "hits", "last", "created", "owner", "tokens", "reusable", "num_blocks", "uniform",
-                            "free_code", "allocated_code", NULL};
+    static char *names[] = {"pool", "allocate", "free", "lock", "stack", "subscribers", "clock", "step_slot",
+                            "status", "refs", "hits", "last", "created", "owner", "tokens", "reusable",
+                            "num_blocks", "uniform", "free_code", "allocated_code", NULL};
     if (h->pool) {
         PyErr_SetString(PyExc_RuntimeError, "HotPath is already bound to a pool");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO!OOOOOOOOOOnpii:HotPath", names, &pool, &py_allocate,
-                                     &py_free, &lock, &stack, &PyList_Type, &subs, &clock, &step_slot, &status, &refs, &hits,
-                                     &last, &created, &owner, &tokens, &reusable, &num_blocks, &uniform,
+                                     &py_free, &lock, &stack, &PyList_Type, &subs, &clock, &step_slot,
+                                     &fields[STATUS], &fields[REFS], &fields[HITS], &fields[LAST], &fields[CREATED],
+                                     &fields[OWNER], &fields[TOKENS], &fields[REUSABLE], &num_blocks, &uniform,
                                      &free_code, &allocated_code))
         return -1;
     h->num_blocks = num_blocks;
@@ -121,11 +126,8 @@ static int init(HotPath *h, PyObject *args, PyObject *kw) {
     if (!(h->acquire = attr(lock, "acquire")) || !(h->release = attr(lock, "release")) ||
         !(h->pop = attr(stack, "pop")) || !(h->push = attr(stack, "append")) || !(h->tick = attr(clock, "tick")))
         return -1;
-    /* in the order of the Py_buffer fields of the struct */
-    if (hold(h, status, 1, "status") < 0 || hold(h, refs, 4, "refs") < 0 || hold(h, hits, 8, "hits") < 0 ||
-        hold(h, last, 8, "last") < 0 || hold(h, created, 8, "created") < 0 || hold(h, owner, 4, "owner") < 0 ||
-        hold(h, tokens, 4, "tokens") < 0 || hold(h, reusable, 1, "reusable") < 0)
-        return -1;
+    for (int f = 0; f < NFIELDS; f++)
+        if (hold(h, fields[f]) < 0) return -1;
     return 0;
 }
 
@@ -226,11 +228,11 @@ static PyObject *hot_allocate(HotPath *h, PyObject *const *args, Py_ssize_t narg
     int64_t step;
     if (!t || as_step(t, &step) < 0 || !(b = PyObject_CallNoArgs(h->pop))) goto done;
     Py_ssize_t i = PyLong_AsSsize_t(b);
-    BUF(h, status, uint8_t)[i] = h->allocated_code;
-    BUF(h, refs, int32_t)[i] = 1;
-    BUF(h, hits, int64_t)[i] = 1;
-    BUF(h, last, int64_t)[i] = BUF(h, created, int64_t)[i] = step;
-    if (owner != -1) BUF(h, owner, int32_t)[i] = (int32_t)owner;
+    BUF(h, STATUS, uint8_t)[i] = h->allocated_code;
+    BUF(h, REFS, int32_t)[i] = 1;
+    BUF(h, HITS, int64_t)[i] = 1;
+    BUF(h, LAST, int64_t)[i] = BUF(h, CREATED, int64_t)[i] = step;
+    if (owner != -1) BUF(h, OWNER, int32_t)[i] = (int32_t)owner;
     if (!(out = PyList_New(1))) goto done;
     PyList_SET_ITEM(out, 0, b);
     b = NULL;
@@ -260,15 +262,15 @@ static PyObject *hot_free(HotPath *h, PyObject *ids) {
         Py_DECREF(b);
         return NULL;
     }
-    if (PyList_GET_SIZE(h->subs) || BUF(h, status, uint8_t)[i] != h->allocated_code ||
-        BUF(h, refs, int32_t)[i] != 1 || BUF(h, reusable, uint8_t)[i]) {  /* shared, cached, double free... */
+    if (PyList_GET_SIZE(h->subs) || BUF(h, STATUS, uint8_t)[i] != h->allocated_code ||
+        BUF(h, REFS, int32_t)[i] != 1 || BUF(h, REUSABLE, uint8_t)[i]) {  /* shared, cached, double free... */
         Py_DECREF(b);
         if (unlock(h) < 0) return NULL;
         return PyObject_CallFunctionObjArgs(h->py_free, h->pool, ids, NULL);
     }
-    BUF(h, status, uint8_t)[i] = h->free_code;
-    BUF(h, refs, int32_t)[i] = BUF(h, tokens, int32_t)[i] = 0;
-    BUF(h, owner, int32_t)[i] = -1;
+    BUF(h, STATUS, uint8_t)[i] = h->free_code;
+    BUF(h, REFS, int32_t)[i] = BUF(h, TOKENS, int32_t)[i] = 0;
+    BUF(h, OWNER, int32_t)[i] = -1;
     PyObject *r = PyObject_CallOneArg(h->push, b), *t = NULL;
     Py_DECREF(b);
     if (r) {
