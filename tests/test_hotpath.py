@@ -56,6 +56,15 @@ def test_built_wherever_a_compiler_is():
     assert pool._hot is not None and pool.allocate == pool._hot.allocate
 
 
+@compiled
+def test_wheel_ships_the_compiled_hot_path_and_its_source(wheel):
+    names = set(wheel.namelist())
+    assert f"kvlab/_hotpath{sysconfig.get_config_var('EXT_SUFFIX')}" in names and "kvlab/_hotpath.c" in names
+    tags = [line for line in wheel.read(next(n for n in names if n.endswith("WHEEL"))).decode().splitlines()
+            if line.startswith("Tag:")]
+    assert tags and all("none-any" not in t for t in tags), tags  # a binary wheel names its platform
+
+
 OWNERS = st.one_of(st.integers(-3, 4), st.sampled_from([2**31 - 1, 2**31, 2**70, -(2**70), True, "x", 1.0]))
 SIZES = st.one_of(st.just(1), st.integers(0, 12), st.sampled_from([True, 1.0, "1", -1, 2**70, None]))
 
