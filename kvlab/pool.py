@@ -90,9 +90,14 @@ def _load_hotpath(source: Path = Path(__file__).with_name("_hotpath.c")) -> type
 HotPath = _load_hotpath()
 
 
+def _is_owner(owner: Any) -> bool:
+    """Whether the int32 owner field can store ``owner`` (-1 = no one)."""
+    return type(owner) is int and -1 <= owner <= _INT32_MAX
+
+
 def _check_owner(owner: Any) -> int:
-    """``owner`` as the int32 owner field stores it (-1 = no one), else :class:`ConfigError`."""
-    if type(owner) is not int or not -1 <= owner <= _INT32_MAX:
+    """``owner`` as the int32 owner field stores it, else :class:`ConfigError`."""
+    if not _is_owner(owner):
         raise ConfigError(f"owner must be an int in -1..{_INT32_MAX} (-1 = no one), got {owner!r}")
     return owner
 
@@ -175,8 +180,8 @@ class BlockPool:
 
         self.lock = threading.RLock()
         self.clock: Clock = clock or LogicalClock()
-        if not isinstance(self.clock.now(), int):
-            raise ConfigError(f"the clock must count in ints (stamps are int64), but now() gave {self.clock.now()!r}")
+        if not isinstance(now := self.clock.now(), int):
+            raise ConfigError(f"the clock must count in ints (stamps are int64), but now() gave {now!r}")
         self.events = ev.EventBus()
         self.policy = make_policy(eviction_policy, seed).bind(self)
         self.eviction_policy = self.policy.name
@@ -360,7 +365,7 @@ class BlockPool:
         lock.acquire()  # acquire/release is ~2x cheaper than `with` on the hot path
         try:
             if (n == 1 and not size_class and self._free[0] and status == ALLOCATED  # hot path: one base block
-                    and (owner == -1 or type(owner) is int and 0 <= owner <= _INT32_MAX)):
+                    and (owner == -1 or _is_owner(owner))):
                 b = self._free[0].pop()  # _pop_one inlined: a method call is a tenth of this path
                 t = self.clock.tick()
                 self._status[b] = ALLOCATED
