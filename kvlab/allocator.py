@@ -38,7 +38,8 @@ import torch
 from . import events as ev
 from .block import BlockStatus, KVBlock
 from .errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
-from .pool import BlockPool
+from .pool import BlockPool, check_owner, is_int
+from .textbook import check_kv_data
 
 FREE = int(BlockStatus.FREE)
 STRATEGIES = ("exact", "split", "merge", "evict")
@@ -127,7 +128,7 @@ class DynamicAllocator:
     # ------------------------------------------------------------------ requests
     def size_class_for(self, tokens: int) -> int:
         """The smallest size class holding ``tokens`` tokens."""
-        if not isinstance(tokens, int) or tokens < 0:
+        if not is_int(tokens) or tokens < 0:
             raise ConfigError(f"tokens must be an int >= 0, got {tokens!r}")
         for o, size in enumerate(self.pool.block_sizes):
             if size >= tokens:
@@ -144,7 +145,11 @@ class DynamicAllocator:
         pool = self.pool
         with pool.lock:
             order = self._order_of(kv_data, tokens, size_class)
-            if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            owner = check_owner(owner)
+            if not isinstance(wait, bool):
+                raise ConfigError(f"wait must be True or False, got {wait!r}")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not timeout >= 0):
                 raise ConfigError(f"timeout must be a number of clock steps >= 0 or None, got {timeout!r}")
             if pool.num_blocks < 1 << order:
                 raise OutOfBlocksError(f"size class {order} ({pool.block_sizes[order]} tokens) needs {1 << order} "
@@ -163,7 +168,7 @@ class DynamicAllocator:
             self._next_ticket += 1
             self.waiters.append(ticket)
             self.stats["queued"] += 1
-            if pool.events.subscribers:
+            if pool.events:
                 pool.events.publish(AllocationQueued(now, ticket.id, order, owner, len(self.waiters) - 1))
             return ticket
 
@@ -171,13 +176,13 @@ class DynamicAllocator:
         if (kv_data is not None) + (tokens is not None) + (size_class is not None) > 1:
             raise ConfigError("give at most one of kv_data, tokens or size_class")
         if kv_data is not None:
-            self.pool._check_kv(kv_data, None)
+            check_kv_data(self.pool, kv_data, self.pool.block_sizes[-1])
             return self.size_class_for(kv_data.shape[2])
         if tokens is not None:
             return self.size_class_for(tokens)
         if size_class is None:
             return 0
-        if not isinstance(size_class, int) or not 0 <= size_class <= self.pool.max_order:
+        if not is_int(size_class) or not 0 <= size_class <= self.pool.max_order:
             raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{self.pool.max_order} "
                               f"(block sizes {self.pool.block_sizes})")
         return size_class
@@ -196,7 +201,7 @@ class DynamicAllocator:
         self.stats[how] += 1
         self.allocation_history.append(AllocationRecord(now, ticket.size_class, ticket.owner, how,
                                                         now - ticket.submitted))
-        if pool.events.subscribers:
+        if pool.events:
             pool.events.publish(AllocationServed(now, ticket.id, b, ticket.size_class, ticket.owner, how,
                                                  now - ticket.submitted))
 
@@ -206,13 +211,13 @@ class DynamicAllocator:
         that did it ("exact", "split", "merge", "evict"), or None (and change nothing) if none can."""
         pool = self.pool
         with pool.lock:
-            if pool._free[size_class]:
+            if pool.free_lists.count(size_class):
                 return "exact"
             if self._split_down(size_class):
                 return "split"
             if self._fits_after_merge(size_class):
                 pool.merge_free_buddies()
-                if not pool._free[size_class]:
+                if not pool.free_lists.count(size_class):
                     self._split_down(size_class)
                 return "merge"
             if not pool.max_order:  # uniform pool: any victim frees a whole block, so the policy's first will do
@@ -222,7 +227,7 @@ class DynamicAllocator:
                 return None
             self._evict_exactly(victims)
             pool.merge_free_buddies()
-            if not pool._free[size_class]:
+            if not pool.free_lists.count(size_class):
                 self._split_down(size_class)
             return "evict"
 
@@ -230,8 +235,8 @@ class DynamicAllocator:
         """Split the smallest FREE block larger than ``size_class`` down to it (best fit); False if none."""
         pool = self.pool
         for o in range(size_class + 1, pool.max_order + 1):
-            if pool._free[o]:
-                self.split_block(pool._free[o][-1], size_class)
+            if pool.free_lists.count(o):
+                self.split_block(pool.free_lists.top(o), size_class)
                 return True
         return False
 
@@ -241,12 +246,12 @@ class DynamicAllocator:
         stay together and can merge back."""
         pool = self.pool
         with pool.lock:
-            b = pool._check_id(block_id)
-            if pool._status[b] != FREE or not isinstance(size_class, int) or not 0 <= size_class < pool._order[b]:
+            b = pool.check_id(block_id)
+            if pool.fields.status[b] != FREE or not isinstance(size_class, int) or not 0 <= size_class < pool.fields.size_class[b]:
                 raise IllegalTransitionError(
-                    f"block {b} is {BlockStatus(pool._status[b]).name} of size class {pool._order[b]}: only a FREE "
+                    f"block {b} is {BlockStatus(pool.fields.status[b]).name} of size class {pool.fields.size_class[b]}: only a FREE "
                     f"block larger than class {size_class!r} can be split down to it")
-            buddies = [pool.split_block(b)[1] for _ in range(pool._order[b] - size_class)]
+            buddies = [pool.split_block(b)[1] for _ in range(pool.fields.size_class[b] - size_class)]
             return [b, *buddies[::-1]]
 
     def _windows(self, size_class: int) -> tuple[int, np.ndarray]:
@@ -256,7 +261,7 @@ class DynamicAllocator:
     def _fits_after_merge(self, size_class: int) -> bool:
         """True if some aligned window of the class is all FREE: merging buddies then yields such a block."""
         k, units = self._windows(size_class)
-        return bool((self.pool.status_np[units] == FREE).reshape(-1, k).all(axis=1).any())
+        return bool((self.pool.arrays.status[units] == FREE).reshape(-1, k).all(axis=1).any())
 
     def _plan_eviction(self, size_class: int) -> list[int] | None:
         """The cached blocks to evict so that an aligned window of ``size_class`` becomes FREE (see the module
@@ -270,10 +275,10 @@ class DynamicAllocator:
         k, units = self._windows(size_class)
         if not units.size or not (rank >= 0).any():
             return None
-        span = np.left_shift(1, pool.order_np[units].astype(np.int64))
+        span = np.left_shift(1, pool.arrays.size_class[units].astype(np.int64))
         heads = units & ~(span - 1)  # the block each base block belongs to
         victim_rank = rank[heads]
-        clear = (pool.status_np[units] == FREE) | (victim_rank >= 0)
+        clear = (pool.arrays.status[units] == FREE) | (victim_rank >= 0)
         ok = clear.reshape(-1, k).all(axis=1)
         if not ok.any():
             return None
@@ -330,7 +335,7 @@ class DynamicAllocator:
         self.waiters.remove(ticket)
         ticket.state, ticket.kv_data = state, None
         self.stats["timed_out" if state is TicketState.TIMED_OUT else "cancelled"] += 1
-        if self.pool.events.subscribers:
+        if self.pool.events:
             reason = "timeout" if state is TicketState.TIMED_OUT else "cancelled"
             self.pool.events.publish(AllocationAbandoned(self.pool.clock.now(), ticket.id, reason))
 

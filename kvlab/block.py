@@ -61,8 +61,7 @@ class KVBlock:
     __slots__ = ("pool", "block_id")
 
     def __init__(self, pool: "BlockPool", block_id: int) -> None:
-        pool._check_id(block_id)
-        self.pool, self.block_id = pool, block_id
+        self.pool, self.block_id = pool, pool.check_id(block_id)
 
     def __repr__(self) -> str:
         return (f"KVBlock(id={self.block_id}, {self.status.name}, refs={self.reference_count}, "
@@ -77,28 +76,28 @@ class KVBlock:
     # --- fields (read from the pool's arrays) ---
     @property
     def status(self) -> BlockStatus:
-        return BlockStatus(self.pool._status[self.block_id])
+        return BlockStatus(self.pool.fields.status[self.block_id])
 
     @property
     def token_count(self) -> int:
-        return self.pool._tokens[self.block_id]
+        return self.pool.fields.tokens[self.block_id]
 
     @property
     def reference_count(self) -> int:
-        return self.pool._refs[self.block_id]
+        return self.pool.fields.refcount[self.block_id]
 
     @property
     def last_access_time(self) -> float:
-        return self.pool._last[self.block_id]
+        return self.pool.fields.last_access[self.block_id]
 
     @property
     def creation_time(self) -> float:
-        return self.pool._created[self.block_id]
+        return self.pool.fields.created[self.block_id]
 
     @property
     def size_class(self) -> int:
         """Buddy order: the block spans ``2 ** size_class`` base blocks."""
-        return self.pool._order[self.block_id]
+        return self.pool.fields.size_class[self.block_id]
 
     @property
     def capacity_tokens(self) -> int:

@@ -206,7 +206,7 @@ class PagedMemory:
 
     @property
     def evictions(self) -> int:
-        return self.pool._counts["evictions"]
+        return self.pool.counts["evictions"]
 
     def prompt_ids(self, req: Request) -> list[int]:
         return req.prompt_token_ids(self.vocab) if self.track_ids else [0] * req.prompt_len
@@ -237,7 +237,7 @@ class PagedMemory:
     def admission_need(self, job: Job, hits: list[int], n: int) -> int:
         """Blocks admitting ``job`` with its first ``n`` tokens takes from :meth:`available`: new blocks, plus
         the cached hits that leave the evictable set once referenced."""
-        refs = self.pool._refs
+        refs = self.pool.fields.refcount
         revived = sum(1 for b in hits if not refs[b])
         return -(-(len(hits) * self.bs + n) // self.bs) - len(hits) + revived
 
@@ -295,7 +295,7 @@ class PagedMemory:
         """(reserved slots, token slots, fragmentation) right now; cached blocks count as reserved."""
         pool = self.pool
         reserved = (pool.num_blocks - pool.num_free_blocks) * self.bs
-        return reserved, int(pool.tokens_np.sum()), pool.calculate_fragmentation() / 100
+        return reserved, int(pool.arrays.tokens.sum()), pool.calculate_fragmentation() / 100
 
     def hit_rate(self) -> float:
         c = self.cache
@@ -463,7 +463,7 @@ class Engine:
         self.config.reservations.pop(tenant, None)
         assert self.held.get(tenant, 0) == 0, f"tenant {tenant} still holds {self.held[tenant]} blocks"
         self.held.pop(tenant, None)
-        if self.events.subscribers:
+        if self.events:
             self.events.publish(TenantReclaimed(self.step_count, tenant, len(jobs) + len(left), blocks))
         return blocks
 
@@ -560,7 +560,7 @@ class Engine:
             self._account(job)
             batch.append((job, n))
             budget -= n
-            if self.events.subscribers:
+            if self.events:
                 self.events.publish(Admitted(self.step_count, job.req.id, tenant, cached))
 
     def _fits(self, tenant: str, need: int) -> bool:
@@ -635,7 +635,7 @@ class Engine:
         self._queues[job.req.tenant].appendleft(job)
 
     def _event(self, event: Event) -> None:
-        if self.events.subscribers:
+        if self.events:
             self.events.publish(event)
 
     def _swap_in(self, job: Job, prefetched: bool) -> int:
@@ -645,7 +645,7 @@ class Engine:
         self._account(job)
         self.swap_ins += 1
         self.prefetched_ins += prefetched
-        if self.events.subscribers:
+        if self.events:
             self.events.publish(SwappedIn(self.step_count, job.req.id, self.memory.held(job), prefetched))
         return tokens
 
@@ -689,7 +689,7 @@ class Engine:
                 self._account(job)
                 job.state = FINISHED
                 self.finished_count += 1
-                if self.events.subscribers:
+                if self.events:
                     self.events.publish(Finished(step, job.req.id, job.req.tenant, rec.ttft_s, rec.tpot_s))
 
     def _record(self, prefill: int, decode: int, stall: float) -> None:
@@ -700,7 +700,7 @@ class Engine:
                         self.preemptions, mem.hit_rate(), self.finished_count,
                         tuple(sorted((t, n) for t, n in self.held.items() if n)), stall)
         self.log.steps.append(m)
-        if self.events.subscribers:
+        if self.events:
             self.events.publish(m)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 class Event:
     """Base of all events; ``step`` is the pool clock when it happened."""
 
-    step: float
+    step: int
 
     @property
     def kind(self) -> str:
@@ -105,8 +105,9 @@ class EventBus:
     def __init__(self) -> None:
         self.subscribers: list[Subscriber] = []
 
-    @property
-    def active(self) -> bool:
+    def __bool__(self) -> bool:
+        """Whether anyone listens: the one guard every publisher tests (``if pool.events:``) before it
+        builds an event."""
         return bool(self.subscribers)
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:

@@ -48,6 +48,11 @@ class EvictionPolicy:
         """Evictable blocks as ``(block_id, score)``, the block to evict first coming first."""
         raise NotImplementedError
 
+    def touched(self, block_id: int) -> None:
+        """Evictable ``block_id`` was read (its last access and hits changed): re-rank it."""
+        self.discard(block_id)
+        self.add(block_id)
+
     def rank(self, k: int = 8) -> list[tuple[int, float]]:
         """The first ``k`` candidates with their scores."""
         out = []
@@ -80,7 +85,7 @@ class LRUPolicy(EvictionPolicy):
         return block_id in self._set
 
     def order(self) -> Iterator[tuple[int, float]]:
-        last = self.pool._last
+        last = self.pool.fields.last_access
         return ((b, float(last[b])) for b in self._set)
 
 
@@ -134,7 +139,7 @@ class FIFOPolicy(_HeapPolicy):
     name = "fifo"
 
     def key(self, block_id: int) -> tuple[float, ...]:
-        return (self.pool._created[block_id], block_id)
+        return (self.pool.fields.created[block_id], block_id)
 
 
 class LFUPolicy(_HeapPolicy):
@@ -143,7 +148,7 @@ class LFUPolicy(_HeapPolicy):
     name = "lfu"
 
     def key(self, block_id: int) -> tuple[float, ...]:
-        return (self.pool._hits[block_id], self.pool._last[block_id], block_id)
+        return (self.pool.fields.hits[block_id], self.pool.fields.last_access[block_id], block_id)
 
 
 class RandomPolicy(EvictionPolicy):
@@ -174,6 +179,9 @@ class RandomPolicy(EvictionPolicy):
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._pos
+
+    def touched(self, block_id: int) -> None:
+        """A read changes nothing for a random choice."""
 
     def order(self) -> Iterator[tuple[int, float]]:
         """A random permutation, drawn lazily (the victim alone costs O(1)); score = draw number."""

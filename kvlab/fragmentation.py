@@ -71,10 +71,10 @@ class FragmentationDetector:
         pool = self.pool
         with pool.lock:
             runs = pool.free_runs()
-            st = pool.status_np
+            st = pool.arrays.status
             heads = _heads(pool)
             alloc = heads[st[heads] == ALLOCATED]
-            slots = int((pool.block_size << pool.order_np[alloc].astype(np.int64)).sum())
+            slots = int((pool.block_size << pool.arrays.size_class[alloc].astype(np.int64)).sum())
             used = np.flatnonzero(st != FREE)
             lengths, counts = np.unique(runs, return_counts=True)
             trigger = self.trigger_percent()
@@ -82,11 +82,11 @@ class FragmentationDetector:
                 "fragmentation_percent": pool.calculate_fragmentation(),
                 "should_defragment": trigger > self.threshold,
                 "memory_info": pool.get_memory_usage(),
-                "free_blocks": {size: len(pool._free[o]) for o, size in enumerate(pool.block_sizes)},
+                "free_blocks": {size: pool.free_lists.count(o) for o, size in enumerate(pool.block_sizes)},
                 "external_fragmentation": self.external_fragmentation(),
                 "largest_free_run": int(runs.max()) if runs.size else 0,
                 "free_run_histogram": dict(zip(lengths.tolist(), counts.tolist())),
-                "internal_waste": 1.0 - int(pool.tokens_np[alloc].sum()) / slots if slots else 0.0,
+                "internal_waste": 1.0 - int(pool.arrays.tokens[alloc].sum()) / slots if slots else 0.0,
                 "scatter": (int(used[-1]) + 1) / used.size if used.size else 1.0,
                 "trigger_percent": trigger,
             }
@@ -97,7 +97,7 @@ def _heads(pool: BlockPool) -> np.ndarray:
     units = np.arange(pool.num_blocks)
     if not pool.max_order:
         return units
-    return units[(units & (np.left_shift(1, pool.order_np.astype(np.int64)) - 1)) == 0]
+    return units[(units & (np.left_shift(1, pool.arrays.size_class.astype(np.int64)) - 1)) == 0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +160,10 @@ class DefragmentationStrategy:
             if src:
                 merges += pool.merge_free_buddies()  # the vacated sources may pair up with free buddies
             pool.sort_free_lists()  # the free region now hands out runs again
-            moved = sum(pool.bytes_per_block << pool._order[d] for d in dst)
+            moved = sum(pool.bytes_per_block << pool.fields.size_class[d] for d in dst)
             report = DefragReport(True, merges, tuple(zip(src, dst)), moved, before, self._measure(),
                                   time.perf_counter() - t0)
-            if pool.events.subscribers:
+            if pool.events:
                 pool.events.publish(Defragmented(pool.clock.now(), merges, len(src), moved))
             return report
 
@@ -173,7 +173,7 @@ class DefragmentationStrategy:
         remaining mover, so one batched migration suffices."""
         pool = self.pool
         limit = np.iinfo(np.int64).max if cap is None else cap
-        st = pool.status_np
+        st = pool.arrays.status
         if not pool.max_order:  # uniform: pair the lowest holes with the highest movers while holes lie below
             holes, movers = np.flatnonzero(st == FREE), np.flatnonzero(st == ALLOCATED)[::-1]
             k = min(holes.size, movers.size, limit)
@@ -181,20 +181,20 @@ class DefragmentationStrategy:
             return movers[:k].tolist(), holes[:k].tolist()
         heads = _heads(pool)
         movers = heads[st[heads] == ALLOCATED][::-1].tolist()
-        free = [sorted(lst) for lst in pool._free]  # per class, ascending; consumed from the front
+        free = [sorted(pool.free_ids(k)) for k in range(pool.max_order + 1)]  # per class, ascending; consumed from the front
         src: list[int] = []
         dst: list[int] = []
         for m in movers:
             if len(src) >= limit:
                 break
-            k = pool._order[m]
+            k = pool.fields.size_class[m]
             below = [(free[o][0], o) for o in range(k, pool.max_order + 1) if free[o] and free[o][0] < m]
             if not below:
                 continue
             b, o = min(below)
             free[o].pop(0)
             for _ in range(o - k):  # keep the low half, give the high half back as a hole of one class less
-                bisect.insort(free[pool._order[b] - 1], pool.split_block(b)[1])
+                bisect.insort(free[pool.fields.size_class[b] - 1], pool.split_block(b)[1])
             src.append(m)
             dst.append(b)
         return src, dst

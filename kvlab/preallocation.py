@@ -132,7 +132,7 @@ class Preallocator:
                 pool.merge_free_buddies()  # so free capacity below reads in whole blocks of each class
             for (owner, order), want in targets.items():
                 reserve = self.reserves[(owner, order)]
-                free = sum(len(pool._free[o]) << (o - order) for o in range(order, pool.max_order + 1))
+                free = pool.free_lists.capacity(order)
                 need = min(want - len(reserve), free)
                 if need > 0:  # free capacity suffices, so the pool splits but never evicts for these
                     reserve.extend(pool.reserve(need, size_class=order, owner=owner))

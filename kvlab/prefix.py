@@ -99,7 +99,7 @@ class PrefixCache:
 
     def _valid(self, b: int, e: _Entry) -> bool:
         p = self.pool
-        return p._status[b] == BlockStatus.ALLOCATED and p._reusable[b] == 1 and p._created[b] == e.created
+        return p.fields.status[b] == BlockStatus.ALLOCATED and p.fields.reusable[b] == 1 and p.fields.created[b] == e.created
 
     # ------------------------------------------------------------------ lookup and registration
     def match(self, token_ids: Sequence[int], tenant: str | None = None,
@@ -112,7 +112,7 @@ class PrefixCache:
         if ids:
             self.pool.incref(ids)
             self.hits += len(ids)
-            if self.pool.events.subscribers:
+            if self.pool.events:
                 self.pool.events.publish(PrefixHit(self.pool.clock.now(), tuple(ids), len(ids) * self.block_size,
                                                    tenant))
         return ids, parent
@@ -148,13 +148,13 @@ class PrefixCache:
               tenant: str | None = None) -> bytes | None:
         """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
         it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
-        b = self.pool._check_id(block_id)
+        b = self.pool.check_id(block_id)
         chunk = tuple(map(int, token_ids))
         if len(chunk) != self.block_size:
             raise KVDataError(f"block {b}: only full blocks of {self.block_size} tokens are cached, got {len(chunk)}")
-        if self.pool._status[b] != BlockStatus.ALLOCATED or not self.pool._refs[b]:
-            raise IllegalTransitionError(f"block {b} is {BlockStatus(self.pool._status[b]).name} with refcount "
-                                         f"{self.pool._refs[b]}: only a held block can be registered")
+        if self.pool.fields.status[b] != BlockStatus.ALLOCATED or not self.pool.fields.refcount[b]:
+            raise IllegalTransitionError(f"block {b} is {BlockStatus(self.pool.fields.status[b]).name} with refcount "
+                                         f"{self.pool.fields.refcount[b]}: only a held block can be registered")
         if parent is not None and parent not in self._block:
             raise IllegalTransitionError(f"block {b}: its parent hash {parent.hex()} is not cached")
         digest = self.block_hash(parent, chunk, tenant)
@@ -168,12 +168,12 @@ class PrefixCache:
         if b in self._entry:
             raise IllegalTransitionError(f"block {b} is already cached under hash {self._entry[b].digest.hex()}")
         self.pool.mark_reusable([b])
-        self._entry[b] = _Entry(digest, parent, chunk, self.pool._created[b])
+        self._entry[b] = _Entry(digest, parent, chunk, self.pool.fields.created[b])
         self._block[digest] = b
         if parent is not None:
             self._children.setdefault(parent, set()).add(b)
         self.stores += 1
-        if self.pool.events.subscribers:
+        if self.pool.events:
             self.pool.events.publish(PrefixStored(self.pool.clock.now(), b, digest.hex()))
         return digest
 
@@ -188,7 +188,7 @@ class PrefixCache:
             if not kids:
                 del self._children[e.parent]
         self.evictions += 1
-        if self.pool.events.subscribers:
+        if self.pool.events:
             self.pool.events.publish(PrefixEvicted(self.pool.clock.now(), b, e.digest.hex()))
 
     def _may_evict(self, b: int) -> bool:

@@ -32,7 +32,7 @@ class ReferenceManager:
         self.pool.decref(ids)
 
     def get_reference_count(self, block_id: int) -> int:
-        return self.pool._refs[self.pool._check_id(block_id)]
+        return self.pool.fields.refcount[self.pool.check_id(block_id)]
 
     def is_safe_to_evict(self, block_id: int) -> bool:
         """True for a cached block: ALLOCATED with no holder (FREE blocks hold nothing to evict)."""
@@ -41,6 +41,6 @@ class ReferenceManager:
     def get_all_references(self) -> dict[int, int]:
         """``{block_id: refcount}`` for every block with at least one reference."""
         with self.pool.lock:
-            refs = self.pool.refs_np
+            refs = self.pool.arrays.refcount
             ids = refs.nonzero()[0]
             return dict(zip(ids.tolist(), refs[ids].tolist()))

@@ -37,10 +37,11 @@ import torch
 from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .pool import BlockPool
+from .pool import BlockPool, is_int
 from .prefix import PrefixCache
 
 NewTokens = int | Seq[int]
+_NONE = object()  # "no bad token found" (None itself is a bad token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,8 @@ class SequenceManager:
         return seq
 
     def _live(self, seq: Sequence, resident: bool = True) -> None:
+        if not isinstance(seq, Sequence):
+            raise IllegalTransitionError(f"expected a Sequence of this manager, got {seq!r}")
         if not seq.alive or self.seqs.get(seq.seq_id) is not seq:
             raise IllegalTransitionError(f"sequence {seq.seq_id} is not live in this manager (freed?)")
         if resident and seq.swapped is not None:
@@ -217,64 +220,87 @@ class SequenceManager:
     def append_tokens(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> list[int]:
         """The bookkeeping of :meth:`append_batch` (blocks, copy-on-write, token counts, token ids, same errors,
         same all-or-nothing allocation) without building any tensor: the fast path of metadata-only
-        simulations, which never read slots. Returns each sequence's length before the append."""
-        if len(seqs) != len(new) or len({s.seq_id for s in seqs}) != len(seqs):
-            raise ConfigError(f"append_batch needs distinct sequences and one entry each, got {len(seqs)} "
-                              f"sequences and {len(new)} entries")
-        B, refs, live = self.block_size, self.pool._refs, self.seqs
-        # Plan: new blocks per sequence, plus a private copy for a shared, partly filled tail (copy-on-write).
-        # Refcounts are simulated in order, so of k sharers appending in one batch only the first r-1 copy.
-        left: dict[int, int] = {}
-        counts, plan, need = [], [], 0
+        simulations, which never read slots. Returns each sequence's length before the append.
+
+        Plan (validate everything, count the blocks needed), allocate them in one call, then apply: a rejected
+        call changes nothing."""
+        if not isinstance(seqs, (list, tuple)) or not isinstance(new, (list, tuple)) or len(seqs) != len(new):
+            raise ConfigError(f"append_batch needs a list of sequences and one entry each, got {seqs!r} and {new!r}")
+        for seq in seqs:
+            self._live(seq)
+        if len({s.seq_id for s in seqs}) != len(seqs):
+            raise ConfigError(f"append_batch needs distinct sequences, got {[s.seq_id for s in seqs]}")
+        B, refcount = self.block_size, self.pool.fields.refcount
+        # Plan: the new token ids, new blocks per sequence, and a private copy of a shared, partly filled tail
+        # (copy-on-write). Refcounts are simulated in order, so of k sharers appending in one batch only the
+        # first k-1 copy; the last one keeps the original.
+        plan: list[tuple[Sequence, int, list[int] | None, bool, int]] = []
+        copied: dict[int, int] = {}
+        need = 0
         for seq, x in zip(seqs, new):
-            if live.get(seq.seq_id) is not seq or seq.swapped is not None:
-                self._live(seq)  # raises the precise error
-            n = x if isinstance(x, int) else len(x)
-            if isinstance(x, bool) or n < 0:
-                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
-            if seq.token_ids is not None and isinstance(x, int) and n:
-                raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({n})")
-            t = seq.block_table
+            n, ids = self._new_tokens(seq, x)
             cow = False
             if n and seq.num_tokens % B:
-                last = t[-1]
-                cow = refs[last] - left.get(last, 0) > 1
-                if cow:
-                    left[last] = left.get(last, 0) + 1
-            k = -(-(seq.num_tokens + n) // B) - len(t)
-            counts.append(n)
-            plan.append((cow, k))
+                tail = seq.block_table[-1]
+                cow = refcount[tail] - copied.get(tail, 0) > 1
+                copied[tail] = copied.get(tail, 0) + cow
+            k = -(-(seq.num_tokens + n) // B) - len(seq.block_table)
+            plan.append((seq, n, ids, cow, k))
             need += cow + k
         fresh = self.pool.allocate(need) if need else []
-        src, dst, cowed, starts, at = [], [], [], [], 0
-        tokens = self.pool._tokens  # counts are <= B and blocks ALLOCATED by construction: no re-validation
-        for seq, x, n, (cow, k) in zip(seqs, new, counts, plan):
-            t = seq.block_table
+        # Apply.
+        src, dst, cowed, starts, filled, counts, at = [], [], [], [], [], [], 0
+        for seq, n, ids, cow, k in plan:
+            table = seq.block_table
             if cow + k:
                 got = fresh[at:at + cow + k]
                 at += cow + k
                 if cow:
-                    src.append(t[-1])
+                    src.append(table[-1])
                     dst.append(got[0])
                     cowed.append(seq)
-                    t[-1] = got[0]
-                t.extend(got[cow:])
+                    table[-1] = got[0]
+                table.extend(got[cow:])
                 self.pool.set_owner(got, seq.seq_id)
             start = seq.num_tokens
             starts.append(start)
             end = seq.num_tokens = start + n
             for i in range(start // B, -(-end // B)):
-                tokens[t[i]] = min(B, end - i * B)
-            if n and seq.token_ids is not None:
-                seq.token_ids.extend(map(int, x))
+                filled.append(table[i])
+                counts.append(min(B, end - i * B))
+            if ids:
+                seq.token_ids.extend(ids)  # type: ignore[union-attr]  # ids only for sequences that track them
+        if filled:
+            self.pool.set_token_counts(filled, counts)
         if src:
             if self.pool.storage is not None:
                 self.pool.storage.copy_blocks(src, dst)
             self.pool.free(src)  # the sharers keep the originals
-            if self.pool.events.subscribers:
+            if self.pool.events:
                 for s_, d_, seq in zip(src, dst, cowed):
                     self.pool.events.publish(CopiedOnWrite(self.pool.clock.now(), seq.seq_id, s_, d_))
         return starts
+
+    @staticmethod
+    def _new_tokens(seq: Sequence, x: NewTokens) -> tuple[int, list[int] | None]:
+        """``(count, token ids or None)`` of what is appended to ``seq``; :class:`KVDataError` for anything but
+        a count (for a sequence without token ids) or a flat sequence of token ids in 0..2**63-1."""
+        if is_int(x):
+            if x < 0:
+                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
+            if seq.token_ids is not None and x:
+                raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({x})")
+            return int(x), None
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            if x.ndim != 1:
+                raise KVDataError(f"sequence {seq.seq_id}: token ids must be 1-D, got shape {tuple(x.shape)}")
+            x = x.tolist()
+        if not isinstance(x, (list, tuple, range)):
+            raise KVDataError(f"sequence {seq.seq_id}: append a token count or a list of token ids, not {x!r}")
+        bad = next((t for t in x if not (is_int(t) and 0 <= t < 2**63)), _NONE)
+        if bad is not _NONE:
+            raise KVDataError(f"sequence {seq.seq_id}: token ids are ints in 0..2**63-1, got {bad!r}")
+        return len(x), [int(t) for t in x] if seq.token_ids is not None else None
 
     # ------------------------------------------------------------------ tables and slots
     def block_tables(self, seqs: Seq[Sequence]) -> torch.Tensor:
@@ -288,9 +314,11 @@ class SequenceManager:
 
     def slot_mapping(self, seqs: Seq[Sequence], starts: Seq[int], stops: Seq[int]) -> torch.Tensor:
         """Slots of positions ``starts[i] .. stops[i]-1`` of each sequence, packed (vectorised)."""
+        if not len(seqs) == len(starts) == len(stops):
+            raise ConfigError(f"slot_mapping needs one start and stop per sequence, got {starts!r}, {stops!r}")
         for s, a, b in zip(seqs, starts, stops):
             self._live(s)
-            if not 0 <= a <= b <= s.num_tokens:
+            if not (is_int(a) and is_int(b) and 0 <= a <= b <= s.num_tokens):
                 raise ConfigError(f"sequence {s.seq_id} has {s.num_tokens} tokens; positions {a}..{b} are outside")
         lens = torch.tensor([b - a for a, b in zip(starts, stops)], dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
@@ -322,7 +350,7 @@ class SequenceManager:
         empty list means swapping ``seq`` out would free no memory)."""
         self._live(seq)
         held = self.prefix_cache.holds if self.prefix_cache is not None else (lambda b: False)
-        return [i for i, b in enumerate(seq.block_table) if self.pool._refs[b] == 1 and not held(b)]
+        return [i for i, b in enumerate(seq.block_table) if self.pool.fields.refcount[b] == 1 and not held(b)]
 
     def swap_out(self, seq: Sequence) -> None:
         """Move the blocks ``seq`` holds alone to host memory (pinned on CUDA); they go EVICTING -> FREE."""
@@ -338,12 +366,12 @@ class SequenceManager:
             storage.gather_blocks(ids, out=data)
             if k.is_cuda:  # the blocks may be reused as soon as they are FREE: the copy must have landed
                 torch.cuda.current_stream(k.device).synchronize()
-        tokens = [self.pool._tokens[b] for b in ids]
+        tokens = [self.pool.fields.tokens[b] for b in ids]
         self.pool.finish_eviction(ids)
         for i in pos:
             seq.block_table[i] = -1
         seq.swapped = SwapState(pos, tokens, data)
-        if self.pool.events.subscribers:
+        if self.pool.events:
             self.pool.events.publish(Swapped(self.pool.clock.now(), seq.seq_id, "out", tuple(ids)))
 
     def swap_in(self, seq: Sequence) -> None:
@@ -357,11 +385,11 @@ class SequenceManager:
         if st.data is not None:
             self.pool.storage.scatter_blocks(ids, st.data)
         self.pool.commit(ids)
-        for i, b, n in zip(st.positions, ids, st.tokens):
+        self.pool.set_token_counts(ids, st.tokens)
+        for i, b in zip(st.positions, ids):
             seq.block_table[i] = b
-            self.pool.set_token_count(b, n)
         seq.swapped = None
-        if self.pool.events.subscribers:
+        if self.pool.events:
             self.pool.events.publish(Swapped(self.pool.clock.now(), seq.seq_id, "in", tuple(ids)))
 
     # ------------------------------------------------------------------ migration and checks
@@ -373,16 +401,19 @@ class SequenceManager:
 
     def check_invariants(self, exclusive: bool = True) -> None:
         """The pool's invariants, plus: refcount == number of table entries naming the block (and, when
-        ``exclusive``, no block is referenced by anything but these tables); resident entries are ALLOCATED;
-        table length == ceil(tokens / B). Raises AssertionError."""
+        ``exclusive``, no block is referenced by anything but these tables); resident entries are ALLOCATED and
+        count the tokens the table puts in them; table length == ceil(tokens / B). Raises AssertionError."""
         self.pool.check_invariants()
         named = Counter(b for s in self.seqs.values() for b in s.block_table if b >= 0)
-        refs = self.pool.refs_np
+        refs = self.pool.arrays.refcount
         held = np.flatnonzero(refs) if exclusive else np.fromiter(named, dtype=np.int64, count=len(named))
         assert named == Counter(dict(zip(held.tolist(), refs[held].tolist()))), "refcounts disagree with tables"
+        B, tokens = self.block_size, self.pool.fields.tokens
         for s in self.seqs.values():
             assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
             resident = [b for b in s.block_table if b >= 0]
-            assert all(self.pool._status[b] == BlockStatus.ALLOCATED for b in resident), f"sequence {s.seq_id}: status"
+            assert all(self.pool.fields.status[b] == BlockStatus.ALLOCATED for b in resident), f"sequence {s.seq_id}: status"
+            filled = [min(B, s.num_tokens - i * B) for i, b in enumerate(s.block_table) if b >= 0]
+            assert [tokens[b] for b in resident] == filled, f"sequence {s.seq_id}: block token counts {filled} expected"
             out = s.swapped.positions if s.swapped is not None else []
             assert [i for i, b in enumerate(s.block_table) if b < 0] == out, f"sequence {s.seq_id}: swap state"

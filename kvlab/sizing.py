@@ -202,7 +202,7 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
             pool.set_token_count(table[i], min(B, r.total_len - i * B))
         entries += len(table)
         tables.append(table)
-    row = SweepRow(B, pool.num_blocks - pool.num_free_blocks, int(pool.tokens_np.sum()), entries, calls,
+    row = SweepRow(B, pool.num_blocks - pool.num_free_blocks, int(pool.arrays.tokens.sum()), entries, calls,
                    prefix_tokens, prefix_lost)
     for table in tables:
         pool.free(table)

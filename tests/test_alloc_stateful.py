@@ -52,7 +52,7 @@ class AllocMachine(RuleBasedStateMachine):
 
     def _held(self, referenced: bool) -> list[int]:
         pool = self.pool
-        return sorted(b for b in self.data if b not in self.evicting and (pool._refs[b] > 0) == referenced)
+        return sorted(b for b in self.data if b not in self.evicting and (pool.fields.refcount[b] > 0) == referenced)
 
     @rule(ks=st.lists(st.sampled_from([0, 0, 0, 1, 1, 2, 3]), min_size=1, max_size=4),
           timeout=st.none() | st.integers(0, 4))
@@ -79,7 +79,7 @@ class AllocMachine(RuleBasedStateMachine):
     def _free_one(self, b: int, keep: bool) -> None:
         if keep:
             self.pool.mark_reusable([b])
-        gone = self.pool._refs[b] == 1 and not self.pool._reusable[b]
+        gone = self.pool.fields.refcount[b] == 1 and not self.pool.fields.reusable[b]
         served = self.alloc.deallocate_block(b)
         if gone:
             del self.data[b]
@@ -98,11 +98,11 @@ class AllocMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def split(self, data) -> None:
-        big = [b for o in range(1, 4) for b in self.pool._free[o]]
+        big = [b for o in range(1, 4) for b in self.pool.free_ids(o)]
         if big:
             b = data.draw(st.sampled_from(sorted(big)))
-            k = data.draw(st.integers(0, self.pool._order[b] - 1))
-            assert self.alloc.split_block(b, k)[0] == b and self.pool._order[b] == k
+            k = data.draw(st.integers(0, self.pool.fields.size_class[b] - 1))
+            assert self.alloc.split_block(b, k)[0] == b and self.pool.fields.size_class[b] == k
 
     @rule()
     def merge(self) -> None:
@@ -157,22 +157,22 @@ class AllocMachine(RuleBasedStateMachine):
 
     @rule(cap=st.none() | st.integers(1, 3))
     def defragment(self, cap) -> None:
-        frozen = {b: int(self.pool._status[b]) for b in self.pending | self.evicting}
+        frozen = {b: int(self.pool.fields.status[b]) for b in self.pending | self.evicting}
         report = DefragmentationStrategy(self.pool, max_moves=cap).defragment(force=True)
         assert cap is None or len(report.moves) <= cap
         assert all(s > d for s, d in report.moves)
-        assert {b: int(self.pool._status[b]) for b in frozen} == frozen
+        assert {b: int(self.pool.fields.status[b]) for b in frozen} == frozen
 
     @invariant()
     def consistent(self) -> None:
         pool = self.pool
         pool.check_invariants()
         for b, pattern in self.data.items():
-            assert pool._status[b] in (ALLOCATED, int(BlockStatus.EVICTING)), b
+            assert pool.fields.status[b] in (ALLOCATED, int(BlockStatus.EVICTING)), b
             assert torch.equal(pool.block(b).kv_data, pattern), f"block {b} lost its data"
-        live = {b for b in range(N) if pool._status[b] == ALLOCATED and b % pool.span(b) == 0} - self.pending
+        live = {b for b in range(N) if pool.fields.status[b] == ALLOCATED and b % (1 << pool.fields.size_class[b]) == 0} - self.pending
         assert live == self.data.keys() - self.evicting
-        assert all(pool._status[b] == int(BlockStatus.PENDING) for b in self.pending)
+        assert all(pool.fields.status[b] == int(BlockStatus.PENDING) for b in self.pending)
         assert all(t.state is TicketState.WAITING for t in self.alloc.waiters)
         assert sum(t.served for t in self.tickets) == sum(self.alloc.stats[s] for s in
                                                           ("exact", "split", "merge", "evict"))

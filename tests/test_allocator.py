@@ -26,7 +26,7 @@ def test_exact_then_split_then_merge():
     assert (hold.block.block_id, second.strategy, second.block.block_id) == (8, "exact", 1)
     alloc.deallocate_block(0)
     alloc.deallocate_block(1)
-    assert {0, 1} <= set(pool._free[0])  # freeing does not merge: buddies 0 and 1 stay apart until asked
+    assert {0, 1} <= set(pool.free_ids(0))  # freeing does not merge: buddies 0 and 1 stay apart until asked
     big = alloc.allocate_optimal_block(size_class=3)  # needs 0..7 merged back: only merging makes room
     assert (big.strategy, big.block.block_id) == ("merge", 0)
     assert [e.strategy for e in rec.events] == ["split", "exact", "exact", "merge"]
@@ -104,7 +104,7 @@ def test_wait_queue_is_fifo_and_frees_serve_waiters():
     a, b = alloc.allocate_optimal_block(owner=7), alloc.allocate_optimal_block(owner=8)
     assert a.state is b.state is TicketState.WAITING and list(alloc.waiters) == [a, b]
     served = alloc.deallocate_block(held[1])
-    assert served == [a] and a.block.block_id == held[1] and pool.owner_np[held[1]] == 7
+    assert served == [a] and a.block.block_id == held[1] and pool.arrays.owner[held[1]] == 7
     assert b.state is TicketState.WAITING
     pool.free([held[0]])  # freed through the pool directly: the waiter is served at the next queue check
     assert alloc.handle_wait_queue() == [b] and b.strategy == "exact" and alloc.stats["served_from_queue"] == 2

@@ -128,8 +128,8 @@ def test_after_fork_cow_swap_and_migration(block_size):
     c.swap_out()
     _append(mgr, a, 9, shadow, g)   # may reuse c's old blocks
     c.swap_in()
-    src = [x for x in a.block_table if pool._refs[x] == 1][:3]
-    free = [x for x in range(pool.num_blocks) if pool._status[x] == 0][-len(src):]
+    src = [x for x in a.block_table if pool.fields.refcount[x] == 1][:3]
+    free = [x for x in range(pool.num_blocks) if pool.fields.status[x] == 0][-len(src):]
     pool.migrate(src, free)
     q = torch.randn(3, 2, 16, generator=g)
     _shadow_attention(mgr, [a, b, c], shadow, q)

@@ -21,7 +21,7 @@ def _drained(e: Engine, aborted: str = "") -> None:
     e.check_invariants()
     pool = e.memory.pool
     assert not e.memory.manager.seqs and not e.running and not e.swapped
-    assert not pool.refs_np.any(), "a block is still referenced after every request finished"
+    assert not pool.arrays.refcount.any(), "a block is still referenced after every request finished"
     assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks
     assert all(r.finish_step >= 0 for r in e.log.requests.values() if r.tenant != aborted)
 
@@ -133,12 +133,12 @@ def test_engine_fast_paths_agree_with_sequence_and_prefix_api():
         (mgr.append_tokens if fast else mgr.append_batch)([a, b], [[1, 2], [3]])  # b's tail is copied first
         mgr.check_invariants()
         runs.append(([s.block_table for s in (a, b)], [s.token_ids for s in (a, b)],
-                     mgr.pool.tokens_np.tolist(), mgr.pool.refs_np.tolist()))
+                     mgr.pool.arrays.tokens.tolist(), mgr.pool.arrays.refcount.tolist()))
     assert runs[0] == runs[1]
     cache = mgr.prefix_cache
-    before = (cache.get_stats(), mgr.pool.refs_np.tolist())
+    before = (cache.get_stats(), mgr.pool.arrays.refcount.tolist())
     peeked = cache.peek(list(range(9)) + [5], None)
-    assert (cache.get_stats(), mgr.pool.refs_np.tolist()) == before
+    assert (cache.get_stats(), mgr.pool.arrays.refcount.tolist()) == before
     assert peeked == cache.match(list(range(9)) + [5], None)[0] == a.block_table[:2]
 
 

@@ -15,7 +15,7 @@ FREE, ALLOCATED = BlockStatus.FREE, BlockStatus.ALLOCATED
 
 def _reference(pool: BlockPool) -> dict:
     """The detector's numbers computed with plain loops over base blocks."""
-    st = pool.status_np.tolist()
+    st = pool.arrays.status.tolist()
     runs, run = [], 0
     for s in st + [-1]:
         if s == FREE:
@@ -24,7 +24,7 @@ def _reference(pool: BlockPool) -> dict:
             runs.append(run)
             run = 0
     used = [i for i, s in enumerate(st) if s != FREE]
-    heads = [b for b in range(pool.num_blocks) if b % pool.span(b) == 0]
+    heads = [b for b in range(pool.num_blocks) if b % (1 << pool.fields.size_class[b]) == 0]
     alloc = [b for b in heads if st[b] == ALLOCATED]
     slots = sum(pool.block(b).capacity_tokens for b in alloc)
     return {"external_fragmentation": 1 - max(runs) / sum(runs) if runs else 0.0,
@@ -123,13 +123,13 @@ def test_pending_and_evicting_blocks_never_move():
     pool.free(ids[:6])
     pending = pool.reserve(2)  # blocks 0 and 1 come back PENDING... they stay where they are
     pool.begin_eviction([9])
-    before = pool.status_np.copy()
+    before = pool.arrays.status.copy()
     report = DefragmentationStrategy(pool).defragment(force=True)
     pool.check_invariants()
     moved_from = {s for s, _ in report.moves}
     assert moved_from == {8, 7, 6} and not moved_from & {9, *pending}
-    assert pool.status_np[9] == BlockStatus.EVICTING and (pool.status_np[pending] == BlockStatus.PENDING).all()
-    assert before[9] == pool.status_np[9]
+    assert pool.arrays.status[9] == BlockStatus.EVICTING and (pool.arrays.status[pending] == BlockStatus.PENDING).all()
+    assert before[9] == pool.arrays.status[9]
 
 
 def test_cached_blocks_move_and_stay_evictable():
@@ -192,12 +192,12 @@ def test_attention_of_live_sequences_is_unchanged():
     before, old_tables = outputs(), {i: list(t) for i, t in tables.items()}
     report = DefragmentationStrategy(pool).defragment(force=True)
     assert report.moves and tables != old_tables
-    pool.storage.kv[:, :, torch.from_numpy(np.flatnonzero(pool.status_np == FREE))] = float("nan")  # vacated
+    pool.storage.kv[:, :, torch.from_numpy(np.flatnonzero(pool.arrays.status == FREE))] = float("nan")  # vacated
     assert all(torch.equal(a, b) for a, b in zip(before, outputs()))
     assert FragmentationDetector(pool).detect_fragmentation()["scatter"] == 1.0
     pool.check_invariants()
     np.testing.assert_array_equal(np.sort(np.concatenate([tables[i] for i in live] + [filler[1::2]])),
-                                  np.flatnonzero(pool.status_np != FREE))
+                                  np.flatnonzero(pool.arrays.status != FREE))
 
 
 def test_sequence_manager_tables_follow_compaction():
@@ -226,7 +226,7 @@ def test_sequence_manager_tables_follow_compaction():
     before, tables = outputs(), [list(s.block_table) for s in seqs]
     report = DefragmentationStrategy(pool).defragment(force=True)
     assert report.moves and tables != [s.block_table for s in seqs]
-    pool.storage.kv[:, :, torch.from_numpy(np.flatnonzero(pool.status_np == FREE))] = float("nan")
+    pool.storage.kv[:, :, torch.from_numpy(np.flatnonzero(pool.arrays.status == FREE))] = float("nan")
     assert all(torch.equal(a, b) for a, b in zip(before, outputs()))
     assert seqs[0].block_table == seqs[-1].block_table
     mgr.check_invariants()

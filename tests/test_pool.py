@@ -367,7 +367,7 @@ def test_buddy_pool_split_and_merge(spec):
     assert p.merge_free_buddies() == 0  # a's buddy a2 is allocated
     p.free([a2])
     assert p.calculate_fragmentation() == 0  # the window is all free: merging can rebuild a largest block
-    assert p.merge_free_buddies() == 2 and len(p._free[2]) == 3
+    assert p.merge_free_buddies() == 2 and p.free_lists.count(2) == 3
     with pytest.raises(UnknownBlockError, match="inside block"):
         p.block(big + 1)
     with pytest.raises(ConfigError, match="power-of-two"):

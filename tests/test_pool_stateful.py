@@ -162,10 +162,10 @@ class PoolMachine(RuleBasedStateMachine):
         counts = p.status_counts()
         assert sum(counts.values()) == N
         for b in range(N):
-            assert STATUS[p._status[b]] == self.status[b], b
-            assert p._refs[b] == self.refs[b] >= 0, b
+            assert STATUS[p.fields.status[b]] == self.status[b], b
+            assert p.fields.refcount[b] == self.refs[b] >= 0, b
             if self.status[b] == "FREE":
-                assert p._refs[b] == 0
+                assert p.fields.refcount[b] == 0
         assert p.num_cached_blocks == len(self._blocks("ALLOCATED", referenced=False))
         for b, expect in self.data.items():  # K/V written through kv_data reads back bitwise until freed
             assert torch.equal(p.block(b).kv_data, expect), b

@@ -21,11 +21,11 @@ def test_a_learned_burst_is_served_from_the_reserve():
     pool.free(first)
     assert pre.replenish() == {(1, 0): 6}
     reserve = list(pre.reserves[(1, 0)])
-    assert (pool.status_np[reserve] == BlockStatus.PENDING).all() and (pool.owner_np[reserve] == 1).all()
+    assert (pool.arrays.status[reserve] == BlockStatus.PENDING).all() and (pool.arrays.owner[reserve] == 1).all()
     idle(pool, 20)
     burst = pre.allocate(4, owner=1) + pre.allocate(3, owner=1)
     assert sorted(burst[:6]) == sorted(reserve) and pre.stats["from_reserve"] == 6 and pre.stats["fallback"] == 7
-    assert (pool.status_np[burst] == BlockStatus.ALLOCATED).all()
+    assert (pool.arrays.status[burst] == BlockStatus.ALLOCATED).all()
     assert pre.predict(1, 0) == 7  # the peak within any 8 steps grew
     pool.check_invariants()
 

@@ -47,7 +47,7 @@ def test_hit_reuses_blocks_with_references_and_stats():
     assert a.cached_blocks == 2 and [e.block_id for e in rec.of(PrefixStored)] == a.block_table[:2]
     b = run(mgr, list(range(8)) + [50, 51, 52])
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
-    assert [pool._refs[x] for x in a.block_table[:2]] == [2, 2]
+    assert [pool.fields.refcount[x] for x in a.block_table[:2]] == [2, 2]
     stats = mgr.prefix_cache.get_stats()
     assert stats["requests"] == 2 and stats["queries"] == 4 and stats["hits"] == 2
     assert stats["hit_rate"] == 0.5 and stats["tokens_saved"] == 8
@@ -68,7 +68,7 @@ def test_cached_blocks_survive_refcount_zero_and_serve_hits():
     a = run(mgr, list(range(13)))
     head, partial = a.block_table[:3], a.block_table[3]
     a.free()
-    assert all(pool.block(b).is_cached for b in head) and pool._status[partial] == BlockStatus.FREE
+    assert all(pool.block(b).is_cached for b in head) and pool.fields.status[partial] == BlockStatus.FREE
     b = mgr.create(list(range(13)))
     assert b.block_table == head
     assert torch.equal(pool.storage.read_slots(0, b.slots())[0][:, 0, 0], torch.arange(12.0))
@@ -131,7 +131,7 @@ def test_migration_keeps_entries_pointing_at_the_data():
     a = run(mgr, list(range(9)))
     old = a.block_table[:2]
     a.free()
-    free = [b for b in range(16) if pool._status[b] == BlockStatus.FREE][-2:]
+    free = [b for b in range(16) if pool.fields.status[b] == BlockStatus.FREE][-2:]
     pool.migrate(old, free)
     s = mgr.create(list(range(9)))
     assert s.block_table == free
@@ -158,7 +158,7 @@ def test_store_rejects_bad_blocks():
     b = pool.allocate()[0]
     with pytest.raises(IllegalTransitionError, match="parent hash"):
         cache.store(b, [1, 2, 3, 4], b"y" * 16)
-    assert len(cache) == 0 and not pool._reusable[b]
+    assert len(cache) == 0 and not pool.fields.reusable[b]
 
 
 def test_duplicate_content_stops_registration():

@@ -165,7 +165,7 @@ class SystemMachine(RuleBasedStateMachine):
                 k, v = self.pool.storage.read_slots(layer, slots)
                 assert torch.equal(k, want[layer, 0]) and torch.equal(v, want[layer, 1]), seq.seq_id
         for b, value in self.raw.items():
-            assert self.pool._status[b] == BlockStatus.ALLOCATED and self.pool._owner[b] == 999
+            assert self.pool.fields.status[b] == BlockStatus.ALLOCATED and self.pool.fields.owner[b] == 999
             assert bool((self.pool.block(b).kv_data == value).all()), b
 
 
@@ -307,7 +307,7 @@ def test_bad_input_gets_typed_error_and_changes_nothing(label, call, error):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(num_blocks=0), ConfigError, "positive int"),
+    (dict(num_blocks=0), ConfigError, r"an int in 1\.\."),
     (dict(num_blocks=4, total_memory=1 << 20), ConfigError, "exactly one"),
     (dict(total_memory=3), ConfigError, "holds no block"),
     (dict(num_blocks=8, block_sizes=[4, 6]), ConfigError, "power-of-two"),

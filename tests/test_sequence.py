@@ -47,10 +47,10 @@ def test_append_allocates_on_demand_and_maps_slots():
     assert s.num_blocks == 2 and s.num_tokens == 6
     t = s.block_table
     assert slots.tolist() == [t[p // 4] * 4 + p % 4 for p in range(6)]
-    assert [pool._tokens[b] for b in t] == [4, 2]
+    assert [pool.fields.tokens[b] for b in t] == [4, 2]
     assert s.append(2).tolist() == [t[1] * 4 + 2, t[1] * 4 + 3] and s.num_blocks == 2
     assert s.append(1).tolist() == [s.block_table[2] * 4]
-    assert all(pool._owner[b] == s.seq_id for b in s.block_table)
+    assert all(pool.fields.owner[b] == s.seq_id for b in s.block_table)
     mgr.check_invariants()
 
 
@@ -98,12 +98,12 @@ def test_fork_shares_and_cow_copies_partial_tail():
     a = mgr.create()
     write(pool, a.append(6), tokens_kv(6, 0))
     b = a.fork()
-    assert b.block_table == a.block_table and all(pool._refs[x] == 2 for x in a.block_table)
+    assert b.block_table == a.block_table and all(pool.fields.refcount[x] == 2 for x in a.block_table)
     shared_tail = a.block_table[1]
     write(pool, a.append(1), tokens_kv(1, 100))  # a copies the shared, partly filled tail
     assert a.block_table[1] != shared_tail and b.block_table[1] == shared_tail
-    assert a.block_table[0] == b.block_table[0] and pool._refs[a.block_table[0]] == 2
-    assert pool._refs[shared_tail] == 1 and pool._tokens[a.block_table[1]] == 3
+    assert a.block_table[0] == b.block_table[0] and pool.fields.refcount[a.block_table[0]] == 2
+    assert pool.fields.refcount[shared_tail] == 1 and pool.fields.tokens[a.block_table[1]] == 3
     write(pool, b.append(1), tokens_kv(1, 200))  # b now holds the tail alone: writes in place
     assert b.block_table[1] == shared_tail
     base = tokens_kv(6, 0)
@@ -158,10 +158,10 @@ def test_swap_round_trip_is_bitwise_and_uses_state_machine():
     keep = a.fork()  # block 0..2 shared: they stay resident
     write(pool, a.append(3), tokens_kv(3, 10))  # a's tail is now private (copied on write)
     rec = EventRecorder(pool.events)
-    private = [b for b in a.block_table if pool._refs[b] == 1]
+    private = [b for b in a.block_table if pool.fields.refcount[b] == 1]
     a.swap_out()
     assert a.swapped is not None and a.block_table.count(-1) == len(private)
-    assert all(pool._status[b] == BlockStatus.FREE for b in private)
+    assert all(pool.fields.status[b] == BlockStatus.FREE for b in private)
     with pytest.raises(IllegalTransitionError, match="swapped out"):
         a.append(1)
     other.append(4 * pool.num_free_blocks)  # reuse (and overwrite) the swapped blocks
@@ -186,7 +186,7 @@ def test_migrate_rewrites_every_table():
     write(pool, a.append(9), tokens_kv(9, 0))
     b = a.fork()
     before = list(a.block_table)
-    free = [x for x in range(16) if pool._status[x] == BlockStatus.FREE][-3:]
+    free = [x for x in range(16) if pool.fields.status[x] == BlockStatus.FREE][-3:]
     pool.migrate(before, free)
     assert a.block_table == free == b.block_table
     assert torch.equal(read(pool, a), tokens_kv(9, 0)) and torch.equal(read(pool, b), tokens_kv(9, 0))
@@ -281,8 +281,8 @@ class SequenceMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def migrate(self, data):
-        used = [b for b in range(self.pool.num_blocks) if self.pool._status[b] == BlockStatus.ALLOCATED]
-        free = [b for b in range(self.pool.num_blocks) if self.pool._status[b] == BlockStatus.FREE]
+        used = [b for b in range(self.pool.num_blocks) if self.pool.fields.status[b] == BlockStatus.ALLOCATED]
+        free = [b for b in range(self.pool.num_blocks) if self.pool.fields.status[b] == BlockStatus.FREE]
         k = data.draw(st.integers(0, min(len(used), len(free), 4)))
         src = data.draw(st.permutations(used))[:k]
         self.pool.migrate(src, data.draw(st.permutations(free))[:k])

@@ -50,12 +50,12 @@ def test_frames_match_the_pool(seed, preset, multi, steps):
     for key, want in ref.items():
         assert np.array_equal(getattr(f, key), want), key
     assert f.num_blocks == 128 and f.block_size == p.block_size and f.step == p.clock.now()
-    assert f.utilisation == pytest.approx(np.count_nonzero(p.status_np) / 128)
+    assert f.utilisation == pytest.approx(np.count_nonzero(p.arrays.status) / 128)
     assert f.external == pytest.approx(p.calculate_fragmentation() / 100)
     runs = p.free_runs()
     assert f.scatter == pytest.approx(1 - runs.max() / runs.sum() if runs.size else 0.0)
-    used = p.status_np != 0
-    waste = 1 - p.tokens_np.sum() / (used.sum() * p.block_size) if used.any() else 0.0
+    used = p.arrays.status != 0
+    waste = 1 - p.arrays.tokens.sum() / (used.sum() * p.block_size) if used.any() else 0.0
     assert f.internal_waste == pytest.approx(waste, abs=1e-6)
     assert not f.flash.any()
 

@@ -137,7 +137,7 @@ class FrameBuilder:
         """One frame of the pool as it is now, with the flashes collected since the previous frame."""
         p = self.pool
         with p.lock:  # the same atomic read as pool.snapshot(), without copying the arrays we do not send
-            status, refs, order = p.status_np, p.refs_np, p.order_np
+            status, refs, order = p.arrays.status, p.arrays.refcount, p.arrays.size_class
             head = None
             if p.max_order:  # per-block fields live at a block's first base block: spread them over its span
                 head = self._ids & ~((1 << order.astype(np.int64)) - 1)
@@ -147,12 +147,12 @@ class FrameBuilder:
             meta = (order << 3) | self._flash
             used = status != FREE
             n_used = int(np.count_nonzero(used))
-            tokens = int(p.tokens_np.sum())
+            tokens = int(p.arrays.tokens.sum())
             runs = p.free_runs()
             step = float(p.clock.now())
             external = p.calculate_fragmentation() / 100
             details = b"".join((a if head is None else a[head]).astype(t).tobytes() for a, t in
-                               ((p.tokens_np, "<u2"), (p.owner_np, "<i4"), (p.last_np, "<f8"))) if self.details else b""
+                               ((p.arrays.tokens, "<u2"), (p.arrays.owner, "<i4"), (p.arrays.last_access, "<f8"))) if self.details else b""
         n = p.num_blocks
         free = n - n_used
         scatter = 1 - int(runs.max()) / free if free else 0.0

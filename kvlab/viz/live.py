@@ -334,7 +334,7 @@ class RandomWorkload:
         self.seqs[owner], self.tokens[owner] = blocks, tokens
         left = tokens
         for b in blocks:
-            cap = self.pool.block_size << self.pool._order[b]
+            cap = self.pool.block_size << self.pool.fields.size_class[b]
             self.pool.set_token_count(b, min(cap, left))
             left = max(0, left - cap)
         self.pool.set_owner(blocks, owner)
@@ -363,7 +363,7 @@ class RandomWorkload:
             return self._admit()
         owner = self.rng.choice(list(self.seqs))
         blocks, tokens = self.seqs[owner], self.tokens[owner] + self.rng.randint(1, self.pool.block_size)
-        cap = sum(self.pool.block_size << self.pool._order[b] for b in blocks)
+        cap = sum(self.pool.block_size << self.pool.fields.size_class[b] for b in blocks)
         if tokens > cap:
             extra = self._alloc_for(tokens - cap, owner)
             if extra is None:
@@ -408,8 +408,8 @@ class RandomWorkload:
     def _compact(self) -> None:
         """Move up to 8 of the highest ALLOCATED blocks into the lowest FREE holes of the same class."""
         p = self.pool
-        src = np.flatnonzero((p.status_np == ALLOCATED) & (p.order_np == 0))[::-1][:8]
-        dst = np.flatnonzero((p.status_np == FREE) & (p.order_np == 0))[:8]
+        src = np.flatnonzero((p.arrays.status == ALLOCATED) & (p.arrays.size_class == 0))[::-1][:8]
+        dst = np.flatnonzero((p.arrays.status == FREE) & (p.arrays.size_class == 0))[:8]
         m = min(src.size, dst.size)
         down = src[:m] > dst[:m]  # a prefix: only moves towards lower addresses compact the pool
         if down.any():

@@ -118,8 +118,8 @@ class FrameView(anywidget.AnyWidget):
         p = self.pool
         if p is None or not isinstance(block, int) or not 0 <= block < p.num_blocks:
             return  # a stale hover (the pool was rebuilt) or a recording: nothing live to report
-        self.send({"type": "inspect", "block": block, "tokens": p._tokens[block], "owner": p._owner[block],
-                   "last_access": p._last[block], "hits": p._hits[block]})
+        self.send({"type": "inspect", "block": block, "tokens": p.fields.tokens[block], "owner": p.fields.owner[block],
+                   "last_access": p.fields.last_access[block], "hits": p.fields.hits[block]})
 
     # ------------------------------------------------------------------ static fallback
     def figure(self):

@@ -1,9 +1,9 @@
-"""The pool's vectorised batch paths (long allocate/free lists, runs as slices) against its general paths.
+"""FastBlockPool (kvlab.perf) against the reference BlockPool on random operation sequences.
 
-``BlockPool`` serves ``allocate(n)`` and ``free(ids)`` of 9 or more base blocks with a few numpy calls,
-using slices when the ids form a run. The reference here is the same pool with those two fast paths switched
-off, so every call goes through the general code: after every step both pools must hold identical metadata,
-free stacks, evictable sets, counters and events, return the same ids and raise the same errors.
+``FastBlockPool`` serves ``allocate(n)`` and ``free(ids)`` with inlined one-block paths and, from 9 base blocks
+on, a few numpy calls (slices when the ids form a run). After every step both pools must hold identical
+metadata, free stacks, evictable sets, counters, clocks and events, return the same ids and raise the same
+errors with the same messages.
 """
 from __future__ import annotations
 
@@ -12,25 +12,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import BlockPool, DoubleFreeError, EventRecorder, IllegalTransitionError, KVLabError, UnknownBlockError
+from kvlab import BlockPool, FastBlockPool, DoubleFreeError, EventRecorder, IllegalTransitionError, KVLabError, UnknownBlockError
 
 from _util import assert_same_state, pool_state
 
 N = 512
 
 
-def general_only(pool: BlockPool) -> BlockPool:
-    """Switch off the vectorised fast paths of ``pool`` (instance attributes shadow the methods)."""
-    pool._free_many = lambda ids: False
-    pool._pop_many = lambda n, t, owner, status: [pool._pop_one(t, owner, status) for _ in range(n)]
-    return pool
-
-
 def outcome(pool: BlockPool, op: str, *args, **kw):
     try:
         return getattr(pool, op)(*args, **kw)
     except KVLabError as e:
-        return type(e)
+        return type(e), str(e)
 
 
 def ids_strategy(held: list[int], batches: list[list[int]]) -> st.SearchStrategy[list]:
@@ -49,7 +42,7 @@ def ids_strategy(held: list[int], batches: list[list[int]]) -> st.SearchStrategy
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_batch_paths_equal_general_paths(data):
-    fast, ref = BlockPool(N, with_storage=False), general_only(BlockPool(N, with_storage=False))
+    fast, ref = FastBlockPool(N, with_storage=False), BlockPool(N, with_storage=False)
     rec_fast, rec_ref = EventRecorder(fast.events), EventRecorder(ref.events)
     held: list[int] = []
     batches: list[list[int]] = []  # allocations of 9 or more blocks still fully held
@@ -73,8 +66,8 @@ def test_batch_paths_equal_general_paths(data):
         if op == "allocate" and isinstance(got, list):
             held.extend(got)
             batches.append(got)
-        held = [b for b in held if fast.refs_np[b] > 0]
-        batches = [ids for ids in batches if len(ids) >= 9 and (fast.refs_np[ids] > 0).all()]
+        held = [b for b in held if fast.arrays.refcount[b] > 0]
+        batches = [ids for ids in batches if len(ids) >= 9 and (fast.arrays.refcount[ids] > 0).all()]
 
 
 def test_run_and_scattered_free_restore_the_stack():
@@ -90,15 +83,16 @@ def test_run_and_scattered_free_restore_the_stack():
 
 
 @pytest.mark.parametrize("bad, error, words", [
-    (lambda ids: ids + [ids[5]], DoubleFreeError, "released more times"),
+    (lambda ids: ids + [ids[5]], DoubleFreeError, "refcount 1: it cannot be released 2 time"),
     (lambda ids: ids + [N], UnknownBlockError, f"block {N} is not in this pool"),
     (lambda ids: ids + [-3], UnknownBlockError, "block -3 is not in this pool"),
-    (lambda ids: ids[:40] + ["x"], UnknownBlockError, "must be ints"),
-    (lambda ids: [[1]] + ids, UnknownBlockError, "must be ints"),
+    (lambda ids: ids[:40] + ["x"], UnknownBlockError, "a block id is an int, not 'x'"),
+    (lambda ids: [[1]] + ids, UnknownBlockError, r"a block id is an int, not \[1\]"),
     (lambda ids: ids + [ids[-1] + 1], DoubleFreeError, f"block {41} is FREE"),
 ])
-def test_long_free_rejects_bad_lists_unchanged(bad, error, words):
-    pool = BlockPool(N, with_storage=False)
+@pytest.mark.parametrize("cls", [BlockPool, FastBlockPool])
+def test_long_free_rejects_bad_lists_unchanged(bad, error, words, cls):
+    pool = cls(N, with_storage=False)
     ids = pool.allocate(41)
     before = pool_state(pool)
     with pytest.raises(error, match=words):
@@ -112,7 +106,7 @@ def test_long_free_of_shared_or_reusable_blocks_takes_the_general_path():
     pool.incref(ids[:10])
     pool.mark_reusable(ids[10:20])
     pool.free(ids)
-    assert (pool.refs_np[ids[:10]] == 1).all()  # shared: one reference left
+    assert (pool.arrays.refcount[ids[:10]] == 1).all()  # shared: one reference left
     assert pool.num_cached_blocks == 10  # reusable: cached, still evictable
     assert pool.num_free_blocks == N - 20
     pool.check_invariants()
@@ -121,9 +115,9 @@ def test_long_free_of_shared_or_reusable_blocks_takes_the_general_path():
 def test_freeing_is_not_an_access():
     pool = BlockPool(N, with_storage=False)
     for ids in (pool.allocate(1), pool.allocate(5), pool.allocate(50)):
-        last = pool.last_np[ids].copy()
+        last = pool.arrays.last_access[ids].copy()
         pool.free(ids)
-        np.testing.assert_array_equal(pool.last_np[ids], last)
+        np.testing.assert_array_equal(pool.arrays.last_access[ids], last)
 
 
 def test_set_owner_refuses_free_blocks_unchanged():
@@ -134,7 +128,7 @@ def test_set_owner_refuses_free_blocks_unchanged():
     with pytest.raises(IllegalTransitionError, match="block 2 is FREE"):
         pool.set_owner([got[0], 2], 5)
     assert_same_state(before, pool_state(pool))
-    assert pool.owner_np[got].tolist() == [3, 3]
+    assert pool.arrays.owner[got].tolist() == [3, 3]
 
 
 def test_sort_free_lists_changes_only_the_order():
@@ -144,7 +138,7 @@ def test_sort_free_lists_changes_only_the_order():
     before = pool_state(pool)
     pool.sort_free_lists()
     after = pool_state(pool)
-    assert sorted(before[1][0]) == sorted(after[1][0]) and after[1][0] == sorted(after[1][0], reverse=True)
+    assert sorted(before[1][0]) == sorted(after[1][0]) and after[1][0] == sorted(after[1][0])  # lowest first
     assert_same_state(before[:1] + (after[1],) + before[2:], after)
     assert pool.allocate(50) == list(range(50))
     pool.check_invariants()
