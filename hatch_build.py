@@ -4,10 +4,14 @@ Runs for wheels and editable installs (``pip install -e .``, which ``make instal
 optional: with no C compiler or Python headers the build goes on with a warning and kvlab uses the same paths
 in Python (slower, identical results). The source's SHA-256 is compiled in, so ``kvlab.pool`` can refuse a
 binary built from an older ``_hotpath.c``.
+
+``CC`` replaces the compiler CPython was built with (the first word of its ``LDSHARED``); ``CFLAGS`` are added
+after the hook's own flags, so they win (``CFLAGS="-O0 -g"`` for a debugger).
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 import subprocess
 import sysconfig
@@ -26,9 +30,12 @@ class HotPathHook(BuildHookInterface):
         if not ldshared:
             self.app.display_warning("kvlab: no C build configuration here; the pool's hot paths stay in Python")
             return
+        link = shlex.split(ldshared)
+        if os.environ.get("CC", "").strip():
+            link = [*shlex.split(os.environ["CC"]), *link[1:]]
         sha = hashlib.sha256(src.read_bytes()).hexdigest()
-        cmd = [*shlex.split(ldshared), "-O2", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-               f'-DKVLAB_SOURCE_SHA256="{sha}"', str(src), "-o", str(out)]
+        cmd = [*link, "-O2", "-DNDEBUG", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+               f'-DKVLAB_SOURCE_SHA256="{sha}"', *shlex.split(os.environ.get("CFLAGS", "")), str(src), "-o", str(out)]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as e:

@@ -1,15 +1,84 @@
-"""Shared fixtures: small pools on the default device; kvlab built as a wheel."""
+"""Shared fixtures: small pools on the default device; kvlab built as a wheel. Also what CI changes:
+
+* ``CI=true`` turns every skip into a failure (a skip in CI means something was not installed), except tests
+  marked ``gpu`` on a machine without CUDA.
+* Hypothesis profiles: ``dev`` (default: random), ``ci`` (loaded with ``CI=true``: derandomized, prints the
+  blob to reproduce a failure), ``long`` (loaded with ``KVLAB_LONG=1``). Pick one by hand with
+  ``pytest --hypothesis-profile=long``. A test's own ``@settings(max_examples=...)`` wins over the profile's.
+"""
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from _util import small_spec
 from kvlab import BlockPool, KVSpec
+
+REPO = Path(__file__).parents[1]
+
+
+def in_ci() -> bool:
+    """Read at each call, so a test can switch it (the browser fixtures use the same rule)."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+# Each from Hypothesis' defaults, not from whichever profile is loaded now (Hypothesis loads its own "ci" on CI).
+_BASE = settings.get_profile("default")
+settings.register_profile("dev", _BASE, deadline=None)
+settings.register_profile("ci", _BASE, derandomize=True, deadline=None, print_blob=True, max_examples=100,
+                          suppress_health_check=[HealthCheck.too_slow])  # a shared runner's timing is noise
+settings.register_profile("long", _BASE, deadline=None, max_examples=2000)
+# Loaded before test modules import, so their @settings(...) inherit the rest; --hypothesis-profile loads later.
+settings.load_profile("long" if os.environ.get("KVLAB_LONG") == "1" else "ci" if in_ci() else "dev")
+
+
+class CIGuard:
+    """With ``CI=true``, a skipped test is reported as failed, naming the skip's reason."""
+
+    def __init__(self, cuda: bool | None = None) -> None:
+        self._cuda = cuda  # None: ask torch when a gpu test first skips
+
+    def cuda(self) -> bool:
+        if self._cuda is None:
+            import torch
+            self._cuda = torch.cuda.is_available()
+        return self._cuda
+
+    @staticmethod
+    def _reason(longrepr) -> str:
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        return reason.removeprefix("Skipped: ")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = (yield).get_result()
+        if not (in_ci() and report.skipped) or hasattr(report, "wasxfail"):  # xfail reports as skipped too
+            return
+        if item.get_closest_marker("gpu") is not None and not self.cuda():
+            return
+        report.outcome = "failed"
+        report.longrepr = f"CI=true, so this test may not skip; it skipped with: {self._reason(report.longrepr)}"
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_make_collect_report(self, collector):
+        report = (yield).get_result()
+        if in_ci() and report.skipped:  # a module-level skip or importorskip would hide a whole file
+            report.outcome = "failed"
+            report.longrepr = f"CI=true, so {collector.nodeid} may not skip; it skipped with: " \
+                              f"{self._reason(report.longrepr)}"
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(CIGuard(), "kvlab-ci-guard")
 
 
 @pytest.fixture
@@ -22,11 +91,63 @@ def pool(spec: KVSpec) -> BlockPool:
     return BlockPool(16, spec=spec)
 
 
+# What a build leaves behind, never copied: the copy must compile its own binary.
+_UNCOPIED = (".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "site", "*.egg-info",
+             "*.so", "*.pyc", ".ipynb_checkpoints", "bench-results")
+
+
+def _project_files() -> list[Path] | None:
+    """Tracked and untracked-but-not-ignored files, relative to the checkout; None where git cannot say."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [Path(p) for p in out.decode().split("\0") if p]
+
+
+def copy_project(dest: Path) -> Path:
+    """The project's source in ``dest``, without build outputs."""
+    files = _project_files()
+    if files is None:
+        shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(*_UNCOPIED))
+        return dest
+    for rel in files:
+        src = REPO / rel
+        if src.is_file() and src.suffix != ".so":  # a path deleted but not yet committed is skipped
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def in_tree_binaries() -> dict[str, tuple[str, int]]:
+    """kvlab/_hotpath*.so in the checkout: name -> (SHA-256, mtime in ns)."""
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted((REPO / "kvlab").glob("_hotpath*.so"))}
+
+
+@dataclass
+class WheelBuild:
+    wheel: zipfile.ZipFile
+    binaries_before: dict[str, tuple[str, int]]
+    binaries_after: dict[str, tuple[str, int]]
+
+
 @pytest.fixture(scope="session")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    """kvlab built as a wheel from this checkout, as `pip install .` would build it."""
+def wheel_build(tmp_path_factory) -> WheelBuild:
+    """kvlab built as a wheel, as `pip install .` would build it, from a copy of the checkout: the build hook
+    compiles into the source tree, and the checkout's binary is the one this test process has loaded."""
+    src = copy_project(tmp_path_factory.mktemp("src") / "kvlab")
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
-                    str(Path(__file__).parents[1])], check=True, capture_output=True)
+    before = in_tree_binaries()
+    cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    if built.returncode:
+        pytest.fail(f"the wheel did not build:\n{(built.stdout + built.stderr)[-4000:]}")
     (path,) = out.glob("kvlab-*.whl")
-    return zipfile.ZipFile(path)
+    return WheelBuild(zipfile.ZipFile(path), before, in_tree_binaries())
+
+
+@pytest.fixture(scope="session")
+def wheel(wheel_build: WheelBuild) -> zipfile.ZipFile:
+    return wheel_build.wheel

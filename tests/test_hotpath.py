@@ -26,7 +26,9 @@ from kvlab import BlockPool, BlockStatus, ConfigError, EventRecorder, KVLabError
 
 from _util import assert_same_state, pool_state
 
-compiled = pytest.mark.skipif(kvlab.pool.HotPath is None, reason="kvlab/_hotpath.c is not compiled here")
+compiled = pytest.mark.skipif(kvlab.pool.HotPath is None,
+                              reason="kvlab/_hotpath.c is not compiled here (no C compiler or Python headers at "
+                                     "`make install`, or KVLAB_PURE_PYTHON is set)")
 
 
 def python_pool(monkeypatch, *args, **kw) -> BlockPool:
@@ -46,9 +48,13 @@ def outcome(pool: BlockPool, op: str, *args, **kw):
 
 
 def test_built_wherever_a_compiler_is():
-    cc = shlex.split(sysconfig.get_config_var("LDSHARED") or "")[:1]
+    # The compiler hatch_build.py uses: CC, else the first word of LDSHARED. A skip here fails under CI=true.
+    cc = shlex.split(os.environ.get("CC", "").strip() or sysconfig.get_config_var("LDSHARED") or "")[:1]
     if not cc or not shutil.which(cc[0]):
         pytest.skip("no C compiler: kvlab runs its Python paths, as designed")
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not os.path.exists(headers):
+        pytest.skip(f"no Python headers ({headers}; Debian: python3-dev): kvlab runs its Python paths")
     if os.environ.get("KVLAB_PURE_PYTHON"):
         pytest.skip("KVLAB_PURE_PYTHON switches the compiled paths off")
     assert kvlab.pool.HotPath is not None, "a C compiler is here but kvlab/_hotpath.c was not built (make install)"
@@ -63,6 +69,11 @@ def test_wheel_ships_the_compiled_hot_path_and_its_source(wheel):
     tags = [line for line in wheel.read(next(n for n in names if n.endswith("WHEEL"))).decode().splitlines()
             if line.startswith("Tag:")]
     assert tags and all("none-any" not in t for t in tags), tags  # a binary wheel names its platform
+
+
+def test_building_the_wheel_leaves_the_checkout_binary_alone(wheel_build):
+    # The build runs on a copy: rewriting the .so this process has loaded could crash it or leave a stale one.
+    assert wheel_build.binaries_after == wheel_build.binaries_before
 
 
 OWNERS = st.one_of(st.integers(-3, 4), st.sampled_from([2**31 - 1, 2**31, 2**70, -(2**70), True, "x", 1.0]))
