@@ -14,8 +14,8 @@ from .clock import LogicalClock, WallClock
 from .device import default_device
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
                      OutOfBlocksError, RefcountUnderflowError, TraceFormatError, UnknownBlockError)
-from .events import (Allocated, Cached, Event, EventBus, EventRecorder, Evicted, Freed, Merged, Migrated,
-                     RefChanged, Split, StatusChanged)
+from .events import (Allocated, Cached, EngineEvent, Event, EventBus, EventRecorder, Evicted, Freed, Merged,
+                     Migrated, RefChanged, Split, StatusChanged)
 from . import exercises
 from .exercises import fast_mode, sized
 from .eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, RandomPolicy, make_policy
@@ -50,7 +50,8 @@ __all__ = [
     "paged_attention",
     "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
     "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
-    "Allocated", "BlockPool", "FastBlockPool", "BlockStatus", "Cached", "ConfigError", "DoubleFreeError", "Event", "EventBus",
+    "Allocated", "BlockPool", "FastBlockPool", "BlockStatus", "Cached", "EngineEvent", "ConfigError",
+    "DoubleFreeError", "Event", "EventBus",
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",

@@ -247,9 +247,10 @@ class DynamicAllocator:
         pool = self.pool
         with pool.lock:
             b = pool.check_id(block_id)
-            if pool.fields.status[b] != FREE or not isinstance(size_class, int) or not 0 <= size_class < pool.fields.size_class[b]:
+            k = pool.fields.size_class[b]
+            if pool.fields.status[b] != FREE or not is_int(size_class) or not 0 <= size_class < k:
                 raise IllegalTransitionError(
-                    f"block {b} is {BlockStatus(pool.fields.status[b]).name} of size class {pool.fields.size_class[b]}: only a FREE "
+                    f"block {b} is {BlockStatus(pool.fields.status[b]).name} of size class {k}: only a FREE "
                     f"block larger than class {size_class!r} can be split down to it")
             buddies = [pool.split_block(b)[1] for _ in range(pool.fields.size_class[b] - size_class)]
             return [b, *buddies[::-1]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
+from .clock import LogicalClock
 from .events import EventBus
 
 
@@ -106,7 +107,7 @@ class ContiguousMemory:
         self.region_blocks = -(-self.region // self.bs)
         self.arena = ContiguousAllocator(cfg.num_blocks * cfg.block_size)
         self.capacity_slots = self.arena.capacity
-        self.events = EventBus()
+        self.events, self.clock = EventBus(), LogicalClock()  # the clock ticks per reservation and release
         self.evictions = 0  # nothing is cached, so nothing is ever evicted
         self.promised = 0  # a region never grows: nothing is ever promised
         self._tokens = 0
@@ -132,6 +133,7 @@ class ContiguousMemory:
 
     def admit(self, job) -> None:
         self.arena.reserve(job.req.id, self.region)
+        self.clock.tick()
         job.computed = 0
 
     def execute(self, batch) -> None:
@@ -140,6 +142,7 @@ class ContiguousMemory:
     def release(self, job) -> None:
         if job.req.id in self.arena.regions:
             self.arena.release(job.req.id)
+            self.clock.tick()
             self._tokens -= job.computed
 
     def swap_out(self, job) -> int:

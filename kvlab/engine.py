@@ -52,7 +52,7 @@ from typing import Any
 
 from .baseline import ContiguousMemory
 from .errors import ConfigError
-from .events import Event
+from .events import EngineEvent, Event
 from .metrics import MetricsLog, RequestRecord, StepMetrics, format_table
 from .pool import BlockPool
 from .prefix import PrefixCache
@@ -65,7 +65,7 @@ WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished
 
 # ---------------------------------------------------------------------------------------------------- events
 @dataclass(frozen=True, slots=True)
-class Admitted(Event):
+class Admitted(EngineEvent):
     """A request entered the running batch; ``cached_tokens`` of its prompt came from the prefix cache."""
     request_id: int
     tenant: str
@@ -73,7 +73,7 @@ class Admitted(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class Preempted(Event):
+class Preempted(EngineEvent):
     """A running request lost its blocks: ``mode`` is ``"recompute"`` or ``"swap"``; ``blocks`` it held."""
     request_id: int
     tenant: str
@@ -83,7 +83,7 @@ class Preempted(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class SwappedIn(Event):
+class SwappedIn(EngineEvent):
     """A swapped request's ``blocks`` came back; ``prefetched`` when it happened ahead of need."""
     request_id: int
     blocks: int
@@ -91,7 +91,7 @@ class SwappedIn(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class Finished(Event):
+class Finished(EngineEvent):
     """A request produced its last token and released its blocks."""
     request_id: int
     tenant: str
@@ -100,7 +100,7 @@ class Finished(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class TenantReclaimed(Event):
+class TenantReclaimed(EngineEvent):
     """A tenant left: ``requests`` were aborted and ``blocks`` returned to the pool."""
     tenant: str
     requests: int
@@ -197,7 +197,7 @@ class PagedMemory:
         self.pool = BlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy, with_storage=model is not None)
         self.manager = SequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
         self.cache: PrefixCache | None = self.manager.prefix_cache
-        self.events = self.pool.events
+        self.events, self.clock = self.pool.events, self.pool.clock
         self.model, self.bs = model, cfg.block_size
         self.track_ids = self.cache is not None or model is not None  # else only counts matter
         self.vocab = model.cfg.vocab_size if model is not None else 32000
@@ -464,7 +464,8 @@ class Engine:
         assert self.held.get(tenant, 0) == 0, f"tenant {tenant} still holds {self.held[tenant]} blocks"
         self.held.pop(tenant, None)
         if self.events:
-            self.events.publish(TenantReclaimed(self.step_count, tenant, len(jobs) + len(left), blocks))
+            self.events.publish(TenantReclaimed(self._now(), self.step_count, tenant, len(jobs) + len(left),
+                                                blocks))
         return blocks
 
     def check_invariants(self) -> None:
@@ -519,8 +520,8 @@ class Engine:
                 self._sync_in += self._swap_in(job, prefetched=False)
             elif not self.running:  # only swapped requests hold memory: this one is recomputed instead
                 self._requeue(job)
-                self._event(Preempted(self.step_count, job.req.id, job.req.tenant, "recompute", job.counted,
-                                      "swapped requests hold the memory it needs"))
+                self._event(Preempted(self._now(), self.step_count, job.req.id, job.req.tenant,
+                                      "recompute", job.counted, "swapped requests hold the memory it needs"))
                 self._account(job)
             else:
                 self.swapped.appendleft(job)
@@ -561,7 +562,7 @@ class Engine:
             batch.append((job, n))
             budget -= n
             if self.events:
-                self.events.publish(Admitted(self.step_count, job.req.id, tenant, cached))
+                self.events.publish(Admitted(self._now(), self.step_count, job.req.id, tenant, cached))
 
     def _fits(self, tenant: str, need: int) -> bool:
         """Whether ``tenant`` may take ``need`` more blocks: within its quota, and leaving every other tenant's
@@ -624,7 +625,7 @@ class Engine:
         self._account(job)
         job.rec.preemptions += 1
         self.preemptions += 1
-        self._event(Preempted(self.step_count, job.req.id, job.req.tenant, mode, blocks, reason))
+        self._event(Preempted(self._now(), self.step_count, job.req.id, job.req.tenant, mode, blocks, reason))
 
     def _requeue(self, job: Job) -> None:
         """Recompute ``job`` later: free its sequence (registered blocks stay cached for its return) and put it
@@ -633,6 +634,10 @@ class Engine:
         job.computed = 0
         job.state = WAITING
         self._queues[job.req.tenant].appendleft(job)
+
+    def _now(self) -> int:
+        """The memory's clock, which every event carries as ``step`` (the engine step is ``engine_step``)."""
+        return self.memory.clock.now()
 
     def _event(self, event: Event) -> None:
         if self.events:
@@ -646,7 +651,8 @@ class Engine:
         self.swap_ins += 1
         self.prefetched_ins += prefetched
         if self.events:
-            self.events.publish(SwappedIn(self.step_count, job.req.id, self.memory.held(job), prefetched))
+            self.events.publish(SwappedIn(self._now(), self.step_count, job.req.id, self.memory.held(job),
+                                          prefetched))
         return tokens
 
     def _prefetch(self) -> None:
@@ -690,13 +696,14 @@ class Engine:
                 job.state = FINISHED
                 self.finished_count += 1
                 if self.events:
-                    self.events.publish(Finished(step, job.req.id, job.req.tenant, rec.ttft_s, rec.tpot_s))
+                    self.events.publish(Finished(self._now(), step, job.req.id, job.req.tenant, rec.ttft_s,
+                                                 rec.tpot_s))
 
     def _record(self, prefill: int, decode: int, stall: float) -> None:
         mem = self.memory
         reserved, tokens, frag = mem.gauges()
-        m = StepMetrics(self.step_count, self.now_s, len(self.running), self.num_waiting, len(self.swapped),
-                        prefill, decode, mem.capacity_slots, reserved, tokens, frag, mem.evictions,
+        m = StepMetrics(self._now(), self.step_count, self.now_s, len(self.running), self.num_waiting,
+                        len(self.swapped), prefill, decode, mem.capacity_slots, reserved, tokens, frag, mem.evictions,
                         self.preemptions, mem.hit_rate(), self.finished_count,
                         tuple(sorted((t, n) for t, n in self.held.items() if n)), stall)
         self.log.steps.append(m)

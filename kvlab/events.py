@@ -25,6 +25,14 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineEvent(Event):
+    """An event of the serving engine: ``step`` is still the pool clock (so engine and pool events interleave
+    in one order); ``engine_step`` is the engine's step count."""
+
+    engine_step: int
+
+
+@dataclass(frozen=True, slots=True)
 class Allocated(Event):
     """Blocks left the free lists (``status`` is ALLOCATED, or PENDING for a reservation)."""
     block_ids: tuple[int, ...]

@@ -181,7 +181,8 @@ class DefragmentationStrategy:
             return movers[:k].tolist(), holes[:k].tolist()
         heads = _heads(pool)
         movers = heads[st[heads] == ALLOCATED][::-1].tolist()
-        free = [sorted(pool.free_ids(k)) for k in range(pool.max_order + 1)]  # per class, ascending; consumed from the front
+        # Per class, ascending; consumed from the front.
+        free = [sorted(pool.free_ids(k)) for k in range(pool.max_order + 1)]
         src: list[int] = []
         dst: list[int] = []
         for m in movers:

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .events import Event
+from .events import EngineEvent
 
 
 @dataclass(frozen=True, slots=True)
-class StepMetrics(Event):
-    """Gauges after one engine step (``step`` is the engine step, ``time_s`` the engine clock in seconds)."""
+class StepMetrics(EngineEvent):
+    """Gauges after engine step ``engine_step`` (``time_s`` is the engine clock in seconds)."""
     time_s: float
     running: int
     waiting: int

@@ -637,8 +637,9 @@ class BlockPool(TextbookNames):
             assert (a.tokens <= cap).all(), f"block {int(np.argmax(a.tokens > cap))} counts more tokens than it holds"
             cached = set(h[(st[h] == ALLOCATED) & (refs[h] == 0)].tolist())
             in_policy = [b for b, _ in self.policy.order()]
-            assert len(self.policy) == len(in_policy) == len(set(in_policy)), "the policy's size disagrees with its order"
-            assert set(in_policy) == cached, f"evictable set disagrees with cached blocks: {sorted(set(in_policy) ^ cached)[:5]}"
+            assert len(self.policy) == len(in_policy) == len(set(in_policy)), "the policy's size and order disagree"
+            odd = sorted(set(in_policy) ^ cached)[:5]
+            assert not odd, f"evictable set disagrees with cached blocks at {odd}"
 
 
 def _multiplicity(ids: Iterable[int]) -> dict[int, int]:

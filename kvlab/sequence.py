@@ -41,6 +41,7 @@ from .pool import BlockPool, is_int
 from .prefix import PrefixCache
 
 NewTokens = int | Seq[int]
+ALLOCATED = int(BlockStatus.ALLOCATED)
 _NONE = object()  # "no bad token found" (None itself is a bad token)
 
 
@@ -412,7 +413,7 @@ class SequenceManager:
         for s in self.seqs.values():
             assert len(s.block_table) == -(-s.num_tokens // self.block_size), f"sequence {s.seq_id}: table length"
             resident = [b for b in s.block_table if b >= 0]
-            assert all(self.pool.fields.status[b] == BlockStatus.ALLOCATED for b in resident), f"sequence {s.seq_id}: status"
+            assert all(self.pool.fields.status[b] == ALLOCATED for b in resident), f"sequence {s.seq_id}: status"
             filled = [min(B, s.num_tokens - i * B) for i, b in enumerate(s.block_table) if b >= 0]
             assert [tokens[b] for b in resident] == filled, f"sequence {s.seq_id}: block token counts {filled} expected"
             out = s.swapped.positions if s.swapped is not None else []
