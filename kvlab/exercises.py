@@ -6,12 +6,18 @@ fresh pool (a scenario replayed, or a reference computation cross-checked agains
 an exercise stays right when the library changes. Function answers are compared with the reference on many
 seeded cases and the first disagreeing input is shown.
 
+An answer is compared by its value in plain Python form, never through its own ``==``: a tuple answers a list
+question and the other way round, numpy scalars and arrays count as their values, a BlockStatus member as its
+name. A value of any other kind is a wrong answer that says so (see the helpers below).
+
 :func:`fast_mode` reads ``KVLAB_FAST`` (``1``/``true``/``yes``): the chapters shrink their sizes with
 :func:`sized` so that CI executes every notebook in seconds.
 """
 from __future__ import annotations
 
+import copy
 import math
+import operator
 import os
 import random
 from collections.abc import Callable, Iterable
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from .block import BlockStatus
 from .errors import ConfigError, KVLabError
@@ -73,11 +80,13 @@ class Exercise:
     def check(self, answer: Any) -> Result:
         try:
             ok, msg = self.judge(answer)
+        except _Unreadable as e:  # an answer of a type the checker does not compare: wrong, and why
+            ok, msg = False, str(e)
         except KVLabError:
             raise  # a bug in the scenario itself must not read as a wrong answer
         except Exception as e:  # the student's function crashed: that is a wrong answer, say why
-            ok, msg = False, f"你的答案运行时出错 (your answer raised) {type(e).__name__}: {e}"
-        return Result(self.key, ok, msg, self.hint)
+            ok, msg = False, f"你的答案运行时出错 (your answer raised) {type(e).__name__}: {_text(e)}"
+        return Result(self.key, ok is True, msg, self.hint)
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -115,12 +124,91 @@ def prompt(key: str) -> str:
 
 
 # ---------------------------------------------------------------------------- helpers
+# Answers are compared in a canonical form of plain Python values, truth on the left. Only the answer's real type
+# is consulted (``type(x)``, never ``isinstance``, which trusts a ``__class__`` property) and its value is read
+# through the base type's own methods, so an answer cannot pass by overriding ``__eq__``, ``__iter__`` or
+# ``__index__``; anything that is not a number, a string, a BlockStatus or a list/tuple/set/array of those is
+# refused with a wrong-answer message rather than compared.
+Canon = int | float | str | tuple["Canon", ...] | frozenset["Canon"]
+
+_NUMPY_INTS = frozenset(np.dtype(c).type for c in np.typecodes["AllInteger"])
+_NUMPY_FLOATS = frozenset(np.dtype(c).type for c in np.typecodes["Float"])
+_MAX_DEPTH = 8  # deeper than any answer here; also stops a list that contains itself
+
+
+class _Unreadable(Exception):
+    """An answer (or a value inside it) the checkers do not compare; its message is the wrong-answer text."""
+
+
+def _canon(x: Any, depth: int = 0) -> Canon:
+    """``x`` as plain values: ints, floats and strs, BlockStatus members as their names, sequences and arrays as
+    tuples, sets as frozensets. Raises :class:`_Unreadable` for anything else."""
+    t = type(x)
+    if t is bool or t is np.bool_:
+        raise _Unreadable(f"答案里有 True/False，这里要的是数字 (the answer holds a bool {x}, not a number)")
+    if t is BlockStatus:
+        return BlockStatus(operator.index(x)).name  # the member by its stored value, not by its attributes
+    if issubclass(t, int):
+        return operator.index(x)  # for an int subclass this copies the stored value; __index__ is not called
+    if t in _NUMPY_INTS:
+        return operator.index(x)
+    if issubclass(t, float):
+        return float.__float__(x)  # np.float64 too; a subclass's own __float__ is bypassed
+    if t in _NUMPY_FLOATS:
+        return float(x)
+    if issubclass(t, str):
+        return str.__str__(x)  # np.str_ too; an exact copy of the stored text
+    if depth >= _MAX_DEPTH:
+        raise _Unreadable("答案嵌套太深 (the answer is nested too deeply)")
+    if issubclass(t, np.ndarray):
+        return _canon(np.ndarray.tolist(x), depth + 1)  # a 0-d array gives its scalar
+    # the base type's own iterator reads the stored items, whatever a subclass's __iter__ says
+    if issubclass(t, list):
+        return tuple(_canon(v, depth + 1) for v in list.__iter__(x))
+    if issubclass(t, tuple):
+        return tuple(_canon(v, depth + 1) for v in tuple.__iter__(x))
+    if issubclass(t, set):
+        return frozenset(_canon(v, depth + 1) for v in set.__iter__(x))
+    if issubclass(t, frozenset):
+        return frozenset(_canon(v, depth + 1) for v in frozenset.__iter__(x))
+    raise _Unreadable(f"kvlab 不比较 {t.__name__} 类型的值 (kvlab does not compare a value of type "
+                      f"{t.__name__}); 请用 int / float / str / list / tuple / set (use one of these)")
+
+
+def _text(x: Any, limit: int = 200) -> str:
+    """``str(x)`` for a message, cut to ``limit`` characters; a broken ``__str__`` gives the type's name."""
+    try:
+        text = str(x)
+    except Exception:
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _same(answer: Any, truth: Any, what: str) -> tuple[bool, str]:
-    if isinstance(answer, (list, tuple)) and isinstance(truth, (list, tuple)):
-        answer = type(truth)(answer)  # a list answers a tuple question and the other way round
-    if answer == truth:
+    want, got = _canon(truth), _canon(answer)  # a list answers a tuple question and the other way round
+    if want == got:
         return True, f"{what} = {truth!r}"
-    return False, f"你的答案 (your answer) {answer!r} ≠ kvlab 的结果 (kvlab's result)"
+    return False, f"你的答案 (your answer) {got!r} ≠ kvlab 的结果 (kvlab's result)"
+
+
+def _agrees(want: Canon, got: Canon, close: bool) -> bool:
+    """Truth on the left; both are canonical, so ``==`` is the plain types' own."""
+    if close and isinstance(want, (int, float)):
+        return isinstance(got, (int, float)) and math.isclose(want, got, rel_tol=1e-9, abs_tol=1e-9)
+    return want == got
+
+
+def _returned(fn: Callable[..., Any], args: tuple, call: str) -> Canon:
+    """What ``fn(*args)`` returns, canonical; a crash or an unreadable value is a wrong answer naming ``call``.
+    The function gets copies, so that it cannot change the case it is judged on."""
+    try:
+        raw = fn(*copy.deepcopy(args))
+    except Exception as e:  # even a KVLabError: it came from the student's code, not from the scenario
+        raise _Unreadable(f"{call} 运行时出错 (your answer raised) {type(e).__name__}: {_text(e)}") from None
+    try:
+        return _canon(raw)
+    except _Unreadable as e:
+        raise _Unreadable(f"{call}: {e}") from None
 
 
 def _compare_fn(fn: Any, cases: Iterable[tuple], reference: Callable[..., Any], name: str,
@@ -129,16 +217,17 @@ def _compare_fn(fn: Any, cases: Iterable[tuple], reference: Callable[..., Any], 
         return False, f"请传入一个函数 (pass a function) {name}(...), 而不是 {type(fn).__name__}"
     n = 0
     for args in cases:
-        want, got = reference(*args), fn(*args)
-        same = math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9) if close else got == want
-        if not same:
+        want = _canon(reference(*args))
+        got = _returned(fn, args, f"{name}{args!r}")
+        if not _agrees(want, got, close):
             return False, f"{name}{args!r} 返回 (returned) {got!r}, kvlab 得到 (kvlab gets) {want!r}"
         n += 1
     return True, f"{name} 与 kvlab 在 {n} 个用例上一致 (agrees with kvlab on {n} cases)"
 
 
 def _metadata_pool(num_blocks: int, block_size: int, **kw: Any) -> BlockPool:
-    return BlockPool(num_blocks, spec=KVSpec(block_size=block_size, device="cpu"), with_storage=False, **kw)
+    return BlockPool(num_blocks, spec=KVSpec(block_size=block_size, device=torch.device("cpu")), with_storage=False,
+                     **kw)
 
 
 # ---------------------------------------------------------------------------- 2.2.1 block size
@@ -201,11 +290,19 @@ def _judge_transitions(answer: Any) -> tuple[bool, str]:
                 legal.add((old, new))
             except KVLabError:
                 pass
+    shape = "答案应是 (old, new) 二元组的集合 (a set of (old, new) pairs)"
     try:
-        given = {(BlockStatus(o), BlockStatus(n)) for o, n in answer}
-    except (TypeError, ValueError):
-        return False, "答案应是 (old, new) 二元组的集合 (a set of (old, new) pairs)"
-    if given == legal:
+        pairs = _canon(answer)
+    except _Unreadable as e:
+        return False, f"{shape}: {e}"
+    if not isinstance(pairs, (tuple, frozenset)):
+        return False, shape
+    given = set()
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            return False, shape
+        given.add((_status(pair[0]), _status(pair[1])))
+    if legal == given:
         return True, f"{len(legal)} 条合法转移 (legal transitions)"
     extra, missing = given - legal, legal - given
     parts = []
@@ -214,6 +311,15 @@ def _judge_transitions(answer: Any) -> tuple[bool, str]:
     if missing:
         parts.append(f"少了 {len(missing)} 条 (missing {len(missing)})")
     return False, "; ".join(parts)
+
+
+def _status(c: Canon) -> BlockStatus:
+    """A canonical status: a member's name (``BlockStatus.FREE`` is canonically ``"FREE"``) or its int value."""
+    if isinstance(c, str) and c in BlockStatus.__members__:
+        return BlockStatus[c]
+    if isinstance(c, int) and c in BlockStatus._value2member_map_:
+        return BlockStatus(c)
+    raise _Unreadable(f"{c!r} 不是 BlockStatus 的状态 (is not a BlockStatus; use BlockStatus.FREE or 'FREE')")
 
 
 def _lru_scenario() -> list[int]:
@@ -225,7 +331,13 @@ def _lru_scenario() -> list[int]:
         pool.free([b])
     pool.incref([0])
     pool.free([0])
-    return [pool.evict_block().block_id for _ in range(4)]
+    order = []
+    for _ in range(4):
+        victim = pool.evict_block()
+        if victim is None:
+            raise ConfigError("2.2.2-lru scenario: the pool found nothing to evict")  # a scenario bug, not an answer
+        order.append(victim.block_id)
+    return order
 
 
 @_register("2.2.2-lru",
@@ -262,7 +374,7 @@ def _sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 
     pool.incref(np.repeat(prefix, users - 1))
     for _ in range(users):
         pool.allocate(own_blocks)
-    return int(pool.refs_np[prefix[0]]), pool.num_blocks - pool.num_free_blocks
+    return pool.block(prefix[0]).reference_count, pool.num_blocks - pool.num_free_blocks
 
 
 @_register("2.2.3-sharing",
@@ -280,7 +392,7 @@ def _strategy_scenario() -> list[str]:
     out = []
     for size_class in (0, 0, 0, 2):
         ticket = alloc.allocate_optimal_block(size_class=size_class)
-        out.append(ticket.strategy)
+        out.append(ticket.strategy or "wait")  # a ticket left waiting has no strategy yet
     return out
 
 
@@ -309,7 +421,7 @@ def _fragmentation_case(seed: int) -> tuple[np.ndarray, int, int]:
             except KVLabError:
                 pass
     pool.merge_free_buddies()
-    return pool.status_np == int(BlockStatus.FREE), top, pool.calculate_fragmentation()
+    return pool.snapshot()["status"] == int(BlockStatus.FREE), top, pool.calculate_fragmentation()
 
 
 @_register("2.2.4-fragmentation",
@@ -322,11 +434,12 @@ def _judge_fragmentation(fn: Any) -> tuple[bool, str]:
     if not callable(fn):
         return False, f"请传入一个函数 (pass a function), 而不是 {type(fn).__name__}"
     for seed in range(40):
-        free, top, want = _fragmentation_case(seed)
-        got = fn(free.copy(), top)
-        if got != want:
-            return False, (f"free={free.astype(int).tolist()}, top_order={top}: 你的函数返回 {got!r}, "
-                           f"pool.calculate_fragmentation() = {want}")
+        free, top, truth = _fragmentation_case(seed)
+        want = _canon(truth)
+        case = f"free={free.astype(int).tolist()}, top_order={top}"
+        got = _returned(fn, (free, top), f"fragmentation({case})")
+        if not _agrees(want, got, close=False):
+            return False, f"{case}: 你的函数返回 {got!r}, pool.calculate_fragmentation() = {want!r}"
     return True, "与 BlockPool.calculate_fragmentation 在 40 个随机池上一致 (agrees on 40 random pools)"
 
 
@@ -376,8 +489,7 @@ LONG_SPEC = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)  # 
 
 
 def _long_sequence_cost(tokens: int = 100_000, dtype_bytes: int = 2) -> tuple[int, int]:
-    import torch
-    spec = KVSpec(**LONG_SPEC, dtype={2: torch.float16, 4: torch.float32}[dtype_bytes], device="cpu")
+    spec = KVSpec(**LONG_SPEC, dtype={2: torch.float16, 4: torch.float32}[dtype_bytes], device=torch.device("cpu"))
     pool = BlockPool(total_memory=spec.bytes_per_block * (-(-tokens // spec.block_size)), spec=spec,
                      with_storage=False)
     blocks = pool.allocate(-(-tokens // spec.block_size))

@@ -24,35 +24,44 @@ templates and their share of requests are our assumptions, chosen so that prefix
 Arrivals are a Poisson process at ``rate`` requests per second, or bursts: groups of ``burst_size`` requests
 arriving at the same instant, the groups Poisson at ``rate / burst_size`` (same mean rate, far burstier).
 
-Trace files (bring a real trace, or save a generated one) hold one request per record:
+Trace files (bring a real trace, or save a generated one) are UTF-8 text (a leading byte-order mark is
+skipped) holding one request per record:
 
-* **JSONL** (``.jsonl``): one JSON object per line; blank lines and lines starting with ``#`` are skipped.
-* **CSV** (``.csv``): a header row naming the columns, then one row per request; empty optional cells take
-  their default, ``prompt_tokens`` is written as space-separated integers.
+* **JSONL** (``.jsonl``): one JSON object per line; blank lines and lines starting with ``#`` are skipped. Values
+  have their field's JSON type (``8``, not ``"8"`` or ``8.0``); ``null`` in an optional field takes its default.
+* **CSV** (``.csv``): a header row naming the columns (each once, the required ones present), then one row per
+  request with a cell per column, quoted as :mod:`csv` writes it (``"`` around a cell holding a comma, quote or
+  line end, ``""`` for a quote inside it); a stray quote is an error. Empty optional cells take their default,
+  numbers are ASCII decimals, ``prompt_tokens`` is written as space-separated integers.
 
 =================  ========  =====================================================================
 field              required  meaning
 =================  ========  =====================================================================
-``id``             yes       int, unique within the trace
-``arrival``        yes       seconds since the start of the trace, float >= 0
-``prompt_len``     yes       prompt tokens, int >= 1, including the shared prefix
-``output_len``     yes       tokens the model writes, int >= 0
+``id``             yes       int in 0..2**31-1, unique within the trace
+``arrival``        yes       seconds since the start of the trace, finite float >= 0
+``prompt_len``     yes       prompt tokens, int in 1..2**31-1, including the shared prefix
+``output_len``     yes       tokens the model writes, int in 0..2**31-1
 ``tenant``         no        user or application the request belongs to (default ``"default"``)
 ``prefix_id``      no        name of the shared prefix the prompt starts with (default none)
 ``prefix_len``     no        tokens of that prefix; > 0 iff ``prefix_id`` is set, the same in every request
-``prompt_tokens``  no        the prompt's token ids (``prompt_len`` of them); derived when absent
+``prompt_tokens``  no        the prompt's token ids (``prompt_len`` of them, each in 0..2**31-1); derived when
+                             absent
 =================  ========  =====================================================================
 
-A malformed record raises :class:`~kvlab.errors.TraceFormatError` naming the file and the 1-based line.
+The bound 2**31-1 (:data:`INT_MAX`) is the pool's: it keeps owners and token counts as int32. A malformed record
+raises :class:`~kvlab.errors.TraceFormatError` naming the file and the 1-based line, and nothing is loaded;
+:func:`write_trace` then :func:`read_trace` gives back equal requests in either format.
 """
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import operator
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -65,6 +74,7 @@ from .errors import ConfigError, TraceFormatError
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens")
 REQUIRED = FIELDS[:4]
+INT_MAX = 2**31 - 1  # the largest id, length or token id a request may hold (the pool's int32 fields)
 _PHI = NormalDist()
 _inv_cdf = np.vectorize(_PHI.inv_cdf, otypes=[float])
 
@@ -76,9 +86,11 @@ class Request:
     request naming it) followed by ``prompt_len - prefix_len`` tokens of its own; the model then writes
     ``output_len`` tokens, so the sequence peaks at :attr:`total_len` tokens in the cache.
 
-    Invariants (checked on construction, :class:`~kvlab.errors.ConfigError` otherwise): ``arrival >= 0``,
-    ``prompt_len >= 1``, ``output_len >= 0``, ``0 <= prefix_len <= prompt_len``, ``prefix_len > 0`` iff
-    ``prefix_id`` is set, and ``prompt_tokens`` (when given) holds ``prompt_len`` ids >= 0.
+    Invariants (checked on construction, :class:`~kvlab.errors.ConfigError` otherwise): ``arrival`` is finite
+    and ``>= 0``, ``prompt_len >= 1``, ``output_len >= 0``, ``0 <= prefix_len <= prompt_len``, ``prefix_len > 0``
+    iff ``prefix_id`` is set, and ``prompt_tokens`` (when given) holds ``prompt_len`` token ids. The id, the
+    lengths and the token ids are ints in ``0..INT_MAX`` (2**31 - 1): the pool stores owners and counts as int32,
+    so a larger value would overflow there rather than fail here.
     """
 
     id: int
@@ -93,35 +105,30 @@ class Request:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise numpy scalars etc. to plain Python values once
         for name in ("id", "prompt_len", "output_len", "prefix_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool):
-                raise ConfigError(f"request {self.id!r}: {name} must be an int, got {v!r}")
-            try:
-                set_(self, name, operator.index(v))
-            except TypeError:
-                raise ConfigError(f"request {self.id!r}: {name} must be an int, got {v!r}") from None
-        arrival = float(self.arrival) if isinstance(self.arrival, (int, float, np.number)) else math.nan
-        if not math.isfinite(arrival) or arrival < 0 or isinstance(self.arrival, bool):
+            set_(self, name, _bounded_int(getattr(self, name), f"request {_show(self.id)}: {name}"))
+        a = self.arrival
+        try:
+            arrival = float(a) if isinstance(a, (int, float, np.integer, np.floating)) else math.nan
+        except OverflowError:  # an int too large for a float is no finite time either
+            arrival = math.inf
+        if not math.isfinite(arrival) or arrival < 0 or isinstance(a, (bool, np.bool_)):
             raise ConfigError(f"request {self.id}: arrival must be a finite number of seconds >= 0, "
-                              f"got {self.arrival!r}")
+                              f"got {_show(a)}")
         set_(self, "arrival", arrival)
         if self.prompt_len < 1 or self.output_len < 0:
             raise ConfigError(f"request {self.id}: prompt_len must be >= 1 and output_len >= 0, got "
                               f"{self.prompt_len} and {self.output_len}")
         if not isinstance(self.tenant, str) or not self.tenant:
-            raise ConfigError(f"request {self.id}: tenant must be a non-empty str, got {self.tenant!r}")
+            raise ConfigError(f"request {self.id}: tenant must be a non-empty str, got {_show(self.tenant)}")
         if self.prefix_id is not None and (not isinstance(self.prefix_id, str) or not self.prefix_id):
-            raise ConfigError(f"request {self.id}: prefix_id must be a non-empty str or None, got {self.prefix_id!r}")
+            raise ConfigError(f"request {self.id}: prefix_id must be a non-empty str or None, "
+                              f"got {_show(self.prefix_id)}")
         if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len > 0) != (self.prefix_id is not None):
             raise ConfigError(f"request {self.id}: prefix_len={self.prefix_len} with prefix_id={self.prefix_id!r} "
                               f"and prompt_len={self.prompt_len} (need 0 < prefix_len <= prompt_len exactly "
                               f"when a prefix_id is set)")
         if self.prompt_tokens is not None:
-            toks = tuple(operator.index(t) for t in self.prompt_tokens)
-            if len(toks) != self.prompt_len or any(t < 0 for t in toks):
-                raise ConfigError(f"request {self.id}: prompt_tokens must be {self.prompt_len} ids >= 0, got "
-                                  f"{len(toks)} ids")
-            set_(self, "prompt_tokens", toks)
+            set_(self, "prompt_tokens", _token_tuple(self.prompt_tokens, self.id, self.prompt_len))
 
     @property
     def total_len(self) -> int:
@@ -138,6 +145,55 @@ class Request:
             raise ConfigError(f"vocab_size must be >= 1, got {vocab_size}")
         head = _token_ids(f"prefix:{self.prefix_id}", self.prefix_len, vocab_size) if self.prefix_id else []
         return head + _token_ids(f"request:{self.id}", self.prompt_len - self.prefix_len, vocab_size)
+
+
+def _bounded_int(v: Any, what: str) -> int:
+    """``v`` as a plain int in ``0..INT_MAX``; a bool or a float is refused, not rounded."""
+    if isinstance(v, (bool, np.bool_)):
+        raise ConfigError(f"{what} must be an int, got {v!r}")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise ConfigError(f"{what} must be an int, got {_show(v)}") from None
+    if not 0 <= n <= INT_MAX:
+        raise ConfigError(f"{what} must be an int in 0..{INT_MAX}, got {_show(n)}")
+    return n
+
+
+def _token_tuple(toks: Any, rid: int, n: int) -> tuple[int, ...]:
+    """``toks`` as a tuple of ``n`` plain-int token ids in ``0..INT_MAX``."""
+    what = f"request {rid}: prompt_tokens must be {n} token ids in 0..{INT_MAX}"
+    if isinstance(toks, np.ndarray):
+        if toks.dtype.kind not in "iu":
+            raise ConfigError(f"{what}, got an array of {toks.dtype}")
+        toks = toks.tolist()
+    if isinstance(toks, (str, bytes)) or not isinstance(toks, Iterable):
+        raise ConfigError(f"{what}, got {_show(toks)}")
+    out = []
+    for t in toks:
+        if isinstance(t, (bool, np.bool_)):
+            raise ConfigError(f"{what}, got {t!r}")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ConfigError(f"{what}, got {_show(t)}") from None
+    if len(out) != n:
+        raise ConfigError(f"{what}, got {len(out)} ids")
+    if out and not (0 <= min(out) and max(out) <= INT_MAX):
+        raise ConfigError(f"{what}, got {_show(next(t for t in out if not 0 <= t <= INT_MAX))}")
+    return tuple(out)
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters, so that a huge value in a trace makes a readable message (and
+    an int past Python's digit limit, which has no repr at all, still makes one)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an int of {v.bit_length()} bits"
+    try:
+        text = repr(v)
+    except Exception:  # a hostile or broken __repr__ must not hide the real problem
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _token_ids(key: str, n: int, vocab_size: int) -> list[int]:
@@ -194,14 +250,23 @@ def _inconsistency(requests: Sequence[Request]) -> tuple[int, str] | None:
     ids: dict[int, int] = {}
     prefixes: dict[str, tuple[int, int]] = {}
     for i, r in enumerate(requests):
-        if r.id in ids:
-            return i, f"request id {r.id} appears twice"
-        ids[r.id] = i
-        if r.prefix_id is not None:
-            first, n = prefixes.setdefault(r.prefix_id, (r.id, r.prefix_len))
-            if n != r.prefix_len:
-                return i, (f"request {r.id} says prefix {r.prefix_id!r} has {r.prefix_len} tokens but request "
-                           f"{first} says {n}")
+        problem = _clash(r, ids, prefixes)
+        if problem is not None:
+            return i, problem
+    return None
+
+
+def _clash(r: Request, ids: dict[int, int], prefixes: dict[str, tuple[int, int]]) -> str | None:
+    """What is wrong with adding ``r`` to the requests seen so far (``ids``, ``prefixes``; updated), if anything:
+    one request at a time, so that a trace reader reports the first bad line, not the end of the file."""
+    if r.id in ids:
+        return f"request id {r.id} appears twice"
+    ids[r.id] = len(ids)
+    if r.prefix_id is not None:
+        first, n = prefixes.setdefault(r.prefix_id, (r.id, r.prefix_len))
+        if n != r.prefix_len:
+            return (f"request {r.id} says prefix {r.prefix_id!r} has {r.prefix_len} tokens but request "
+                    f"{first} says {n}")
     return None
 
 
@@ -355,52 +420,87 @@ def make_workload(name: str, n: int, seed: int = 0, *, rate: float = 8.0, arriva
 
 # ---------------------------------------------------------------------------------------------------- traces
 def write_trace(workload: Workload, path: str | Path) -> Path:
-    """Write ``workload`` as JSONL or CSV, chosen by the suffix of ``path`` (format: module docstring)."""
+    """Write ``workload`` as JSONL or CSV, chosen by the suffix of ``path`` (format: module docstring).
+    :func:`read_trace` gives back equal requests. The text is built in full before the file is opened, so the
+    one thing CSV cannot hold (a tenant or prefix id with a lone surrogate: not UTF-8) raises
+    :class:`~kvlab.errors.ConfigError` and leaves no half-written file."""
     path = Path(path)
     kind = _kind(path)
-    rows = [asdict(r) for r in workload]
-    with path.open("w", newline="", encoding="utf-8") as f:
-        if kind == "jsonl":
-            for row in rows:
-                if row["prompt_tokens"] is None:
-                    del row["prompt_tokens"]
-                else:
-                    row["prompt_tokens"] = list(row["prompt_tokens"])
-                f.write(json.dumps(row, separators=(",", ":")) + "\n")
-        else:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            for row in rows:
-                toks = row["prompt_tokens"]
-                row.update(prefix_id=row["prefix_id"] or "",
-                           prompt_tokens="" if toks is None else " ".join(map(str, toks)),
-                           arrival=repr(row["arrival"]))
-                w.writerow(row)
+    text = _jsonl_text(workload) if kind == "jsonl" else _csv_text(workload)
+    path.write_bytes(text.encode("utf-8"))
     return path
+
+
+def _jsonl_text(workload: Workload) -> str:
+    lines = []
+    for r in workload:
+        row = asdict(r)
+        if row["prompt_tokens"] is None:
+            del row["prompt_tokens"]
+        else:
+            row["prompt_tokens"] = list(row["prompt_tokens"])
+        # ASCII-only output: a lone surrogate in a tenant survives as an escape, and nothing splits a line
+        lines.append(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
+    return "".join(lines)
+
+
+def _csv_text(workload: Workload) -> str:
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=FIELDS)
+    w.writeheader()
+    for r in workload:
+        for name in ("tenant", "prefix_id"):
+            value = getattr(r, name)
+            if value is not None and not _utf8_ok(value):
+                raise ConfigError(f"request {r.id}: {name} {_show(value)} holds a lone surrogate, which a UTF-8 "
+                                  f"CSV file cannot store; write a .jsonl trace instead")
+        row = asdict(r)
+        toks = row["prompt_tokens"]
+        row.update(prefix_id=row["prefix_id"] or "",
+                   prompt_tokens="" if toks is None else " ".join(map(str, toks)),
+                   arrival=repr(row["arrival"]))
+        w.writerow(row)
+    return out.getvalue()
+
+
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_trace(path: str | Path, name: str | None = None) -> Workload:
     """Read a JSONL or CSV trace (by suffix) into a :class:`Workload` named ``name`` (default: the file stem).
-    Raises :class:`~kvlab.errors.TraceFormatError` naming the line of the first malformed record."""
+
+    Raises :class:`~kvlab.errors.TraceFormatError` naming the line of the first malformed record (bytes that
+    are not UTF-8, a JSON line that does not parse, a CSV quote that never closes, a field of the wrong type or
+    out of range, a repeated id, ...); nothing is returned unless every record is good. A file that cannot be
+    read at all raises :class:`~kvlab.errors.ConfigError`."""
     path = Path(path)
     kind = _kind(path)
     try:
-        with path.open(newline="", encoding="utf-8") as f:
-            records = list(_jsonl_records(f, str(path)) if kind == "jsonl" else _csv_records(f, str(path)))
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read trace {path}: {e.strerror or e}") from None
-    requests, lines = [], []
-    for line, rec in records:
+    where = str(path)
+    text = _decode(data, where)
+    records = _jsonl_records(text, where) if kind == "jsonl" else _csv_records(text, where)
+    requests: list[Request] = []
+    ids: dict[int, int] = {}
+    prefixes: dict[str, tuple[int, int]] = {}
+    for line, rec in records:  # lazily: a bad record is reported before a later one is even parsed
         try:
-            requests.append(_request(rec))
-        except (ConfigError, ValueError, TypeError) as e:
-            raise TraceFormatError(str(path), line, str(e)) from None
-        lines.append(line)
+            r = _request(rec, from_text=kind == "csv")
+        except (ConfigError, ValueError, TypeError, OverflowError) as e:
+            raise TraceFormatError(where, line, str(e)) from None
+        problem = _clash(r, ids, prefixes)
+        if problem is not None:
+            raise TraceFormatError(where, line, problem)
+        requests.append(r)
     if not requests:
-        raise TraceFormatError(str(path), max(1, len(records)), "the trace holds no request")
-    bad = _inconsistency(requests)
-    if bad is not None:
-        raise TraceFormatError(str(path), lines[bad[0]], bad[1])
+        raise TraceFormatError(where, 1, "the trace holds no request")
     return Workload(name or path.stem, requests)
 
 
@@ -411,63 +511,186 @@ def _kind(path: Path) -> str:
     return kind
 
 
-def _jsonl_records(f: Any, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    for line, text in enumerate(f, start=1):
-        if not text.strip() or text.lstrip().startswith("#"):
+def _line_breaks(text: str) -> int:
+    """Line ends in ``text`` as both readers count them: ``\\n``, ``\\r`` or ``\\r\\n``."""
+    return text.count("\n") + text.count("\r") - text.count("\r\n")
+
+
+def _decode(data: bytes, path: str) -> str:
+    """``data`` as UTF-8 text without its byte-order mark, or the line of the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = 1 + _line_breaks(data[:e.start].decode("utf-8-sig"))
+        col = e.start - max(data.rfind(b"\n", 0, e.start), data.rfind(b"\r", 0, e.start))
+        raise TraceFormatError(path, line, f"not UTF-8 text (byte 0x{data[e.start]:02x} at byte {col} of "
+                                           f"the line)") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names a field twice is ambiguous (``json`` would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"field {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _jsonl_records(text: str, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    for line, raw in enumerate(io.StringIO(text, newline=""), start=1):
+        if not raw.strip() or raw.lstrip().startswith("#"):
             continue
         try:
-            rec = json.loads(text)
+            rec = json.loads(raw, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise TraceFormatError(path, line, "not valid JSON (nested too deeply)") from None
         except json.JSONDecodeError as e:
             raise TraceFormatError(path, line, f"not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # a repeated field, or an int past Python's digit limit
+            raise TraceFormatError(path, line, f"not valid JSON ({e})") from None
         if not isinstance(rec, dict):
             raise TraceFormatError(path, line, f"expected a JSON object, got {type(rec).__name__}")
         yield line, rec
 
 
-def _csv_records(f: Any, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    reader = csv.DictReader(f)
-    header = reader.fieldnames or []
+# One CSV cell at a position: quoted ("" is a quote inside; may span lines) or plain (no quote, comma, line end).
+_QUOTED = re.compile(r'"([^"]*(?:""[^"]*)*)"')
+_PLAIN = re.compile(r'[^,"\r\n]*')
+
+
+def _csv_rows(text: str, path: str) -> Iterator[tuple[int, list[str]]]:
+    """``(line, cells)`` of each record of CSV ``text``, ``line`` where the record starts; blank lines skipped.
+
+    Our own reader rather than :mod:`csv`: that one refuses cells over ``csv.field_size_limit()`` (128 KiB, and
+    a 30,000-token prompt is larger; the limit is process-wide, so raising it would change other code's CSV),
+    and it reads a quote that never closes as a cell running to the end of the file, swallowing the records
+    after it. It reads what :class:`csv.writer` writes (the ``excel`` dialect) and refuses any stray quote."""
+    pos, line, end = 0, 1, len(text)
+    while pos < end:
+        if text[pos] in "\r\n":  # a blank line
+            pos += 2 if text.startswith("\r\n", pos) else 1
+            line += 1
+            continue
+        first, cells = line, []
+        while True:
+            if text.startswith('"', pos):
+                m = _QUOTED.match(text, pos)
+                if m is None or text.startswith('"', m.end()):  # the second: "a"" is "a" plus an open quote
+                    raise TraceFormatError(path, line, "a quoted cell never closes (a \" without its partner)")
+                cells.append(m.group(1).replace('""', '"'))
+                line += _line_breaks(m.group(1))
+            else:
+                m = _PLAIN.match(text, pos)
+                assert m is not None  # the pattern matches the empty string
+                cells.append(m.group())
+            pos = m.end()
+            if pos == end:
+                break
+            if text[pos] == ",":
+                pos += 1
+                continue
+            if text[pos] in "\r\n":
+                pos += 2 if text.startswith("\r\n", pos) else 1
+                line += 1
+                break
+            at = "" if line == first else f" (on line {line})"
+            raise TraceFormatError(path, first, f"a quote inside a cell{at}; quote the whole cell and write a "
+                                                f"quote inside it as \"\"")
+        yield first, cells
+
+
+def _csv_records(text: str, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    rows = _csv_rows(text, path)
+    head = next(rows, None)
+    if head is None:
+        raise TraceFormatError(path, 1, "empty file: expected a header row")
+    line, header = head
     unknown = [c for c in header if c not in FIELDS]
-    if unknown or not header:
-        raise TraceFormatError(path, 1, f"header names unknown columns {unknown}; known: {', '.join(FIELDS)}"
-                               if unknown else "empty file: expected a header row")
-    for row in reader:
-        if None in row:  # DictReader puts surplus cells under the key None
-            raise TraceFormatError(path, reader.line_num, f"{len(header) + len(row[None])} cells for "
-                                                         f"{len(header)} columns")
-        yield reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}
+    if unknown:
+        raise TraceFormatError(path, line, f"header names unknown columns {unknown}; known: {', '.join(FIELDS)}")
+    twice = sorted({c for c in header if header.count(c) > 1})
+    missing = [c for c in REQUIRED if c not in header]
+    if twice or missing:
+        raise TraceFormatError(path, line, f"header names column(s) {twice} twice" if twice
+                               else f"header lacks the required column(s) {missing}")
+    for line, cells in rows:
+        # Every row has a cell per column (leave it empty for the default). A short row is refused, not padded:
+        # it is what a stray quote leaves when a later quote closes it, the records between read as one cell.
+        if len(cells) != len(header):
+            span = sum(_line_breaks(c) for c in cells)
+            hint = f" (the record runs over lines {line}-{line + span}: is a quote missing its partner?)" \
+                if span else ""
+            raise TraceFormatError(path, line, f"{len(cells)} cells for {len(header)} columns{hint}")
+        yield line, {k: v for k, v in zip(header, cells) if v != ""}  # an empty cell takes the default
 
 
-def _request(rec: dict[str, Any]) -> Request:
-    """A :class:`Request` from one parsed record (JSON values or CSV strings)."""
+def _request(rec: dict[str, Any], from_text: bool) -> Request:
+    """A :class:`Request` from one parsed record: CSV strings (``from_text``) or JSON values. JSON values must
+    have their field's type (a number is not a string of digits, an int not a float or a bool); a JSON ``null``
+    in an optional field takes its default, as an empty CSV cell does. Ranges are the :class:`Request`'s."""
     unknown = sorted(set(rec) - set(FIELDS))
     missing = [k for k in REQUIRED if k not in rec]
     if unknown or missing:
         raise ConfigError(f"unknown fields {unknown}" if unknown else f"missing field(s) {missing}")
-    toks = rec.get("prompt_tokens")
-    if isinstance(toks, str):
-        toks = [_int(t, "prompt_tokens") for t in toks.split()]
-    elif toks is not None:
-        if not isinstance(toks, list):
-            raise ConfigError(f"prompt_tokens must be a list of ints, got {toks!r}")
-        toks = [_int(t, "prompt_tokens") for t in toks]
-    arrival = rec["arrival"]
-    if isinstance(arrival, str):
-        try:
-            arrival = float(arrival)
-        except ValueError:
-            raise ConfigError(f"arrival must be a number, got {arrival!r}") from None
-    return Request(_int(rec["id"], "id"), arrival, _int(rec["prompt_len"], "prompt_len"),
-                   _int(rec["output_len"], "output_len"), rec.get("tenant", "default"), rec.get("prefix_id"),
-                   _int(rec.get("prefix_len", 0), "prefix_len"), None if toks is None else tuple(toks))
+    if not from_text:
+        rec = {k: v for k, v in rec.items() if v is not None or k in REQUIRED}
+    num, real, tokens = (_cell_int, _cell_float, _cell_tokens) if from_text else (_json_int, _json_float,
+                                                                                  _json_tokens)
+    plen, toks = rec.get("prefix_len"), rec.get("prompt_tokens")
+    return Request(num(rec["id"], "id"), real(rec["arrival"], "arrival"), num(rec["prompt_len"], "prompt_len"),
+                   num(rec["output_len"], "output_len"), rec.get("tenant", "default"), rec.get("prefix_id"),
+                   0 if plen is None else num(plen, "prefix_len"), None if toks is None else tokens(toks))
 
 
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
+_INT_CELL = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_FLOAT_CELL = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
+_TOKENS_CELL = re.compile(r"[0-9\s]*", re.ASCII)
+_DIGITS = len(str(INT_MAX))  # longer digit strings are out of range whatever they say; refuse before int()
+
+
+def _cell_int(cell: str, name: str) -> int:
+    # ASCII digits only: int() would also take "1_000" and other scripts' digits, which no writer means
+    if not _INT_CELL.fullmatch(cell):
+        raise ConfigError(f"{name} must be an integer, got {_show(cell)}")
+    if len(cell.strip().lstrip("+-").lstrip("0")) > _DIGITS:
+        raise ConfigError(f"{name} must be an int in 0..{INT_MAX}, got {_show(cell.strip())}")
+    return int(cell)
+
+
+def _cell_float(cell: str, name: str) -> float:
+    if not _FLOAT_CELL.fullmatch(cell):
+        raise ConfigError(f"{name} must be a decimal number, got {_show(cell)}")
+    return float(cell)
+
+
+def _cell_tokens(cell: str) -> tuple[int, ...]:
+    if not _TOKENS_CELL.fullmatch(cell):
+        raise ConfigError(f"prompt_tokens must be token ids (integers >= 0) separated by spaces, got {_show(cell)}")
+    parts = cell.split()
+    if any(len(t.lstrip("0")) > _DIGITS for t in parts):
+        raise ConfigError(f"prompt_tokens must be token ids in 0..{INT_MAX}")
+    return tuple(map(int, parts))
+
+
+def _json_int(value: Any, name: str) -> int:
+    if type(value) is int:  # json gives exact types: this refuses bool, float, str, null
         return value
-    if isinstance(value, str):
+    raise ConfigError(f"{name} must be an integer, got {_show(value)}")
+
+
+def _json_float(value: Any, name: str) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
         try:
-            return int(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{name} must be an integer, got {value!r}")
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{name} must be a finite number of seconds, got {_show(value)}") from None
+    raise ConfigError(f"{name} must be a number, got {_show(value)}")
+
+
+def _json_tokens(value: Any) -> tuple[int, ...]:
+    if type(value) is not list or any(type(t) is not int for t in value):
+        raise ConfigError(f"prompt_tokens must be a list of integer token ids, got {_show(value)}")
+    return tuple(value)

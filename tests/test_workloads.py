@@ -156,6 +156,13 @@ def test_make_workload_rejects_bad_arguments(kwargs):
     (dict(prefix_id="sys"), "prefix_len"), (dict(prefix_len=3), "prefix_len"),
     (dict(prefix_id="sys", prefix_len=11), "prefix_len"), (dict(tenant=""), "tenant"),
     (dict(prompt_tokens=(1, 2)), "prompt_tokens"), (dict(prompt_len=2.0), "prompt_len"),
+    # the pool's int32 fields bound ids, lengths and token ids: refused here, not overflowed later
+    (dict(id=-1), "id"), (dict(id=2**31), "id"), (dict(prompt_len=2**31), "prompt_len"),
+    (dict(output_len=2**70), "output_len"), (dict(arrival=10**400), "arrival"),
+    (dict(arrival=np.bool_(True)), "arrival"),
+    (dict(prompt_tokens="0123456789"), "prompt_tokens"), (dict(prompt_tokens=[True] * 10), "prompt_tokens"),
+    (dict(prompt_tokens=[1.0] * 10), "prompt_tokens"), (dict(prompt_tokens=[2**31] * 10), "prompt_tokens"),
+    (dict(prompt_tokens=np.zeros(10)), "prompt_tokens"),
 ])
 def test_request_rejects_bad_fields(kwargs, word):
     base = dict(id=1, arrival=0.5, prompt_len=10, output_len=4)
@@ -166,6 +173,8 @@ def test_request_rejects_bad_fields(kwargs, word):
 def test_request_normalises_numpy_values():
     r = Request(np.int64(3), np.float32(1.5), np.int32(10), np.int64(2))
     assert type(r.id) is int and type(r.arrival) is float and r.total_len == 12
+    r = Request(0, 0.0, 3, 1, prompt_tokens=np.array([5, 6, 2**31 - 1], dtype=np.int64))
+    assert r.prompt_tokens == (5, 6, 2**31 - 1) and {type(t) for t in r.prompt_tokens} == {int}
 
 
 def test_workload_sorts_and_checks_consistency():
