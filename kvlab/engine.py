@@ -54,7 +54,7 @@ from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import EngineEvent, Event
 from .metrics import MetricsLog, RequestRecord, StepMetrics, format_table
-from .pool import BlockPool
+from .perf import FastBlockPool
 from .prefix import PrefixCache
 from .sequence import Sequence, SequenceManager
 from .spec import KVSpec
@@ -194,7 +194,8 @@ class PagedMemory:
     def __init__(self, cfg: EngineConfig, model: Any = None) -> None:
         spec = (model.cfg.kv_spec(cfg.block_size, model.dtype, model.device) if model is not None
                 else KVSpec(block_size=cfg.block_size))
-        self.pool = BlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy, with_storage=model is not None)
+        self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy,
+                                  with_storage=model is not None)
         self.manager = SequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
         self.cache: PrefixCache | None = self.manager.prefix_cache
         self.events, self.clock = self.pool.events, self.pool.clock

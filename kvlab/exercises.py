@@ -317,7 +317,7 @@ def _status(c: Canon) -> BlockStatus:
     """A canonical status: a member's name (``BlockStatus.FREE`` is canonically ``"FREE"``) or its int value."""
     if isinstance(c, str) and c in BlockStatus.__members__:
         return BlockStatus[c]
-    if isinstance(c, int) and c in BlockStatus._value2member_map_:
+    if isinstance(c, int) and c in {int(s) for s in BlockStatus}:
         return BlockStatus(c)
     raise _Unreadable(f"{c!r} 不是 BlockStatus 的状态 (is not a BlockStatus; use BlockStatus.FREE or 'FREE')")
 
