@@ -105,26 +105,23 @@ class Migrated(Event):
 Subscriber = Callable[[Event], None]
 
 
-class EventBus:
-    """A list of subscribers. ``active`` is False when nobody listens, so publishers can skip building events."""
+class EventBus(list):
+    """The list of subscribers. Its truth is the one guard every publisher tests (``if pool.events:``) before
+    it builds an event, so nobody listening costs nothing (a list's truth is a C call, not a Python method)."""
 
-    __slots__ = ("subscribers",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self.subscribers: list[Subscriber] = []
-
-    def __bool__(self) -> bool:
-        """Whether anyone listens: the one guard every publisher tests (``if pool.events:``) before it
-        builds an event."""
-        return bool(self.subscribers)
+    @property
+    def subscribers(self) -> list[Subscriber]:
+        return self
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Add ``fn``; returns a function that unsubscribes it."""
-        self.subscribers.append(fn)
-        return lambda: self.subscribers.remove(fn) if fn in self.subscribers else None
+        self.append(fn)
+        return lambda: self.remove(fn) if fn in self else None
 
     def publish(self, event: Event) -> None:
-        for fn in self.subscribers:
+        for fn in self:
             fn(event)
 
 

@@ -53,6 +53,8 @@ class FreeLists:
 
     def capacity(self, k: int) -> int:
         """Blocks of class ``k`` the free stacks could yield, splitting larger ones."""
+        if k == self.max_order:
+            return len(self.stacks[k])
         return sum(len(self.stacks[o]) << (o - k) for o in range(k, self.max_order + 1))
 
     def top(self, k: int) -> int | None:

@@ -59,8 +59,8 @@ Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def is_int(x: Any) -> bool:
-    """The id rule, everywhere: a Python int or numpy integer, never a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    """The id rule, everywhere: a Python int or numpy integer, never a bool (nor numpy's, which is no integer)."""
+    return type(x) is int or isinstance(x, np.integer)
 
 
 def check_owner(owner: Any) -> int:
@@ -154,14 +154,14 @@ class BlockPool(TextbookNames):
 
     def check_ids(self, ids: Any) -> list[int]:
         """A sequence of block ids (list, tuple, range, 1-D integer array or tensor) as validated ints."""
+        if isinstance(ids, (list, tuple, range)):
+            return [self.check_id(b) for b in ids]
         if isinstance(ids, (torch.Tensor, np.ndarray)):
             if ids.ndim != 1 or (len(ids) and (ids.dtype in (torch.bool, np.bool_) or ids.is_floating_point()
                                                if isinstance(ids, torch.Tensor) else ids.dtype.kind not in "iu")):
                 raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
-            ids = ids.tolist()
-        elif not isinstance(ids, (list, tuple, range)):
-            raise UnknownBlockError(f"block ids must be a list, tuple, range or 1-D int array, got {ids!r}")
-        return [self.check_id(b) for b in ids]
+            return [self.check_id(b) for b in ids.tolist()]
+        raise UnknownBlockError(f"block ids must be a list, tuple, range or 1-D int array, got {ids!r}")
 
     def block(self, block_id: int) -> KVBlock:
         """A :class:`KVBlock` view of ``block_id``."""
@@ -224,7 +224,7 @@ class BlockPool(TextbookNames):
         ``block_id`` takes that one FREE block (``n`` must be 1)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
-            if not is_int(status) or status not in (ALLOCATED, PENDING):
+            if type(status) not in (int, BlockStatus) or status not in (ALLOCATED, PENDING):
                 raise IllegalTransitionError(f"allocation ends in ALLOCATED or PENDING, not {status!r}")
             if block_id is not None:
                 b = self.check_id(block_id)
@@ -238,7 +238,7 @@ class BlockPool(TextbookNames):
                     f"asked for {n} blocks of {self.block_size << k} tokens; the pool has {self.num_free_blocks} "
                     f"free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
             t = self._mutation()
-            out, served = [], dict.fromkeys(("free", "split", "evict"), 0)
+            out, served = [], []
             for _ in range(n):
                 if block_id is not None:
                     self.free_lists.remove(b)
@@ -246,14 +246,13 @@ class BlockPool(TextbookNames):
                 else:
                     b, how = self._take(k, t)
                 self.meta.stamp(b, t, owner, int(status))
+                self.counts["served_" + how] += 1
                 out.append(b)
-                served[how] += 1
-            for how, m in served.items():
-                self.counts["served_" + how] += m
+                served.append(how)
             self.counts["allocations"] += n
-            if self.events and n:
-                self.events.publish(ev.Allocated(t, tuple(out), k, owner, NAMES[status],
-                                                 max(served, key=served.__getitem__)))
+            if self.events and n:  # the strategy reported is the one that served most of the blocks
+                how = max(("free", "split", "evict"), key=served.count)
+                self.events.publish(ev.Allocated(t, tuple(out), k, owner, NAMES[status], how))
             return out
 
     def reserve(self, n: int = 1, *, size_class: int = 0, owner: int = -1) -> list[int]:
