@@ -83,7 +83,7 @@ class AllocationRecord:
     waited: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllocationServed(ev.Event):
     """Request ``ticket`` got ``block_id`` through ``strategy`` ("exact", "split", "merge", "evict") after
     waiting ``waited`` clock steps in the queue (0 when served at once)."""
@@ -95,7 +95,7 @@ class AllocationServed(ev.Event):
     waited: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllocationQueued(ev.Event):
     """Request ``ticket`` could not be served and waits at ``position`` (0 = head) of the FIFO queue."""
     ticket: int
@@ -104,7 +104,7 @@ class AllocationQueued(ev.Event):
     position: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllocationAbandoned(ev.Event):
     """Waiting request ``ticket`` left the queue unserved; ``reason`` is "timeout" or "cancelled"."""
     ticket: int

@@ -64,7 +64,7 @@ WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished
 
 
 # ---------------------------------------------------------------------------------------------------- events
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admitted(EngineEvent):
     """A request entered the running batch; ``cached_tokens`` of its prompt came from the prefix cache."""
     request_id: int
@@ -72,7 +72,7 @@ class Admitted(EngineEvent):
     cached_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Preempted(EngineEvent):
     """A running request lost its blocks: ``mode`` is ``"recompute"`` or ``"swap"``; ``blocks`` it held."""
     request_id: int
@@ -82,7 +82,7 @@ class Preempted(EngineEvent):
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SwappedIn(EngineEvent):
     """A swapped request's ``blocks`` came back; ``prefetched`` when it happened ahead of need."""
     request_id: int
@@ -90,7 +90,7 @@ class SwappedIn(EngineEvent):
     prefetched: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finished(EngineEvent):
     """A request produced its last token and released its blocks."""
     request_id: int
@@ -99,7 +99,7 @@ class Finished(EngineEvent):
     tpot_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TenantReclaimed(EngineEvent):
     """A tenant left: ``requests`` were aborted and ``blocks`` returned to the pool."""
     tenant: str

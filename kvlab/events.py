@@ -2,6 +2,9 @@
 
 Subscribers are called synchronously, in subscription order, while the pool lock is held: keep them short and
 do not call back into the pool from them. With no subscriber the pool does not even build the event.
+Events are values: treat them as read-only. They are plain slotted dataclasses, not frozen ones, because a
+frozen dataclass sets each field through ``object.__setattr__`` and costs three times as much to build
+(~480 ns vs ~140 ns for ``Allocated``), which a live view pays on every pool call.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
     """Base of all events; ``step`` is the pool clock when it happened."""
 
@@ -24,7 +27,7 @@ class Event:
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineEvent(Event):
     """An event of the serving engine: ``step`` is still the pool clock (so engine and pool events interleave
     in one order); ``engine_step`` is the engine's step count."""
@@ -32,7 +35,7 @@ class EngineEvent(Event):
     engine_step: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocated(Event):
     """Blocks left the free lists (``status`` is ALLOCATED, or PENDING for a reservation)."""
     block_ids: tuple[int, ...]
@@ -42,19 +45,19 @@ class Allocated(Event):
     strategy: str  # "free" | "split" | "evict"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Freed(Event):
     """Blocks returned to the free lists; their data is gone."""
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cached(Event):
     """Blocks reached refcount 0 but keep reusable data: they stay ALLOCATED and become evictable."""
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RefChanged(Event):
     """Reference counts of ``block_ids`` changed by ``delta`` each; ``counts`` are the new values."""
     block_ids: tuple[int, ...]
@@ -62,7 +65,7 @@ class RefChanged(Event):
     counts: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Evicted(Event):
     """A cached block was evicted. ``candidates`` are the policy's ranking ``(block_id, score)``, victim first."""
     block_id: int
@@ -71,7 +74,7 @@ class Evicted(Event):
     candidates: tuple[tuple[int, float], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StatusChanged(Event):
     """Blocks moved along the state machine from ``old`` to ``new``."""
     block_ids: tuple[int, ...]
@@ -79,7 +82,7 @@ class StatusChanged(Event):
     new: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Split(Event):
     """A free block of ``size_class`` was split into two buddies of ``size_class - 1``."""
     block_id: int
@@ -87,14 +90,14 @@ class Split(Event):
     buddy: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Merged(Event):
     """Two free buddies merged into ``block_id`` of ``size_class``."""
     block_id: int
     size_class: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Migrated(Event):
     """Data and metadata of ``src[i]`` moved to ``dst[i]`` (defragmentation, swap-in, copy-on-write)."""
     src: tuple[int, ...]

@@ -116,7 +116,7 @@ class DefragReport:
         return bool(self.merges or self.moves)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Defragmented(ev.Event):
     """A defragmentation pass merged ``merges`` buddy pairs and moved ``moves`` blocks (``bytes_moved`` bytes)."""
     merges: int

@@ -23,7 +23,7 @@ import numpy as np
 from .events import EngineEvent
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepMetrics(EngineEvent):
     """Gauges after engine step ``engine_step`` (``time_s`` is the engine clock in seconds)."""
     time_s: float

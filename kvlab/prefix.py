@@ -32,7 +32,7 @@ from .events import Event
 from .pool import BlockPool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixHit(Event):
     """A prompt reused ``block_ids`` (``tokens`` tokens not recomputed)."""
     block_ids: tuple[int, ...]
@@ -40,14 +40,14 @@ class PrefixHit(Event):
     tenant: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixStored(Event):
     """Full block ``block_id`` was registered under hash ``digest`` (hex)."""
     block_id: int
     digest: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixEvicted(Event):
     """Cached block ``block_id`` (hash ``digest``) left the cache: evicted by the pool, or found stale."""
     block_id: int

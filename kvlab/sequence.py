@@ -45,7 +45,7 @@ ALLOCATED = int(BlockStatus.ALLOCATED)
 _NONE = object()  # "no bad token found" (None itself is a bad token)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CopiedOnWrite(Event):
     """Sequence ``seq_id`` appended into shared block ``src`` and got private copy ``dst`` first."""
     seq_id: int
@@ -53,7 +53,7 @@ class CopiedOnWrite(Event):
     dst: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Swapped(Event):
     """Sequence ``seq_id`` moved ``block_ids`` to host memory (``direction='out'``) or back (``'in'``)."""
     seq_id: int
