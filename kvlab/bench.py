@@ -2,7 +2,8 @@
 ratios and goals, and write the same rows as JSON with the machine, versions, device and date.
 
 Each ``benchmarks/bench_*.py`` exposes ``run(quick: bool) -> list[dict]`` whose rows carry ``name``, ``value``,
-``unit`` and optionally ``baseline``, ``ratio`` and ``goal``. Quick mode shrinks every benchmark so the whole
+``unit`` and optionally ``baseline``, ``ratio``, ``goal`` and ``ratios`` (``{label: ratio}`` to further baselines,
+shown after the main ratio). Quick mode shrinks every benchmark so the whole
 command is a smoke test (CI runs it: it checks that each benchmark ran, never how fast).
 """
 from __future__ import annotations
@@ -84,8 +85,9 @@ def format_table(result: dict[str, Any]) -> str:
     head = "| benchmark | figure | value | unit | baseline | ratio | goal |\n|---|---|---:|---|---:|---:|---:|"
     lines = [head]
     for r in result["rows"]:
+        ratio = "; ".join([_fmt(r.get("ratio"))] + [f"{k} {_fmt(v)}" for k, v in r.get("ratios", {}).items()])
         lines.append(f"| {r.get('benchmark', '')} | {r['name']} | {_fmt(r['value'])} | {r.get('unit', '')} | "
-                     f"{_fmt(r.get('baseline'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('goal'))} |")
+                     f"{_fmt(r.get('baseline'))} | {ratio} | {_fmt(r.get('goal'))} |")
     return "\n".join(lines)
 
 
