@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ INT32_MAX = 2**31 - 1
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """The id rule, everywhere: a Python int or numpy integer, never a bool (nor numpy's, which is no integer)."""
     return type(x) is int or isinstance(x, np.integer)
 
@@ -128,7 +128,7 @@ class BlockPool(TextbookNames):
         self.policy = make_policy(eviction_policy, seed).bind(self)
         self.eviction_policy = self.policy.name
         self.evict_guard: Callable[[int], bool] | None = None  # may veto a victim (prefix-chain order)
-        self.evict_hooks: list[Callable[[int], None]] = []  # told which block was evicted
+        self.evict_hooks: list[Callable[[int], None]] = []  # told which cached block lost its data
         self.relocation_hooks: list[Callable[[np.ndarray, np.ndarray], None]] = []  # told src -> dst moves
         self.counts = dict.fromkeys(("allocations", "frees", "decrefs", "evictions", "splits", "merges",
                                      "migrations", "served_free", "served_split", "served_evict"), 0)
@@ -391,10 +391,8 @@ class BlockPool(TextbookNames):
             gone = [b for b in blocks if not reusable and m.status[b] == ALLOCATED and not m.refcount[b]]
             for b in blocks:
                 m.reusable[b] = int(reusable)
-            for b in gone:
-                self.policy.discard(b)
             for b in reversed(gone):
-                self._push_free(b)
+                self._uncache(b)
             if gone and self.events:
                 self.events.publish(ev.Freed(t, tuple(gone)))
 
@@ -468,6 +466,13 @@ class BlockPool(TextbookNames):
         self.meta.reset(b)
         self.free_lists.push(b)
 
+    def _uncache(self, b: int) -> None:
+        """Cached block ``b`` loses its data (evicted or released): FREE, and every evict hook is told."""
+        self.policy.discard(b)
+        self._push_free(b)
+        for hook in self.evict_hooks:
+            hook(b)
+
     # ------------------------------------------------------------------ eviction
     def _evict_one(self, reason: str, t: int, min_order: int = 0) -> int | None:
         """Evict the policy's first acceptable victim (cached, not vetoed, of class >= ``min_order``). Its event
@@ -483,11 +488,8 @@ class BlockPool(TextbookNames):
             return None
         if self.events:  # the victim first, then the candidates it was preferred to (passed over or next)
             ranked = [ranked[-1], *ranked[:-1], *islice(order, max(0, 8 - len(ranked)))]
-        self.policy.discard(victim)
-        self._push_free(victim)
+        self._uncache(victim)
         self.counts["evictions"] += 1
-        for hook in self.evict_hooks:
-            hook(victim)
         if self.events:
             self.events.publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked[:8])))
         return victim
@@ -510,8 +512,7 @@ class BlockPool(TextbookNames):
                 raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]} with refcount "
                                              f"{self.meta.refcount[b]}: only a cached block can be released")
             t = self._mutation()
-            self.policy.discard(b)
-            self._push_free(b)
+            self._uncache(b)
             if self.events:
                 self.events.publish(ev.Freed(t, (b,)))
 
@@ -649,6 +650,6 @@ def _multiplicity(ids: Iterable[int]) -> dict[int, int]:
     return out
 
 
-def _base_blocks(ids: list[int], meta: BlockMeta) -> np.ndarray:
+def _base_blocks(ids: list[int], meta: BlockMeta) -> list[int]:
     """The base blocks of blocks ``ids``, block by block."""
-    return np.concatenate([np.arange(b, b + meta.span(b)) for b in ids])
+    return [u for b in ids for u in range(b, b + meta.span(b))]

@@ -8,7 +8,7 @@ matters.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -42,81 +42,86 @@ def check_kv_data(pool: "BlockPool", kv: Any, capacity_tokens: int | None = None
 class TextbookNames:
     """The text's ``BlockPool`` methods, for :class:`kvlab.pool.BlockPool`."""
 
-    def get_best_block(self: "BlockPool", required_size: int) -> KVBlock | None:
+    def get_best_block(self, required_size: int) -> KVBlock | None:
         """The smallest FREE block of at least ``required_size`` bytes, without taking it (the text's pool never
         held any block, so its version always returned None)."""
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
         if isinstance(required_size, bool) or not isinstance(required_size, (int, np.integer)) or required_size < 0:
             raise ConfigError(f"required_size must be a byte count >= 0, got {required_size!r}")
-        with self.lock:
-            for k in range(self.max_order + 1):
-                b = self.free_lists.top(k)
-                if self.bytes_per_block << k >= required_size and b is not None:
-                    return KVBlock(self, b)
+        with pool.lock:
+            for k in range(pool.max_order + 1):
+                b = pool.free_lists.top(k)
+                if pool.bytes_per_block << k >= required_size and b is not None:
+                    return KVBlock(pool, b)
             return None
 
-    def allocate_block(self: "BlockPool", block_id: int | None = None, kv_data: torch.Tensor | None = None,
+    def allocate_block(self, block_id: int | None = None, kv_data: torch.Tensor | None = None,
                        owner: int = -1) -> KVBlock:
         """Allocate FREE block ``block_id`` (or the smallest class that fits ``kv_data``) and write ``kv_data``
         into its first slots. The text compared a token count with ``kv_data.nbytes`` and a block's capacity
         with the size of the data it last held; here capacity is the block's fixed size in tokens."""
-        with self.lock:
-            if block_id is not None:
-                block_id = self.check_id(block_id)
-                BlockStatus.check(block_id, self.fields.status[block_id], ALLOCATED)
-                cap = self.block_size << self.fields.size_class[block_id]
-                k = None
-            if kv_data is not None:
-                t = check_kv_data(self, kv_data, cap if block_id is not None else self.block_sizes[-1])
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        with pool.lock:
             if block_id is None:
-                need = 0 if kv_data is None else t
-                k = next(k for k, size in enumerate(self.block_sizes) if size >= need)
-            b = self.allocate(1, size_class=k or 0, owner=owner, block_id=block_id)[0]
+                t = 0 if kv_data is None else check_kv_data(pool, kv_data, pool.block_sizes[-1])
+                k = next(k for k, size in enumerate(pool.block_sizes) if size >= t)
+            else:
+                block_id = pool.check_id(block_id)
+                BlockStatus.check(block_id, pool.fields.status[block_id], ALLOCATED)
+                k = pool.fields.size_class[block_id]
+                t = 0 if kv_data is None else check_kv_data(pool, kv_data, pool.block_sizes[k])
+            b = pool.allocate(1, size_class=k, owner=owner, block_id=block_id)[0]
             if kv_data is not None:
-                self.storage_of().block_view(b, self.meta.span(b))[:, :, :t].copy_(kv_data)
-                self.set_token_count(b, t)
-            return KVBlock(self, b)
+                pool.storage_of().block_view(b, pool.meta.span(b))[:, :, :t].copy_(kv_data)
+                pool.set_token_count(b, t)
+            return KVBlock(pool, b)
 
-    def release_block(self: "BlockPool", block_id: int) -> None:
+    def release_block(self, block_id: int) -> None:
         """The text's name for releasing one block: :meth:`free` of ``[block_id]``."""
-        self.free([block_id])
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        pool.free([block_id])
 
-    def evict_block(self: "BlockPool", reason: str = "explicit") -> KVBlock | None:
+    def evict_block(self, reason: str = "explicit") -> KVBlock | None:
         """:meth:`evict` returning a :class:`KVBlock` view of the victim (now FREE). The text picked the LRU block
         first and checked its refcount after, so one referenced block stopped every eviction."""
-        b = self.evict(reason)
-        return None if b is None else KVBlock(self, b)
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        b = pool.evict(reason)
+        return None if b is None else KVBlock(pool, b)
 
-    def calculate_fragmentation(self: "BlockPool") -> int:
+    def calculate_fragmentation(self) -> int:
         """External fragmentation in percent: the share of free memory that the largest request cannot use. A
         request asks for one block of at most the largest class, so only free space that forms whole aligned
         blocks of that class counts as usable. With one size class every free block serves every request: 0 by
         construction, whatever the layout. (The text's ``(total - largest) / total`` over free blocks calls
         four equal free blocks "75% fragmented".)"""
-        with self.lock:
-            total = self.num_free_blocks
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        with pool.lock:
+            total = pool.num_free_blocks
             if not total:
                 return 0
-            top = 1 << self.max_order
-            aligned = self.arrays.status[:self.num_blocks // top * top].reshape(-1, top)
+            top = 1 << pool.max_order
+            aligned = pool.arrays.status[:pool.num_blocks // top * top].reshape(-1, top)
             usable = top * int((aligned == FREE).all(axis=1).sum())
             return int(round(100 * (1 - usable / total)))
 
-    def get_memory_usage(self: "BlockPool") -> dict[str, int]:
+    def get_memory_usage(self) -> dict[str, int]:
         """Bytes: ``total``, ``used`` (PENDING/ALLOCATED/EVICTING), ``free``, ``cached`` (inside ``used``),
         ``token_bytes`` (bytes holding real tokens) and the ``fragmentation`` percent. The text summed the
         sizes of the data blocks held, so a block's size changed with what it last stored."""
-        with self.lock:
-            c = self.status_counts()
-            cached = sum(1 << self.fields.size_class[b] for b, _ in self.policy.order())
-            return {"total": self.num_blocks * self.bytes_per_block,
-                    "used": (self.num_blocks - c["FREE"]) * self.bytes_per_block,
-                    "free": c["FREE"] * self.bytes_per_block, "cached": cached * self.bytes_per_block,
-                    "token_bytes": int(self.arrays.tokens.sum()) * self.spec.bytes_per_token,
-                    "fragmentation": self.calculate_fragmentation()}
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        with pool.lock:
+            c = pool.status_counts()
+            cached = sum(1 << pool.fields.size_class[b] for b, _ in pool.policy.order())
+            return {"total": pool.num_blocks * pool.bytes_per_block,
+                    "used": (pool.num_blocks - c["FREE"]) * pool.bytes_per_block,
+                    "free": c["FREE"] * pool.bytes_per_block, "cached": cached * pool.bytes_per_block,
+                    "token_bytes": int(pool.arrays.tokens.sum()) * pool.spec.bytes_per_token,
+                    "fragmentation": pool.calculate_fragmentation()}
 
-    def get_stats(self: "BlockPool") -> dict[str, Any]:
+    def get_stats(self) -> dict[str, Any]:
         """Counters since creation (allocations, frees, evictions, splits, merges, migrations, how allocations
         were served) plus the state counts now, cached blocks, lock acquisitions and ``fragmentation``."""
-        with self.lock:
-            return {**self.counts, **self.status_counts(), "cached": len(self.policy),
-                    "lock_acquisitions": self.lock_acquisitions, "fragmentation": self.calculate_fragmentation()}
+        pool = cast("BlockPool", self)  # only ever mixed into BlockPool
+        with pool.lock:
+            return {**pool.counts, **pool.status_counts(), "cached": len(pool.policy),
+                    "lock_acquisitions": pool.lock_acquisitions, "fragmentation": pool.calculate_fragmentation()}
