@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvlab-installed
 
 .PHONY: install lab demo test test-long bench html clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
@@ -36,4 +36,4 @@ html: $(STAMP)
 	$(BIN)/python -m kvlab html
 
 clean:
-	rm -rf $(VENV) build dist site .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so

@@ -24,7 +24,8 @@ from .engine import (Admitted, CostModel, Engine, EngineConfig, Finished, Preemp
 from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, FragmentationDetector
 from .metrics import MetricsLog, RequestRecord, StepMetrics
 from .model import TinyConfig, TinyLlama
-from .perf import FastBlockPool
+from .perf import COMPILED as hotpath_compiled
+from .perf import FastBlockPool, PyFastBlockPool
 from .pool import BlockPool
 from .prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
 from .preallocation import Preallocator
@@ -50,7 +51,7 @@ __all__ = [
     "paged_attention",
     "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
     "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
-    "Allocated", "BlockPool", "FastBlockPool", "BlockStatus", "Cached", "EngineEvent", "ConfigError",
+    "Allocated", "BlockPool", "FastBlockPool", "PyFastBlockPool", "hotpath_compiled", "BlockStatus", "Cached", "EngineEvent", "ConfigError",
     "DoubleFreeError", "Event", "EventBus",
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",

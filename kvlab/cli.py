@@ -30,10 +30,11 @@ def command(name: str, help: str, configure: Configure) -> Callable[[Handler], H
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import __version__, hotpath_compiled
 
     parser = argparse.ArgumentParser(prog="kvlab", description="See how a paged KV cache works.")
-    parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
+    fast = "compiled (kvlab/_fastpath.c)" if hotpath_compiled else "pure Python (no compiled kvlab/_fastpath.c)"
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}; FastBlockPool: {fast}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, configure, handler) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)

@@ -32,6 +32,9 @@ class FreeLists:
 
     def carve(self, start: int, stop: int) -> None:
         """Tile base blocks ``[start, stop)`` with the largest aligned blocks and push them, lowest on top."""
+        if not self.max_order:  # one size: every base block is a block (one C-level extend for a million)
+            self.stacks[0].extend(range(stop - 1, start - 1, -1))
+            return
         tiles, u = [], start
         while u < stop:
             k = self.max_order

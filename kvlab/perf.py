@@ -1,9 +1,9 @@
 """FastBlockPool: the same pool, with the speed tricks of text §2.2.5 ("批量操作优化") — the exhibit.
 
-:class:`kvlab.pool.BlockPool` is written to be read; this subclass is written to be fast, and is held equal to
-it by property tests (``tests/test_perf.py``: the same random operation sequences give the same return values,
-errors, metadata, free stacks, events and clock). It overrides only the two hottest calls, and only for the
-calls that need neither eviction, size classes nor an error — everything else goes to the reference method
+:class:`kvlab.pool.BlockPool` is written to be read; this module's pools are written to be fast, and property
+tests hold them equal to it (``tests/test_perf.py``: the same random operation sequences give the same return
+values, errors, metadata, free stacks, events and clock). They override only the two hottest calls, and only for
+the calls that need neither eviction, size classes nor an error — everything else goes to the reference method
 unchanged, so every error message is the reference's own:
 
 * ``allocate(n)`` of base blocks the free stack holds: one block is a few list/array operations inlined;
@@ -12,19 +12,29 @@ unchanged, so every error message is the reference's own:
 * ``free(ids)`` of distinct blocks that each hold their only reference and keep no reusable data (a finished
   sequence): one block inlined, many with a dozen numpy calls.
 
+:class:`PyFastBlockPool` does this in Python. :class:`FastBlockPool` is the same class with those two methods
+compiled (``kvlab/_fastpath.c``, built when kvlab is installed with a C compiler at hand; :data:`COMPILED` says
+whether it was, and ``KVLAB_PURE_PYTHON=1`` switches it off); without the binary it *is* ``PyFastBlockPool``.
 Why it pays: in CPython a method call costs about as much as an array store, so the reference's tidy helpers
 (validate, stamp, push) dominate a one-block call; a batch of n blocks costs one numpy call per field instead
-of n stores. ``kvlab bench`` and ``docs/benchmarks.md`` measure both against peer-style pools.
-Events are published here too (a live view subscribes, and must not slow the pool down to the reference).
+of n stores, and in C neither cost is there. ``kvlab bench`` and ``docs/benchmarks.md`` measure them against
+peer-style pools. Events are published on these paths too: a live view listens, and must not slow the pool
+down to the reference.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import events as ev
 from .block import BlockStatus
+from .clock import LogicalClock
 from .pool import ALLOCATED, FREE, INT32_MAX, BlockPool, Ids
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on
@@ -32,8 +42,8 @@ _ALLOCATED = bytes([ALLOCATED])
 _ONE_REF = np.ones(1, dtype=np.int32).tobytes()
 
 
-class FastBlockPool(BlockPool):
-    """A :class:`BlockPool` whose common allocate/free calls take inlined and vectorised paths."""
+class PyFastBlockPool(BlockPool):
+    """A :class:`BlockPool` whose common allocate/free calls take inlined and vectorised Python paths."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,3 +156,44 @@ class FastBlockPool(BlockPool):
         pos = self._pos[:a.size]
         self._scratch[a] = pos
         return self._scratch[a].tobytes() == pos.tobytes()
+
+
+def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> type | None:
+    """The compiled base type, or None: switched off (``KVLAB_PURE_PYTHON=1``), or not built — with one warning
+    when it should have been (a binary older than its source, or a source checkout with a compiler but no
+    binary: reinstall)."""
+    if os.environ.get("KVLAB_PURE_PYTHON"):
+        return None
+    try:
+        from ._fastpath import SOURCE_SHA256, FastPath
+    except ImportError:
+        if source.exists() and shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc"):
+            warnings.warn("kvlab/_fastpath.c is not compiled although a C compiler is at hand; reinstall kvlab "
+                          "(`make install`). FastBlockPool runs its Python paths meanwhile.", stacklevel=3)
+        return None
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != SOURCE_SHA256:
+        warnings.warn(f"{source} changed after it was compiled; reinstall kvlab (`make install`) to rebuild it. "
+                      "FastBlockPool runs its Python paths meanwhile.", stacklevel=3)
+        return None
+    return FastPath
+
+
+_FastPath = _load_fastpath()
+COMPILED = _FastPath is not None
+
+if _FastPath is not None:
+    class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
+        """:class:`PyFastBlockPool` with ``allocate`` and ``free`` compiled (``kvlab/_fastpath.c``): the C
+        serves what the Python fast paths serve and hands every other call to them."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            m = self.meta
+            self._bind_fastpath(
+                allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.free, lock=self.lock, stack=self._stack,
+                clock=self.clock, step_slot=LogicalClock.step if type(self.clock) is LogicalClock else None,
+                events=self.events, allocated=ev.Allocated, freed=ev.Freed, counts=self.counts,
+                status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
+                owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order)
+else:
+    FastBlockPool = PyFastBlockPool  # type: ignore[misc]

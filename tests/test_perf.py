@@ -1,18 +1,27 @@
-"""FastBlockPool (kvlab.perf) against the reference BlockPool on random operation sequences.
+"""The fast pools (kvlab.perf) against the reference BlockPool on random operation sequences.
 
-``FastBlockPool`` serves ``allocate(n)`` and ``free(ids)`` with inlined one-block paths and, from 9 base blocks
-on, a few numpy calls (slices when the ids form a run). After every step both pools must hold identical
-metadata, free stacks, evictable sets, counters, clocks and events, return the same ids and raise the same
-errors with the same messages.
+``PyFastBlockPool`` serves ``allocate(n)`` and ``free(ids)`` with inlined one-block paths and, from 9 base
+blocks on, a few numpy calls (slices when the ids form a run); ``FastBlockPool`` does the same in C where kvlab
+was compiled. After every step both pools must hold identical metadata, free stacks, evictable sets, counters,
+clocks and events, return the same ids and raise the same errors with the same messages.
 """
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import BlockPool, FastBlockPool, DoubleFreeError, EventRecorder, IllegalTransitionError, KVLabError, UnknownBlockError
+import kvlab
+from kvlab import (BlockPool, DoubleFreeError, EventRecorder, FastBlockPool, IllegalTransitionError, KVLabError,
+                   UnknownBlockError)
+from kvlab.perf import COMPILED, PyFastBlockPool
 
 from _util import assert_same_state, pool_state
 
@@ -39,35 +48,68 @@ def ids_strategy(held: list[int], batches: list[list[int]]) -> st.SearchStrategy
     return st.one_of(whole, whole, whole, picked, picked.map(sorted), run, repeated, spoilt)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = [FastBlockPool, PyFastBlockPool] if COMPILED else [PyFastBlockPool]
+ODD = [0, -1, True, 1.0, np.int64(2), "2", None, 2**63]  # what the fast paths must hand to the reference
+
+
+@pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
+@pytest.mark.parametrize("sizes", [None, [4, 8, 16]], ids=["uniform", "size-classes"])
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_batch_paths_equal_general_paths(data):
-    fast, ref = FastBlockPool(N, with_storage=False), BlockPool(N, with_storage=False)
-    rec_fast, rec_ref = EventRecorder(fast.events), EventRecorder(ref.events)
+def test_fast_pool_equals_the_reference(cls, sizes, listen, data):
+    """Same return values, errors and messages, metadata, free stacks, evictable set, counters, clock and
+    events after every step, with and without a subscriber (the compiled path publishes events itself)."""
+    kw0 = dict(with_storage=False) if sizes is None else dict(with_storage=False, block_sizes=sizes)
+    fast, ref = cls(N, **kw0), BlockPool(N, **kw0)
+    if listen:
+        rec_fast, rec_ref = EventRecorder(fast.events), EventRecorder(ref.events)
     held: list[int] = []
     batches: list[list[int]] = []  # allocations of 9 or more blocks still fully held
     for _ in range(data.draw(st.integers(5, 25), label="steps")):
-        op = data.draw(st.sampled_from(["allocate", "free", "free", "incref", "mark_reusable", "decref",
-                                        "set_token_count"]))
-        if op == "allocate" or not held:
-            op, args = "allocate", (data.draw(st.integers(1, 150), label="n"),)
-            kw = {"owner": data.draw(st.integers(-1, 3))}
+        op = data.draw(st.sampled_from(["allocate", "allocate", "free", "free", "incref", "mark_reusable", "decref",
+                                        "set_token_count", "touch", "evict", "reserve"]))
+        if op in ("allocate", "reserve") or not held:
+            op = "allocate" if op != "reserve" else op
+            n = data.draw(st.one_of(st.integers(1, 150), st.sampled_from(ODD)), label="n")
+            form = data.draw(st.sampled_from(["positional", "owner", "owner-odd", "size_class"]))
+            args, kw = (n,), {}
+            if form == "owner":
+                kw = {"owner": data.draw(st.integers(-1, 3))}
+            elif form == "owner-odd":
+                kw = {"owner": data.draw(st.sampled_from([-2, 2**31, True, np.int32(1), "x"]))}
+            elif form == "size_class":
+                kw = {"size_class": data.draw(st.sampled_from([0, 1, 2, True]))}
         elif op == "set_token_count":
             args, kw = (data.draw(st.sampled_from(held)), data.draw(st.integers(0, fast.block_size))), {}
-        elif op in ("incref", "mark_reusable", "decref"):
+        elif op in ("incref", "mark_reusable", "decref", "touch"):
             args, kw = (data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=8)),), {}
+        elif op == "evict":
+            args, kw = (), {}
         else:
             args, kw = (data.draw(ids_strategy(held, batches), label="ids"),), {}
         got, want = outcome(fast, op, *args, **kw), outcome(ref, op, *args, **kw)
-        assert got == want, (op, args)
+        assert got == want, (op, args, kw)
         assert_same_state(pool_state(ref), pool_state(fast))
-        assert rec_fast.events == rec_ref.events
+        if listen:
+            assert rec_fast.events == rec_ref.events
         fast.check_invariants()
-        if op == "allocate" and isinstance(got, list):
+        if op in ("allocate", "reserve") and isinstance(got, list):
+            if op == "reserve":
+                fast.commit(got)
+                ref.commit(got)
             held.extend(got)
             batches.append(got)
         held = [b for b in held if fast.arrays.refcount[b] > 0]
         batches = [ids for ids in batches if len(ids) >= 9 and (fast.arrays.refcount[ids] > 0).all()]
+
+
+def test_the_compiled_pool_is_built_where_a_compiler_is():
+    """A C compiler on this machine and no compiled FastBlockPool means the build hook failed silently."""
+    if shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc") is None and not os.environ.get("CI"):
+        pytest.skip("no C compiler here: FastBlockPool runs its Python paths")
+    assert COMPILED and FastBlockPool is not PyFastBlockPool and kvlab.hotpath_compiled
+    assert type(FastBlockPool.__dict__.get("allocate", FastBlockPool.allocate)).__name__ == "method_descriptor"
 
 
 def test_run_and_scattered_free_restore_the_stack():
@@ -90,7 +132,7 @@ def test_run_and_scattered_free_restore_the_stack():
     (lambda ids: [[1]] + ids, UnknownBlockError, r"a block id is an int, not \[1\]"),
     (lambda ids: ids + [ids[-1] + 1], DoubleFreeError, f"block {41} is FREE"),
 ])
-@pytest.mark.parametrize("cls", [BlockPool, FastBlockPool])
+@pytest.mark.parametrize("cls", [BlockPool, *FAST])
 def test_long_free_rejects_bad_lists_unchanged(bad, error, words, cls):
     pool = cls(N, with_storage=False)
     ids = pool.allocate(41)
@@ -142,3 +184,35 @@ def test_sort_free_lists_changes_only_the_order():
     assert_same_state(before[:1] + (after[1],) + before[2:], after)
     assert pool.allocate(50) == list(range(50))
     pool.check_invariants()
+
+
+def test_version_says_whether_the_fast_path_is_compiled():
+    out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True)
+    assert ("compiled (kvlab/_fastpath.c)" in out.stdout) == COMPILED, out.stdout
+    env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True,
+                         env=env)
+    assert "FastBlockPool: pure Python" in out.stdout
+
+
+@pytest.mark.skipif(not COMPILED, reason="needs the compiled fast path")
+def test_a_binary_older_than_its_source_is_refused_with_one_warning(tmp_path):
+    """A checkout whose _fastpath.c changed after the build: the stale binary is not loaded, and kvlab says so."""
+    src = Path(kvlab.__file__).parent
+    pkg = tmp_path / "kvlab"
+    shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "_fastpath.c").write_text((src / "_fastpath.c").read_text() + "\n/* edited */\n")
+    code = "import warnings; warnings.simplefilter('always'); import kvlab; print(kvlab.hotpath_compiled)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert out.stdout.strip() == "False"
+    assert out.stderr.count("changed after it was compiled") == 1, out.stderr
+
+
+def test_the_wheel_ships_the_compiled_fast_path(wheel):
+    names = set(wheel.namelist())
+    assert "kvlab/_fastpath.c" in names and "kvlab/perf.py" in names
+    if COMPILED:
+        assert any(n.startswith("kvlab/_fastpath") and n.endswith(".so") for n in names), sorted(names)
+        tags = [line for line in wheel.read(next(n for n in names if n.endswith("WHEEL"))).decode().splitlines()
+                if line.startswith("Tag:")]
+        assert tags and all("none-any" not in t for t in tags), tags  # a binary wheel names its platform

@@ -1,0 +1,427 @@
+/* FastPath: the base type that makes kvlab.perf.FastBlockPool's allocate() and free() run in C.
+ *
+ * kvlab/pool.py is the reference and the code to read; kvlab/perf.py says in Python what this file does in C.
+ * FastBlockPool inherits from this type, so `pool.allocate` / `pool.free` are methods of the class. Each serves
+ * the common case of a one-size pool entirely here -- allocate(n[, owner=o]) of base blocks the free stack holds,
+ * free(list) of distinct blocks that each hold their only reference and keep no reusable data -- on the pool's
+ * own lock, free stack, clock, counters, metadata buffers and event bus, publishing the same events as the
+ * reference. Any other call (other arguments, size classes, shared or cached blocks, errors) goes unchanged to
+ * the Python method, which serves it or words the error. tests/test_perf.py holds all three pools equal.
+ *
+ * Why: in CPython a one-block allocate+free spends most of its time in bytecode dispatch and method calls
+ * (docs/benchmarks.md); here it is a few C calls.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KVLAB_SOURCE_SHA256
+#define KVLAB_SOURCE_SHA256 "unknown"
+#endif
+
+enum field { STATUS, REFCOUNT, HITS, LAST_ACCESS, CREATED, OWNER, TOKENS, REUSABLE, NFIELDS };
+static const char *FIELD[NFIELDS] = {"status", "refcount", "hits", "last_access", "created", "owner", "tokens",
+                                     "reusable"};
+static const Py_ssize_t ITEMSIZE[NFIELDS] = {1, 4, 8, 8, 8, 4, 4, 1};
+enum { FREE = 0, ALLOCATED = 2 };
+#define SMALL 64 /* ids kept on the C stack; longer calls use the heap */
+
+typedef struct {
+    PyObject_HEAD
+    long long lock_acquisitions;          /* the pool's counter (BlockPool.lock_acquisitions), shared with Python */
+    int bound;
+    int uniform;                          /* one size class: free() of base blocks may run here */
+    Py_ssize_t num_blocks;
+    PyObject *py_allocate, *py_free;      /* the Python methods every other call goes to */
+    PyObject *acquire, *release;          /* the pool lock's bound methods */
+    PyObject *stack, *frombytes;          /* free stack 0 (array('i')) and its frombytes */
+    PyObject *clock, *tick;               /* the pool clock and its tick (called unless step_offset) */
+    Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`: ticked in place */
+    PyObject *events, *publish;           /* the EventBus (a list of subscribers) and its publish */
+    PyObject *allocated_cls, *freed_cls;  /* kvlab.events.Allocated / Freed */
+    PyObject *counts;                     /* the pool's counters dict */
+    uint8_t *seen;                        /* num_blocks bytes, all 0 between calls: repeated ids in free() */
+    Py_buffer buf[NFIELDS];
+    int nbuf;
+} FastPath;
+
+static PyObject *s_allocations, *s_served_free, *s_frees, *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
+
+#define F(h, f, T) ((T *)(h)->buf[f].buf)
+
+static int traverse(FastPath *h, visitproc visit, void *arg) {
+    Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->acquire); Py_VISIT(h->release);
+    Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
+    Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls); Py_VISIT(h->counts);
+    for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
+    return 0;
+}
+
+static int clear(FastPath *h) {
+    h->bound = 0;
+    Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->acquire); Py_CLEAR(h->release);
+    Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
+    Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls); Py_CLEAR(h->counts);
+    while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
+    PyMem_Free(h->seen);
+    h->seen = NULL;
+    return 0;
+}
+
+/* Only ever the base of a Python class, whose deallocator drops the reference to the class itself. */
+static void dealloc(FastPath *h) {
+    PyObject_GC_UnTrack(h);
+    clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+/* _bind_fastpath(...): called once by FastBlockPool.__init__ with the pool's own parts. */
+static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
+    static char *names[] = {"allocate", "free", "lock", "stack", "clock", "step_slot", "events", "allocated",
+                            "freed", "counts", "status", "refcount", "hits", "last_access", "created", "owner",
+                            "tokens", "reusable", "uniform", NULL};
+    PyObject *py_allocate, *py_free, *lock, *stack, *clock, *step_slot, *events, *allocated, *freed, *counts;
+    PyObject *fields[NFIELDS];
+    int uniform;
+    if (h->bound || h->nbuf) {
+        PyErr_SetString(PyExc_RuntimeError, "the fast path is already bound");
+        return NULL;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO!OOO!OOOOOOOOp:_bind_fastpath", names, &py_allocate,
+                                     &py_free, &lock, &stack, &clock, &step_slot, &PyList_Type, &events, &allocated,
+                                     &freed, &PyDict_Type, &counts, &fields[STATUS], &fields[REFCOUNT],
+                                     &fields[HITS], &fields[LAST_ACCESS], &fields[CREATED], &fields[OWNER],
+                                     &fields[TOKENS], &fields[REUSABLE], &uniform))
+        return NULL;
+    if (step_slot != Py_None) {  /* LogicalClock.step, a __slots__ member: tick it in place, as `step += 1` */
+        PyMemberDef *m = Py_IS_TYPE(step_slot, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)step_slot)->d_member
+                                                                     : NULL;
+        if (!m || m->type != T_OBJECT_EX ||
+            !PyObject_TypeCheck(clock, ((PyMemberDescrObject *)step_slot)->d_common.d_type)) {
+            PyErr_SetString(PyExc_TypeError, "step_slot must be the clock's `step` slot, or None");
+            return NULL;
+        }
+        h->step_offset = m->offset;
+    }
+    h->py_allocate = Py_NewRef(py_allocate);
+    h->py_free = Py_NewRef(py_free);
+    h->stack = Py_NewRef(stack);
+    h->clock = Py_NewRef(clock);
+    h->events = Py_NewRef(events);
+    h->allocated_cls = Py_NewRef(allocated);
+    h->freed_cls = Py_NewRef(freed);
+    h->counts = Py_NewRef(counts);
+    if (!(h->acquire = PyObject_GetAttrString(lock, "acquire")) ||
+        !(h->release = PyObject_GetAttrString(lock, "release")) ||
+        !(h->frombytes = PyObject_GetAttrString(stack, "frombytes")) ||
+        !(h->tick = PyObject_GetAttrString(clock, "tick")) ||
+        !(h->publish = PyObject_GetAttrString(events, "publish")))
+        return NULL;
+    for (int f = 0; f < NFIELDS; f++) {
+        Py_buffer *view = &h->buf[f];
+        if (PyObject_GetBuffer(fields[f], view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
+        h->nbuf++;  /* held from here on (which also keeps the array from being resized) */
+        if (view->itemsize != ITEMSIZE[f] || (f && view->len != h->buf[0].len * ITEMSIZE[f])) {
+            PyErr_Format(PyExc_ValueError, "the %s field has items of %zd bytes, not %zd", FIELD[f],
+                         view->itemsize, ITEMSIZE[f]);
+            return NULL;
+        }
+    }
+    h->num_blocks = h->buf[STATUS].len;
+    h->uniform = uniform;
+    if (!(h->seen = PyMem_Calloc(h->num_blocks ? h->num_blocks : 1, 1))) return PyErr_NoMemory();
+    h->bound = 1;
+    Py_RETURN_NONE;
+}
+
+static int lock(FastPath *h) {
+    PyObject *r = PyObject_CallNoArgs(h->acquire);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* Release the lock, keeping an exception already raised (the `finally:` of a `with` block). */
+static int unlock(FastPath *h) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(h->release);
+    if (!r) {
+        Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
+/* clock.tick(): a new reference to the new time (an int), or NULL with an exception set. */
+static PyObject *tick(FastPath *h, long long *step) {
+    PyObject *t;
+    if (h->step_offset) {
+        PyObject **slot = (PyObject **)((char *)h->clock + h->step_offset);
+        if (!*slot) {
+            PyErr_SetString(PyExc_AttributeError, "the pool's LogicalClock has no step");
+            return NULL;
+        }
+        if (!(t = PyNumber_Add(*slot, one))) return NULL;
+        Py_SETREF(*slot, Py_NewRef(t));
+    } else if (!(t = PyObject_CallNoArgs(h->tick))) {
+        return NULL;
+    }
+    *step = PyLong_AsLongLong(t);
+    if (*step == -1 && PyErr_Occurred()) Py_CLEAR(t);
+    return t;
+}
+
+static int count(FastPath *h, PyObject *key, Py_ssize_t n) {
+    PyObject *old = PyDict_GetItemWithError(h->counts, key), *new;
+    if (!old) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    PyObject *d = PyLong_FromSsize_t(n);
+    if (!d) return -1;
+    new = PyNumber_Add(old, d);
+    Py_DECREF(d);
+    if (!new) return -1;
+    int r = PyDict_SetItem(h->counts, key, new);
+    Py_DECREF(new);
+    return r;
+}
+
+/* The call as the Python method would get it: (self, *args, **kwargs). */
+static PyObject *delegate(PyObject *self, PyObject *func, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8], **all = total < 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+    if (!all) return PyErr_NoMemory();
+    all[0] = self;
+    for (Py_ssize_t i = 0; i < total; i++) all[i + 1] = args[i];
+    PyObject *r = PyObject_Vectorcall(func, all, nargs + 1, kwnames);
+    if (all != small) PyMem_Free(all);
+    return r;
+}
+
+static PyObject *ids_tuple(const int32_t *ids, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n; i++) {
+        PyObject *b = PyLong_FromLong(ids[i]);
+        if (!b) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, b);
+    }
+    return t;
+}
+
+/* Build events_cls(*args) and publish it on the bus (only called while someone listens). */
+static int publish(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *e = PyObject_Vectorcall(cls, args, nargs, NULL);
+    if (!e) return -1;
+    PyObject *r = PyObject_CallOneArg(h->publish, e);
+    Py_DECREF(e);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* Whether allocate's arguments are (n) or (n, owner=o) with exact ints, n >= 1, o in -1..2**31-1. */
+static int plain_allocate(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t *n,
+                          long long *owner) {
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    int overflow = 0;
+    *n = 1;
+    *owner = -1;
+    if (nargs > 1 || nkw > 1) return 0;
+    if (nargs == 1) {
+        if (!PyLong_CheckExact(args[0])) return 0;
+        long long v = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+        if (overflow || v < 1 || v > PY_SSIZE_T_MAX) return 0;
+        *n = (Py_ssize_t)v;
+    }
+    if (nkw) {
+        PyObject *o = args[nargs];
+        if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_owner) || !PyLong_CheckExact(o)) return 0;
+        *owner = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow || *owner < -1 || *owner > INT32_MAX) return 0;
+    }
+    return 1;
+}
+
+/* allocate(n=1, *, owner=-1): n base blocks off free stack 0, stamped, as BlockPool.allocate does. */
+static PyObject *fast_allocate(FastPath *h, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), n;
+    long long owner, step;
+    if (!h->bound || !plain_allocate(args, nargs, kwnames, &n, &owner))
+        return delegate((PyObject *)h, h->py_allocate, args, nargs, kwnames);
+    if (lock(h) < 0) return NULL;
+    Py_ssize_t have = Py_SIZE(h->stack);
+    if (have < n) {  /* a split or an eviction is due: the Python path does it */
+        if (unlock(h) < 0) return NULL;
+        return delegate((PyObject *)h, h->py_allocate, args, nargs, kwnames);
+    }
+    int32_t small[SMALL], *ids = n <= SMALL ? small : PyMem_Malloc(n * sizeof(int32_t));
+    PyObject *t = NULL, *out = NULL, *tuple = NULL;
+    Py_buffer sv;
+    if (!ids) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyObject_GetBuffer(h->stack, &sv, PyBUF_SIMPLE) < 0) goto done;
+    const int32_t *top = (const int32_t *)sv.buf + have;
+    for (Py_ssize_t i = 0; i < n; i++) ids[i] = top[-1 - i];  /* popped one by one: the top first */
+    PyBuffer_Release(&sv);
+    if (PySequence_DelSlice(h->stack, have - n, have) < 0) goto done;
+    h->lock_acquisitions++;
+    if (!(t = tick(h, &step))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        F(h, STATUS, uint8_t)[b] = ALLOCATED;
+        F(h, REFCOUNT, int32_t)[b] = 1;
+        F(h, HITS, int64_t)[b] = 1;
+        F(h, LAST_ACCESS, int64_t)[b] = F(h, CREATED, int64_t)[b] = step;
+        F(h, OWNER, int32_t)[b] = (int32_t)owner;
+    }
+    if (count(h, s_allocations, n) < 0 || count(h, s_served_free, n) < 0) goto done;
+    if (!(out = PyList_New(n))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyLong_FromLong(ids[i]);
+        if (!b) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, b);
+    }
+    if (PyList_GET_SIZE(h->events)) {
+        PyObject *o = PyLong_FromLongLong(owner);
+        if (o && (tuple = PyList_AsTuple(out))) {
+            PyObject *ev[6] = {t, tuple, zero, o, s_ALLOCATED, s_free};
+            if (publish(h, h->allocated_cls, ev, 6) < 0) Py_CLEAR(out);
+        } else {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(o);
+    }
+done:
+    if (ids && ids != small) PyMem_Free(ids);
+    Py_XDECREF(t);
+    Py_XDECREF(tuple);
+    if (unlock(h) < 0) Py_CLEAR(out);
+    return out;
+}
+
+/* free(ids): distinct base blocks, each ALLOCATED with refcount 1 and no reusable data, back to FREE. */
+static PyObject *fast_free(FastPath *h, PyObject *list) {
+    Py_ssize_t n = PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
+    if (!h->bound || !h->uniform || !n) return PyObject_CallFunctionObjArgs(h->py_free, (PyObject *)h, list, NULL);
+    int32_t small[SMALL], *ids = n <= SMALL ? small : PyMem_Malloc(n * sizeof(int32_t));
+    if (!ids) return PyErr_NoMemory();
+    /* Copy the ids out first: taking a contended lock lets other threads run, and they may change the list. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(o) ? PyLong_AsLongLongAndOverflow(o, &overflow) : -1;
+        if (overflow || v < 0 || v >= h->num_blocks) {
+            if (ids != small) PyMem_Free(ids);
+            return PyObject_CallFunctionObjArgs(h->py_free, (PyObject *)h, list, NULL);
+        }
+        ids[i] = (int32_t)v;
+    }
+    PyObject *out = NULL, *t = NULL, *bytes = NULL, *tuple = NULL;
+    long long step;
+    if (lock(h) < 0) goto done;
+    int plain = 1;
+    Py_ssize_t i = 0;
+    for (; i < n && plain; i++) {
+        int32_t b = ids[i];
+        plain = F(h, STATUS, uint8_t)[b] == ALLOCATED && F(h, REFCOUNT, int32_t)[b] == 1 &&
+                !F(h, REUSABLE, uint8_t)[b] && !h->seen[b];
+        h->seen[b] = 1;
+    }
+    while (i) h->seen[ids[--i]] = 0;
+    if (!plain) {  /* shared, cached, repeated, a double free...: the Python path serves or refuses it */
+        if (unlock(h) < 0) goto done;
+        out = PyObject_CallFunctionObjArgs(h->py_free, (PyObject *)h, list, NULL);
+        goto done;
+    }
+    if (!(bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
+    int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes);
+    for (Py_ssize_t j = 0; j < n; j++) rev[j] = ids[n - 1 - j];  /* the first id ends on top */
+    h->lock_acquisitions++;
+    if (!(t = tick(h, &step))) goto unlock;
+    PyObject *r = PyObject_CallOneArg(h->frombytes, bytes);
+    if (!r) goto unlock;
+    Py_DECREF(r);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t b = ids[j];
+        F(h, STATUS, uint8_t)[b] = FREE;
+        F(h, REFCOUNT, int32_t)[b] = F(h, TOKENS, int32_t)[b] = 0;
+        F(h, REUSABLE, uint8_t)[b] = 0;
+        F(h, OWNER, int32_t)[b] = -1;
+    }
+    if (count(h, s_frees, n) < 0) goto unlock;
+    if (PyList_GET_SIZE(h->events)) {
+        if (!(tuple = ids_tuple(ids, n))) goto unlock;
+        PyObject *ev[2] = {t, tuple};
+        if (publish(h, h->freed_cls, ev, 2) < 0) goto unlock;
+    }
+    out = Py_NewRef(Py_None);
+unlock:
+    if (unlock(h) < 0) Py_CLEAR(out);
+done:
+    if (ids != small) PyMem_Free(ids);
+    Py_XDECREF(t);
+    Py_XDECREF(bytes);
+    Py_XDECREF(tuple);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"allocate", (PyCFunction)(void (*)(void))fast_allocate, METH_FASTCALL | METH_KEYWORDS,
+     "BlockPool.allocate; allocate(n[, owner=o]) of base blocks the free stack holds runs in C."},
+    {"free", (PyCFunction)fast_free, METH_O,
+     "BlockPool.free; a list of distinct blocks that each hold their only reference runs in C."},
+    {"_bind_fastpath", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS,
+     "Bind the C paths to this pool's parts (FastBlockPool.__init__ calls it once)."},
+    {NULL},
+};
+
+static PyMemberDef members[] = {
+    {"lock_acquisitions", T_LONGLONG, offsetof(FastPath, lock_acquisitions), 0,
+     "public mutations that took the pool lock (one per call)"},
+    {NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvlab._fastpath.FastPath",
+    .tp_doc = "Base type of kvlab.perf.FastBlockPool: its allocate() and free() in C.",
+    .tp_basicsize = sizeof(FastPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)dealloc,
+    .tp_traverse = (traverseproc)traverse,
+    .tp_clear = (inquiry)clear,
+    .tp_methods = methods,
+    .tp_members = members,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_fastpath",
+                                    .m_doc = "The compiled allocate/free of kvlab.perf.FastBlockPool.", .m_size = -1};
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    if (PyType_Ready(&FastPathType) < 0) return NULL;
+    if (!(s_allocations = PyUnicode_InternFromString("allocations")) ||
+        !(s_served_free = PyUnicode_InternFromString("served_free")) ||
+        !(s_frees = PyUnicode_InternFromString("frees")) || !(s_owner = PyUnicode_InternFromString("owner")) ||
+        !(s_ALLOCATED = PyUnicode_InternFromString("ALLOCATED")) || !(s_free = PyUnicode_InternFromString("free")) ||
+        !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)))
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddStringConstant(m, "SOURCE_SHA256", KVLAB_SOURCE_SHA256) < 0 ||
+        PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
