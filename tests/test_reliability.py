@@ -21,6 +21,7 @@ from _util import assert_same_state, pool_state, small_spec
 from kvlab import (BlockPool, BlockStatus, ConfigError, DefragmentationStrategy, DoubleFreeError, DynamicAllocator,
                    IllegalTransitionError, KVDataError, KVLabError, OutOfBlocksError, RefcountUnderflowError,
                    UnknownBlockError)
+from kvlab.perf import FastBlockPool, PyFastBlockPool
 from kvlab.sequence import SequenceManager
 
 LONG = os.environ.get("KVLAB_LONG") == "1"
@@ -175,10 +176,16 @@ TestSystem.settings = settings(max_examples=1000 if LONG else 40, stateful_step_
 
 
 # ---------------------------------------------------------------------------------------------- concurrency
-def test_eight_threads_ten_thousand_operations_each():
-    """8 threads x 10,000 mixed operations on one pool; a watchdog fails the test instead of hanging."""
-    pool = BlockPool(512, spec=SPEC, with_storage=False)
+@pytest.mark.parametrize("cls, listen", [(BlockPool, False), (PyFastBlockPool, False), (FastBlockPool, False),
+                                         (FastBlockPool, True)])
+def test_eight_threads_ten_thousand_operations_each(cls, listen):
+    """8 threads x 10,000 mixed operations on one pool; a watchdog fails the test instead of hanging. With a
+    subscriber, every event must arrive in clock order (one lock covers a change and its event)."""
+    pool = cls(512, spec=SPEC, with_storage=False)
     errors: list[BaseException] = []
+    steps: list[int] = []
+    if listen:
+        pool.events.subscribe(lambda e: steps.append(e.step))
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
@@ -219,6 +226,7 @@ def test_eight_threads_ten_thousand_operations_each():
     assert not errors, errors[:3]
     pool.check_invariants()
     assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks  # every reference came back
+    assert steps == sorted(steps) and (not listen or len(steps) > 10_000)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
