@@ -216,3 +216,42 @@ def test_the_wheel_ships_the_compiled_fast_path(wheel):
         tags = [line for line in wheel.read(next(n for n in names if n.endswith("WHEEL"))).decode().splitlines()
                 if line.startswith("Tag:")]
         assert tags and all("none-any" not in t for t in tags), tags  # a binary wheel names its platform
+
+
+@pytest.mark.parametrize("listen", [False, True])
+def test_the_fast_paths_leak_nothing(listen):
+    """20,000 allocate/free pairs (and refused calls) leave no Python objects behind."""
+    import gc
+    import tracemalloc
+    pool = FastBlockPool(4096, with_storage=False)
+    if listen:
+        pool.events.subscribe(lambda e: None)
+
+    def work():
+        for i in range(10_000):
+            pool.free(pool.allocate(1 + i % 20, owner=i % 7))
+            try:
+                pool.free([0])
+            except DoubleFreeError:
+                pass
+    work()  # warm caches (interned ints, free lists)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    work()
+    work()
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes more after 40,000 calls"
+
+
+def test_a_pool_with_the_compiled_paths_is_collected():
+    import gc
+    import weakref
+    pool = FastBlockPool(64, with_storage=False)
+    pool.events.subscribe(lambda e, p=pool: None)  # a cycle through the bus the C holds
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None
