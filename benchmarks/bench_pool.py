@@ -1,15 +1,21 @@
-"""Pool operations against two peer-style block pools written here, each the whole pool, not just its queue:
+"""Pool operations against two peer-style block pools written here, each the whole pool and the whole per-call
+path, not just its queue:
 
-* :class:`VllmStylePool`, the way vLLM v1 keeps its blocks: one object per block (id, refcount, block hash,
-  prev/next pointers) on a doubly linked free queue with a fake head and tail, and a dict from block hash to
-  cached block. ``get_new_blocks(n)`` checks that n are free, pops n off the head and, per block, drops its
-  hash from the dict if it carries one (the check prefix caching makes on every allocation; a helper method,
-  as the peer writes it), asserts its refcount is 0 and takes a reference. ``free_blocks`` drops a reference
-  per block, then appends those at 0 to the tail.
-* :class:`NanoStyleBlockManager`, the way nano-vllm does it: a deque of free ids, a set of used ids, a
-  hash -> id dict and per-block objects (refcount, hash, token ids). Allocating pops the deque's left end,
-  resets the block and adds it to the used set; freeing drops a reference and, at 0, moves the id from the
-  used set back to the deque (per-block helper methods, as the peer writes them).
+* :class:`VllmStylePool`, a model of vLLM v1's ``BlockPool`` with prefix caching on (no metrics collector, KV
+  events off: the peer's defaults): one object per block (id, refcount, owning pool, hash key behind a property,
+  prev/next pointers, null flag) on a doubly linked free queue with a fake head and tail, block 0 held back as the
+  null block, and a hash map from key to cached block. ``get_new_blocks(n)`` checks that n are free, pops n off the
+  head (one-block fast path), checks for reuse watchers and, per block, calls the cached-hash removal helper
+  (which builds the block's list of keys from its hash property and the extra-hash dict), asserts refcount 0,
+  takes a reference and checks for a metrics collector. ``free_blocks`` checks each block for the null block and
+  for another pool's ownership, drops a reference, and splits those at 0 by whether they carry a hash: uncached
+  to the head (reused first), cached to the tail (evicted last). Calibrated against the real pool: within a few
+  per cent of it at n = 1, 16 and 256 (docs/benchmarks.md, "Calibration").
+* :class:`NanoStyleBlockManager`, a model of nano-vllm's ``BlockManager``: a deque of free ids, a set of used
+  ids, a hash -> id dict and plain per-block objects (refcount, hash, token ids). Allocating asks whether n are
+  free, then per block fetches its tokens (none: nothing is hashed), looks the hash up, takes the id at the deque's
+  left end and allocates it (assert, reset, ``deque.remove``, add to the used set); freeing walks the table from
+  its end, drops a reference and, at 0, moves the id from the used set back to the deque, then empties the table.
 
 Rows, in ns per block for ``free(allocate(n))``: the reference :class:`BlockPool` at n=1 (pure Python, one
 validated path), and :class:`FastBlockPool` at n = 1, 16, 256, each on a fresh pool and on a shuffled free
@@ -17,13 +23,13 @@ list (every block allocated, then freed in a random order, so no batch is a run 
 long-running server's case), each with no event subscriber and with one no-op subscriber (the pool then builds
 and publishes its events, as under a live view). Each ratio is to the vLLM-style pool in the same state
 (fresh or shuffled the same way), with the ratio to the nano-vllm-style manager beside it, measured in the same
-run with all variants of one n timed in turn within each round; the figure is the **best** of the rounds (the least disturbed by a noisy machine), with the garbage
-collector off while timing. Also: the metadata cost of creating a 1,000,000-block pool against creating the
-vLLM-style pool's million block objects and linked queue, and block-copy bandwidth. One informational row,
-*floor*, times two empty methods that take a lock (:class:`LockedNothing`): what every thread-safe n=1 call pair
-pays before doing any work, against a baseline that takes no lock. The goal column says met or not met (a
-quick run, which the tests use, judges nothing): reference n=1 <= 1.5x, every FastBlockPool row <= 0.5x, each
-pool of 1,000,000 blocks created in < 0.5 s.
+run with all variants of one n timed in turn within each round; the figure is the **best** of the rounds (the
+least disturbed by a noisy machine), with the garbage collector off while timing. Also: the metadata cost of
+creating a 1,000,000-block pool against creating the vLLM-style pool's million block objects and linked queue,
+and block-copy bandwidth. One informational row, *floor*, times two empty methods that take a lock
+(:class:`LockedNothing`): what every thread-safe n=1 call pair pays before doing any work, against a baseline that
+takes no lock. The goal column says met or not met (a quick run, which the tests use, judges nothing): reference
+n=1 <= 1.5x, every FastBlockPool row <= 0.5x, each pool of 1,000,000 blocks created in < 0.5 s.
 
 Run: ``python benchmarks/bench_pool.py [--quick]`` (or ``kvlab bench bench_pool``).
 """
@@ -47,129 +53,344 @@ GOAL_REFERENCE, GOAL_FAST, GOAL_CREATE_S = 1.5, 0.5, 0.5
 
 
 # ---------------------------------------------------------------- the vLLM-v1-style pool
+# A model of vLLM v1's BlockPool (vllm/v1/core/block_pool.py and kv_cache_utils.py) with prefix caching on, no
+# metrics collector and KV events off (the peer's defaults), written here from the peer's design: the same objects,
+# method calls, attribute and property reads and per-block checks per call, so that it costs what the peer's pool
+# costs. Calibrated against the real pool in one process (docs/benchmarks.md, "Calibration"); vLLM is not a
+# dependency of kvlab.
 class VllmBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    """One block's metadata as the peer keeps it (there a slotted dataclass: the same slots and one ``__init__``
+    setting every field, ``pool`` by keyword), its hash key behind a property."""
 
-    def __init__(self, block_id: int) -> None:
-        self.block_id, self.ref_cnt, self.block_hash = block_id, 0, None
-        self.prev_free: VllmBlock | None = None
-        self.next_free: VllmBlock | None = None
+    __slots__ = ("block_id", "ref_cnt", "pool", "_hash", "_hash_tokens", "prev_free", "next_free", "is_null")
+
+    def __init__(self, block_id: int, ref_cnt: int = 0, _hash: bytes | None = None, _hash_tokens: int | None = None,
+                 prev_free: VllmBlock | None = None, next_free: VllmBlock | None = None, is_null: bool = False, *,
+                 pool: VllmStylePool | None = None) -> None:
+        self.block_id = block_id
+        self.ref_cnt = ref_cnt
+        self.pool = pool
+        self._hash = _hash  # block hash + group id, set while the block is cached
+        self._hash_tokens = _hash_tokens
+        self.prev_free = prev_free
+        self.next_free = next_free
+        self.is_null = is_null  # the placeholder block the pool keeps out of the free queue
+
+    @property
+    def block_hash(self) -> bytes | None:
+        return self._hash
+
+    def set_block_hash(self, key: bytes, num_tokens: int | None = None) -> None:
+        assert self.block_hash is None and self._hash_tokens is None
+        self._hash, self._hash_tokens = key, num_tokens
+
+    def reset_hash(self) -> None:
+        self._hash = self._hash_tokens = None
 
 
 class VllmFreeQueue:
-    """Free blocks on a doubly linked list between a fake head and tail: pop at the head, append at the tail,
-    both without allocating (the pointers live in the blocks)."""
+    """Free blocks on a doubly linked list between a fake head and tail, the pointers living in the blocks (no
+    allocation per operation): pop at the head (a one-block fast path), put back at the head or at the tail."""
 
     def __init__(self, blocks: list[VllmBlock]) -> None:
-        self.num_free = len(blocks)
+        n = self.num_free_blocks = len(blocks)
+        for i in range(n):  # link neighbours by index, as the peer builds its queue
+            if i > 0:
+                blocks[i].prev_free = blocks[i - 1]
+            if i < n - 1:
+                blocks[i].next_free = blocks[i + 1]
         self.head, self.tail = VllmBlock(-1), VllmBlock(-1)
-        prev = self.head
-        for b in blocks:
-            prev.next_free, b.prev_free, prev = b, prev, b
-        prev.next_free, self.tail.prev_free = self.tail, prev
+        if n:
+            self.head.next_free, blocks[0].prev_free = blocks[0], self.head
+            self.tail.prev_free, blocks[-1].next_free = blocks[-1], self.tail
+        else:
+            self.head.next_free, self.tail.prev_free = self.tail, self.head
 
     def popleft_n(self, n: int) -> list[VllmBlock]:
-        if not n:
+        if n == 0:
             return []
-        assert self.num_free >= n
-        self.num_free -= n
-        out, cur = [], self.head.next_free
+        assert self.num_free_blocks >= n
+        self.num_free_blocks -= n
+        cur = self.head.next_free
+        if n == 1:
+            assert cur is not None
+            after = cur.next_free
+            cur.prev_free = None
+            cur.next_free = None
+            if after is not None:
+                self.head.next_free = after
+                after.prev_free = self.head
+            return [cur]
+        out = []
         for _ in range(n):
             assert cur is not None
             out.append(cur)
-            taken, cur = cur, cur.next_free
-            taken.prev_free = taken.next_free = None
-        self.head.next_free, cur.prev_free = cur, self.head
+            taken = cur
+            cur = cur.next_free
+            taken.prev_free = None
+            taken.next_free = None
+        if cur is not None:
+            self.head.next_free = cur
+            cur.prev_free = self.head
         return out
 
+    def prepend_n(self, blocks: list[VllmBlock]) -> None:
+        """Put ``blocks`` at the head, in their order: they are handed out next."""
+        if len(blocks) == 0:
+            return
+        first = self.head.next_free
+        assert first is not None
+        prev = self.head
+        for b in blocks:
+            b.prev_free = prev
+            prev.next_free = b
+            prev = b
+        prev.next_free = first
+        first.prev_free = prev
+        self.num_free_blocks += len(blocks)
+
     def append_n(self, blocks: list[VllmBlock]) -> None:
+        """Put ``blocks`` at the tail, in their order: they are handed out last."""
         if not blocks:
             return
-        self.num_free += len(blocks)
         last = self.tail.prev_free
+        assert last is not None
         for b in blocks:
-            b.prev_free, last.next_free, last = last, b, b
-        last.next_free, self.tail.prev_free = self.tail, last
+            b.prev_free = last
+            last.next_free = b
+            last = b
+        last.next_free = self.tail
+        self.tail.prev_free = last
+        self.num_free_blocks += len(blocks)
 
     def ids(self) -> list[int]:
         """Free block ids head to tail, checking the back links and the count (for tests)."""
         out, prev, cur = [], self.head, self.head.next_free
         while cur is not self.tail:
-            assert cur.prev_free is prev
+            assert cur is not None and cur.prev_free is prev
             out.append(cur.block_id)
             prev, cur = cur, cur.next_free
-        assert self.tail.prev_free is prev and len(out) == self.num_free
+        assert self.tail.prev_free is prev and len(out) == self.num_free_blocks
         return out
 
 
-class VllmStylePool:
-    """vLLM v1's block pool with prefix caching on: block objects, the linked free queue, the hash dict."""
+class VllmHashMap:
+    """Hash key -> the one block cached under it, or a dict of block id -> block when several are (the peer keeps
+    a bare block for the common single case, to spare the collector an inner dict per key)."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.blocks = [VllmBlock(i) for i in range(num_blocks)]
+    def __init__(self) -> None:
+        self._cache: dict[bytes, VllmBlock | dict[int, VllmBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        got = self._cache.get(key)
+        if got is None:
+            return False
+        return got.block_id == block_id if isinstance(got, VllmBlock) else block_id in got
+
+    def insert(self, key: bytes, block: VllmBlock) -> None:
+        got = self._cache.get(key)
+        if got is None:
+            self._cache[key] = block
+        elif isinstance(got, VllmBlock):
+            self._cache[key] = {got.block_id: got, block.block_id: block}
+        elif isinstance(got, dict):
+            got[block.block_id] = block
+        else:
+            raise AssertionError(f"unexpected entry {type(got)}")
+
+    def pop(self, key: bytes, block_id: int) -> VllmBlock | None:
+        """Take block ``block_id`` out from under ``key``; None if it was not there."""
+        got = self._cache.pop(key, None)
+        if got is None:
+            return None
+        if isinstance(got, VllmBlock):
+            if got.block_id == block_id:
+                return got
+            self._cache[key] = got  # another block's entry: put it back
+            return None
+        if isinstance(got, dict):
+            block = got.pop(block_id, None)
+            if len(got) > 0:
+                self._cache[key] = got
+            return block
+        raise AssertionError(f"unexpected entry {type(got)}")
+
+
+class VllmStylePool:
+    """vLLM v1's block pool with prefix caching on: block objects (block 0 held back as the null block), the
+    linked free queue, the hash map and the per-block extra-hash dict. ``get_new_blocks(n)`` checks that n are
+    free, pops n off the head, checks for reuse watchers and, per block, drops any cached hash (a helper call that
+    builds the block's list of hashes and, when there are none, returns an empty one), asserts refcount 0, takes a
+    reference and checks for a metrics collector. ``free_blocks`` skips the null block, sends blocks of another
+    pool back to it, drops a reference and splits those reaching 0 by whether they carry a hash: uncached ones go to
+    the head (reused first), cached ones to the tail (evicted last)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert isinstance(num_blocks, int) and num_blocks > 0
+        self.num_blocks, self.enable_caching = num_blocks, enable_caching
+        self.blocks = [VllmBlock(i, pool=self) for i in range(num_blocks)]
         self.free_block_queue = VllmFreeQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[object, dict[int, VllmBlock]] = {}
+        self.cached_block_hash_to_block = VllmHashMap()
+        self.extra_hashes_by_block: dict[int, set[bytes]] = {}  # a block cached under more than one key
+        self.null_block = self.free_block_queue.popleft_n(1)[0]
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = False
+        self.kv_event_queue: list[tuple[str, bytes]] = []
+        self.metrics_collector = None
+        self._reuse_watchers: dict[int, Callable[[VllmBlock], None]] = {}
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free
+        return self.free_block_queue.num_free_blocks
 
     def get_new_blocks(self, n: int) -> list[VllmBlock]:
         if n > self.get_num_free_blocks():
             raise ValueError(f"cannot get {n} free blocks from the pool")
         out = self.free_block_queue.popleft_n(n)
-        for block in out:
-            self._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0
-            block.ref_cnt += 1
+        if self._reuse_watchers:
+            self._notify_reuse(out)
+        if self.enable_caching:
+            for block in out:
+                self._maybe_evict_cached_block(block)
+                assert block.ref_cnt == 0
+                block.ref_cnt += 1
+                if self.metrics_collector:
+                    self.metrics_collector.on_block_allocated(block)
+        else:
+            for block in out:
+                assert block.ref_cnt == 0
+                block.ref_cnt += 1
+                if self.metrics_collector:
+                    self.metrics_collector.on_block_allocated(block)
         return out
 
+    def _notify_reuse(self, blocks: list[VllmBlock]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def cache_block(self, block: VllmBlock, key: bytes, num_tokens: int | None = None) -> None:
+        """Cache ``block`` under ``key``, as the peer does once a block is full (here for tests): its first key on
+        the block, any further ones in the extra-hash dict."""
+        if block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block.block_hash is None:
+            block.set_block_hash(key, num_tokens)
+        else:
+            self.extra_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
     def _maybe_evict_cached_block(self, block: VllmBlock) -> bool:
-        """A free block may still hold a cached prefix: reusing it drops it from the hash dict."""
-        h = block.block_hash
-        if h is None:
+        """A free block may still hold a cached prefix: reusing it drops every key it is cached under."""
+        if self.metrics_collector:
+            self.metrics_collector.on_block_evicted(block)
+        removed = self._remove_cached_block_hashes(block)
+        if not removed:
             return False
-        same_hash = self.cached_block_hash_to_block.get(h)
-        if same_hash is None or same_hash.pop(block.block_id, None) is None:
-            return False
-        if not same_hash:
-            del self.cached_block_hash_to_block[h]
-        block.block_hash = None
+        self._emit_block_removed_events(removed)
         return True
 
-    def free_blocks(self, blocks: Iterable[VllmBlock]) -> None:
-        blocks = list(blocks)
-        for block in blocks:
+    def _remove_cached_block_hashes(self, block: VllmBlock) -> list[bytes]:
+        keys: list[bytes] = []
+        if block.block_hash is not None:
+            keys.append(block.block_hash)
+        keys.extend(self.extra_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return []
+        removed = []
+        for key in keys:
+            if self.cached_block_hash_to_block.pop(key, block.block_id) is not None:
+                removed.append(key)
+        block.reset_hash()
+        return removed
+
+    def _emit_block_removed_events(self, keys: list[bytes]) -> None:
+        if not self.enable_kv_cache_events:
+            return
+        self.kv_event_queue.extend(("removed", key) for key in keys)
+
+    def free_blocks(self, ordered_blocks: Iterable[VllmBlock]) -> None:
+        reuse_first: list[VllmBlock] = []  # no hash: cannot serve a prefix hit, so reused first (LIFO)
+        reuse_last: list[VllmBlock] = []  # cached: kept for hits as long as possible (FIFO, LRU eviction)
+        other_pools: dict[VllmStylePool, list[VllmBlock]] = {}
+        for block in ordered_blocks:
+            if block.is_null:  # never in the queue, its refcount not kept
+                continue
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
+                continue
             block.ref_cnt -= 1
-        self.free_block_queue.append_n([b for b in blocks if b.ref_cnt == 0])
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not self.enable_caching:
+                    reuse_first.append(block)
+                else:
+                    reuse_last.append(block)
+        self.free_block_queue.prepend_n(reuse_first)
+        self.free_block_queue.append_n(reuse_last)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
 
 
 # ---------------------------------------------------------------- the nano-vllm-style block manager
+# A model of nano-vllm's BlockManager (nanovllm/engine/block_manager.py): the same structures and per-block steps.
+# Its allocate takes a Sequence and, per block, fetches the block's tokens and hashes them (xxhash) if the block is
+# full. This model takes a count and its blocks hold no tokens, so nothing is hashed (h = -1, the peer's path for
+# a block that is not full): kvlab's pool is given no tokens and vLLM hashes outside its pool, so the benchmark
+# times the pools, not the hashing.
+_NO_TOKENS: list[int] = []
+
+
 class NanoBlock:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    """A plain object per block (no slots), as the peer's."""
 
     def __init__(self, block_id: int) -> None:
-        self.block_id, self.ref_count, self.hash = block_id, 0, -1
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
         self.token_ids: list[int] = []
 
+    def update(self, h: int, token_ids: list[int]) -> None:
+        self.hash, self.token_ids = h, token_ids
+
     def reset(self) -> None:
-        self.ref_count, self.hash, self.token_ids = 1, -1, []
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
 
 
 class NanoStyleBlockManager:
-    """nano-vllm's block manager: a deque of free ids, a set of used ids, a hash -> id dict, block objects."""
+    """nano-vllm's block manager: a deque of free ids, a set of used ids, a hash -> id dict, block objects.
+    ``allocate(n)`` asks whether n are free, then runs the peer's per-block loop on a cache miss: fetch the
+    block's tokens (none) and test whether it is full, look the (absent) hash up, take the id at the deque's left
+    end and allocate it (assert, reset, remove it from the deque, add it to the used set), append it to the block
+    table it returns. ``free(table)`` walks the table from its end, drops a reference and, at 0,
+    moves the id from the used set to the deque's right end; then empties the table, as the peer empties the
+    sequence's."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        self.block_size = block_size
         self.blocks = [NanoBlock(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
 
+    def can_allocate(self, n: int) -> bool:
+        return len(self.free_block_ids) >= n
+
+    def _block_tokens(self, i: int) -> list[int]:
+        """Block i's tokens: the peer slices them from the sequence; here there are none."""
+        return _NO_TOKENS
+
     def _allocate_block(self, block_id: int) -> NanoBlock:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         block.reset()
+        self.free_block_ids.remove(block_id)
         self.used_block_ids.add(block_id)
-        return block
+        return self.blocks[block_id]
 
     def _deallocate_block(self, block_id: int) -> None:
         assert self.blocks[block_id].ref_count == 0
@@ -177,21 +398,37 @@ class NanoStyleBlockManager:
         self.free_block_ids.append(block_id)
 
     def allocate(self, n: int) -> list[int]:
-        if len(self.free_block_ids) < n:
+        if not self.can_allocate(n):  # the peer's scheduler asks before allocating
             raise ValueError(f"cannot allocate {n} blocks")
-        out = []
-        for _ in range(n):
-            b = self.free_block_ids.popleft()
-            self._allocate_block(b)
-            out.append(b)
-        return out
+        table: list[int] = []
+        h, cache_miss = -1, False
+        for i in range(n):
+            token_ids = self._block_tokens(i)
+            h = hash((h, *token_ids)) if len(token_ids) == self.block_size else -1  # never full here
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                cache_miss = True
+            if cache_miss:
+                block_id = self.free_block_ids[0]
+                block = self._allocate_block(block_id)
+            elif block_id in self.used_block_ids:  # a hit (never, with nothing hashed): share the block
+                block = self.blocks[block_id]
+                block.ref_count += 1
+            else:  # a hit on a free block: take it back
+                block = self._allocate_block(block_id)
+            if h != -1:
+                block.update(h, token_ids)
+                self.hash_to_block_id[h] = block_id
+            table.append(block_id)
+        return table
 
-    def free(self, ids: list[int]) -> None:
-        for b in reversed(ids):  # a sequence's block table, released from its end
+    def free(self, table: list[int]) -> None:
+        for b in reversed(table):  # a sequence's block table, released from its end
             block = self.blocks[b]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(b)
+        table.clear()
 
 
 class LockedNothing:
@@ -216,11 +453,12 @@ def shuffled_order(num_blocks: int, seed: int = 0) -> list[int]:
 
 
 def vllm_pool(num_blocks: int, shuffled: bool) -> VllmStylePool:
-    """Fresh, or with its free queue permuted: every block taken, then freed in a random order."""
+    """Fresh, or with its free queue permuted: every free block taken, then freed in a random order (uncached
+    blocks go back to the head in the order freed, so the queue is that order). Block 0 is the null block."""
     p = VllmStylePool(num_blocks)
     if shuffled:
-        got = p.get_new_blocks(num_blocks)
-        p.free_blocks([got[i] for i in shuffled_order(num_blocks)])
+        got = p.get_new_blocks(p.get_num_free_blocks())
+        p.free_blocks([got[i] for i in shuffled_order(len(got))])
     return p
 
 

@@ -81,46 +81,72 @@ def test_format_table_shows_extra_ratios_after_the_main_one():
 
 # ---------------------------------------------------------------- the baselines behave like pools
 N = 8
-ops = st.lists(st.tuples(st.booleans(), st.integers(0, N), st.randoms(use_true_random=False)), max_size=40)
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache"]), st.integers(0, N),
+                         st.randoms(use_true_random=False)), max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(ops)
 def test_vllm_style_pool_hands_out_and_takes_back_blocks(steps):
-    """Against a model free queue (a list): allocation takes the n at the head with refcount 1 and clears any
-    cached hash; free appends those reaching refcount 0 to the tail, in the order given; refusals change nothing."""
-    pool, model, held = bench_pool.VllmStylePool(N), list(range(N)), []
-    for alloc, n, rnd in steps:
-        if alloc:
+    """Against a model free queue (a list; block 0 is the null block, never in it): allocation takes the n at the
+    head with refcount 1 and drops any hash a reused block still carries; free puts blocks reaching refcount 0 back,
+    uncached ones at the head and cached ones at the tail, each in the order given; refusals change nothing."""
+    pool, model, held, cached = bench_pool.VllmStylePool(N), list(range(1, N)), [], {}
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    for step, n, rnd in steps:
+        if step == "alloc":
             if n > len(model):
                 with pytest.raises(ValueError):
                     pool.get_new_blocks(n)
             else:
                 got = pool.get_new_blocks(n)
                 assert [b.block_id for b in got] == model[:n] and all(b.ref_cnt == 1 for b in got)
+                assert all(b.block_hash is None for b in got)
+                for b in got:
+                    cached.pop(b.block_id, None)
                 del model[:n]
                 held += got
-        elif held:
+        elif step == "cache" and held:
+            b = rnd.choice(held)
+            key = bytes([rnd.randrange(3)])  # few keys: blocks share them
+            pool.cache_block(b, key)
+            keys = cached.setdefault(b.block_id, [])  # its first key on the block, further ones beside it
+            if key not in keys:
+                keys.append(key)
+        elif step == "free" and held:
             k = min(n, len(held))
             rnd.shuffle(held)
             back, held = held[:k], held[k:]
-            pool.free_blocks(back)
-            model += [b.block_id for b in back]
+            pool.free_blocks(back + [pool.null_block])  # the null block is skipped
+            model[:0] = [b.block_id for b in back if b.block_id not in cached]
+            model += [b.block_id for b in back if b.block_id in cached]
         assert pool.free_block_queue.ids() == model and pool.get_num_free_blocks() == len(model)
-        assert sorted(model + [b.block_id for b in held]) == list(range(N))
+        assert sorted(model + [b.block_id for b in held]) == list(range(1, N))
         assert all(pool.blocks[i].ref_cnt == 0 for i in model) and all(b.ref_cnt == 1 for b in held)
+        assert {i: b.block_hash for i, b in enumerate(pool.blocks) if b.block_hash is not None} == \
+            {i: keys[0] for i, keys in cached.items()}
+        assert pool.extra_hashes_by_block == {i: set(keys[1:]) for i, keys in cached.items() if keys[1:]}
+        entries = {key: (v if isinstance(v, dict) else {v.block_id: v})
+                   for key, v in pool.cached_block_hash_to_block._cache.items()}
+        assert all(entries.values()) and {(key, i) for key, d in entries.items() for i in d} == \
+            {(key, i) for i, keys in cached.items() for key in keys}
 
 
 def test_vllm_style_pool_drops_a_reused_blocks_cached_hash_and_keeps_shared_blocks():
-    pool = bench_pool.VllmStylePool(4)
+    pool = bench_pool.VllmStylePool(5)  # blocks 1-4 free
     a, b = pool.get_new_blocks(2)
-    a.block_hash = b.block_hash = "h"
-    pool.cached_block_hash_to_block["h"] = {a.block_id: a, b.block_id: b}
-    pool.free_blocks([a, b])
-    pool.get_new_blocks(3)  # blocks 2, 3, then a: a's hash goes, b's stays
-    assert a.block_hash is None and pool.cached_block_hash_to_block == {"h": {b.block_id: b}}
+    pool.cache_block(a, b"h")
+    pool.cache_block(b, b"h")
+    pool.cache_block(b, b"g")  # a second key for b: kept beside the block
+    assert pool.cached_block_hash_to_block._cache == {b"h": {a.block_id: a, b.block_id: b}, b"g": b}
+    assert pool.extra_hashes_by_block == {b.block_id: {b"g"}}
+    pool.free_blocks([a, b])  # cached: to the tail, evicted last
+    assert pool.free_block_queue.ids() == [3, 4, a.block_id, b.block_id]
+    pool.get_new_blocks(3)  # blocks 3, 4, then a: a's hash goes, b's stay
+    assert a.block_hash is None and pool.cached_block_hash_to_block._cache == {b"h": {b.block_id: b}, b"g": b}
     c = pool.get_new_blocks(1)[0]
-    assert c is b and pool.cached_block_hash_to_block == {}
+    assert c is b and b.block_hash is None and len(pool.cached_block_hash_to_block) == 0
+    assert pool.extra_hashes_by_block == {}
     c.ref_cnt += 1  # a second holder: the first free keeps the block out of the queue
     pool.free_blocks([c])
     assert pool.free_block_queue.ids() == [] and c.ref_cnt == 1
@@ -128,14 +154,22 @@ def test_vllm_style_pool_drops_a_reused_blocks_cached_hash_and_keeps_shared_bloc
     assert pool.free_block_queue.ids() == [b.block_id]
 
 
+def test_vllm_style_pool_sends_another_pools_blocks_back_to_it():
+    p, q = bench_pool.VllmStylePool(4), bench_pool.VllmStylePool(4)
+    mine, theirs = p.get_new_blocks(2), q.get_new_blocks(1)
+    p.free_blocks(iter([mine[0], theirs[0], mine[1]]))  # any iterable, as the peer takes
+    assert p.free_block_queue.ids() == [1, 2, 3] and q.free_block_queue.ids() == [1, 2, 3]
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_nano_style_block_manager_hands_out_and_takes_back_blocks(steps):
     """Against a model deque: allocation takes the n at the left with refcount 1 (hash and tokens reset) and
-    marks them used; free returns them to the right, last id first (a block table released from its end)."""
+    marks them used; free returns them to the right, last id first (a block table released from its end), and
+    empties the table it was given."""
     mgr, model, held = bench_pool.NanoStyleBlockManager(N), list(range(N)), []
-    for alloc, n, rnd in steps:
-        if alloc:
+    for step, n, rnd in steps:
+        if step == "alloc":
             if n > len(model):
                 with pytest.raises(ValueError):
                     mgr.allocate(n)
@@ -149,19 +183,36 @@ def test_nano_style_block_manager_hands_out_and_takes_back_blocks(steps):
             k = min(n, len(held))
             rnd.shuffle(held)
             back, held = held[:k], held[k:]
-            mgr.free(back)
+            table = list(back)
+            mgr.free(table)
+            assert table == []
             model += back[::-1]
         assert list(mgr.free_block_ids) == model and mgr.used_block_ids == set(held)
-        assert all(mgr.blocks[i].ref_count == 0 for i in model)
+        assert all(mgr.blocks[i].ref_count == 0 for i in model) and mgr.hash_to_block_id == {}
 
 
 def test_shuffled_pools_hold_the_same_permutation_and_every_block():
     order = bench_pool.shuffled_order(64)
     assert sorted(order) == list(range(64)) and order != list(range(64))
-    assert bench_pool.vllm_pool(64, shuffled=True).free_block_queue.ids() == order
-    assert bench_pool.vllm_pool(64, shuffled=False).free_block_queue.ids() == list(range(64))
+    vllm_order = [1 + i for i in bench_pool.shuffled_order(63)]  # block 0 is the null block
+    assert bench_pool.vllm_pool(64, shuffled=True).free_block_queue.ids() == vllm_order
+    assert bench_pool.vllm_pool(64, shuffled=False).free_block_queue.ids() == list(range(1, 64))
     assert list(bench_pool.nano_pool(64, shuffled=True).free_block_ids) == order[::-1]
     for cls in (BlockPool, FastBlockPool):
         pool = bench_pool.kvlab_pool(cls, 64, shuffled=True, subscriber=True)
         assert pool.free_ids() == order and pool.events  # someone listens
         pool.check_invariants()
+
+
+def test_timed_calls_leave_the_baselines_as_they_were():
+    """One timed call, ``free(allocate(n))``, returns every baseline to the state it found (so every round times
+    the same work)."""
+    for shuffled in (False, True):
+        v, nm = bench_pool.vllm_pool(64, shuffled), bench_pool.nano_pool(64, shuffled)
+        before_v, before_n = v.free_block_queue.ids(), list(nm.free_block_ids)
+        for n in (1, 16, 63):
+            v.free_blocks(v.get_new_blocks(n))
+            assert v.free_block_queue.ids() == before_v
+        for n in (1, 16, 64):
+            nm.free(nm.allocate(n))
+            assert sorted(nm.free_block_ids) == sorted(before_n) and not nm.used_block_ids
