@@ -59,9 +59,10 @@ class Cached(Event):
 
 @dataclass(slots=True)
 class RefChanged(Event):
-    """Reference counts of ``block_ids`` changed by ``delta`` each; ``counts`` are the new values."""
+    """Reference counts of ``block_ids`` changed by ``deltas`` (one per block: a repeated id in the call changes
+    its count by more than one); ``counts`` are the new values."""
     block_ids: tuple[int, ...]
-    delta: int
+    deltas: tuple[int, ...]
     counts: tuple[int, ...]
 
 

@@ -46,7 +46,7 @@ from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDat
                      RefcountUnderflowError, UnknownBlockError)
 from .eviction import EvictionPolicy, make_policy
 from .freelists import FreeLists
-from .meta import NO_OWNER, BlockMeta
+from .meta import FIELDS, NO_OWNER, BlockMeta
 from .spec import KVSpec
 from .storage import KVStorage
 from .textbook import TextbookNames
@@ -134,8 +134,7 @@ class BlockPool(TextbookNames):
                                      "migrations", "served_free", "served_split", "served_evict"), 0)
         self.lock_acquisitions = 0  # public mutations (each takes the lock once)
         # What other modules may read: the fields as read-only memoryviews (fast scalar reads) and numpy arrays.
-        self.fields = SimpleNamespace(**{k: memoryview(getattr(self.meta, k)).toreadonly()
-                                         for k in self.meta.snapshot()})
+        self.fields = SimpleNamespace(**{k: memoryview(getattr(self.meta, k)).toreadonly() for k in FIELDS})
         self.arrays = self.meta.readonly()
 
     # ------------------------------------------------------------------ ids and views
@@ -327,7 +326,8 @@ class BlockPool(TextbookNames):
                 self._push_free(b)
             if self.events:
                 if left:
-                    self.events.publish(ev.RefChanged(t, tuple(left), -1, tuple(m.refcount[b] for b in left)))
+                    self.events.publish(ev.RefChanged(t, tuple(left), tuple(-want[b] for b in left),
+                                                      tuple(m.refcount[b] for b in left)))
                 if kept:
                     self.events.publish(ev.Cached(t, tuple(kept)))
                 if gone:
@@ -338,11 +338,7 @@ class BlockPool(TextbookNames):
         again and leaves the evictable set: how a prefix-cache hit reuses data instead of recomputing it."""
         with self.lock:
             m = self.meta
-            want = _multiplicity(self.check_ids(ids))
-            for b in want:
-                if m.status[b] != ALLOCATED:
-                    raise IllegalTransitionError(f"block {b} is {NAMES[m.status[b]]}: only ALLOCATED blocks "
-                                                 f"can be referenced")
+            want = self._allocated_counts(ids, "can be referenced")
             if not want:
                 return
             t = self._mutation()
@@ -353,18 +349,24 @@ class BlockPool(TextbookNames):
                 m.hits[b] += c
                 m.last_access[b] = t
             if self.events:
-                self.events.publish(ev.RefChanged(t, tuple(want), 1, tuple(m.refcount[b] for b in want)))
+                self.events.publish(ev.RefChanged(t, tuple(want), tuple(want.values()),
+                                                  tuple(m.refcount[b] for b in want)))
+
+    def _allocated_counts(self, ids: Ids, what: str) -> dict[int, int]:
+        """``{id: occurrences}`` of ``ids``, each ALLOCATED, else :class:`IllegalTransitionError`."""
+        want = _multiplicity(self.check_ids(ids))
+        for b in want:
+            if self.meta.status[b] != ALLOCATED:
+                raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]}: only ALLOCATED blocks "
+                                             f"{what}")
+        return want
 
     def touch(self, ids: Ids) -> None:
         """Record an access (an attention read) without taking a reference: last access = now, one hit per
         occurrence, and cached blocks move in the policy's order accordingly. Only ALLOCATED blocks."""
         with self.lock:
             m = self.meta
-            want = _multiplicity(self.check_ids(ids))
-            for b in want:
-                if m.status[b] != ALLOCATED:
-                    raise IllegalTransitionError(f"block {b} is {NAMES[m.status[b]]}: only ALLOCATED blocks "
-                                                 f"are read")
+            want = self._allocated_counts(ids, "are read")
             if not want:
                 return
             t = self._mutation()
