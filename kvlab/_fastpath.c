@@ -31,6 +31,7 @@ enum { FREE = 0, ALLOCATED = 2 };
 typedef struct {
     PyObject_HEAD
     long long lock_acquisitions;          /* the pool's counter (BlockPool.lock_acquisitions), shared with Python */
+    long long allocs, frees;              /* blocks served here, not yet added to pool.counts (see _take_counts) */
     int bound;
     int uniform;                          /* one size class: free() of base blocks may run here */
     Py_ssize_t num_blocks;
@@ -41,20 +42,19 @@ typedef struct {
     Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`: ticked in place */
     PyObject *events, *publish;           /* the EventBus (a list of subscribers) and its publish */
     PyObject *allocated_cls, *freed_cls;  /* kvlab.events.Allocated / Freed */
-    PyObject *counts;                     /* the pool's counters dict */
     uint8_t *seen;                        /* num_blocks bytes, all 0 between calls: repeated ids in free() */
     Py_buffer buf[NFIELDS];
     int nbuf;
 } FastPath;
 
-static PyObject *s_allocations, *s_served_free, *s_frees, *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
+static PyObject *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
 
 #define F(h, f, T) ((T *)(h)->buf[f].buf)
 
 static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->acquire); Py_VISIT(h->release);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
-    Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls); Py_VISIT(h->counts);
+    Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
     return 0;
 }
@@ -63,7 +63,7 @@ static int clear(FastPath *h) {
     h->bound = 0;
     Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->acquire); Py_CLEAR(h->release);
     Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
-    Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls); Py_CLEAR(h->counts);
+    Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
     while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
     PyMem_Free(h->seen);
     h->seen = NULL;
@@ -80,18 +80,18 @@ static void dealloc(FastPath *h) {
 /* _bind_fastpath(...): called once by FastBlockPool.__init__ with the pool's own parts. */
 static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     static char *names[] = {"allocate", "free", "lock", "stack", "clock", "step_slot", "events", "allocated",
-                            "freed", "counts", "status", "refcount", "hits", "last_access", "created", "owner",
+                            "freed", "status", "refcount", "hits", "last_access", "created", "owner",
                             "tokens", "reusable", "uniform", NULL};
-    PyObject *py_allocate, *py_free, *lock, *stack, *clock, *step_slot, *events, *allocated, *freed, *counts;
+    PyObject *py_allocate, *py_free, *lock, *stack, *clock, *step_slot, *events, *allocated, *freed;
     PyObject *fields[NFIELDS];
     int uniform;
     if (h->bound || h->nbuf) {
         PyErr_SetString(PyExc_RuntimeError, "the fast path is already bound");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO!OOO!OOOOOOOOp:_bind_fastpath", names, &py_allocate,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO!OOOOOOOOOOp:_bind_fastpath", names, &py_allocate,
                                      &py_free, &lock, &stack, &clock, &step_slot, &PyList_Type, &events, &allocated,
-                                     &freed, &PyDict_Type, &counts, &fields[STATUS], &fields[REFCOUNT],
+                                     &freed, &fields[STATUS], &fields[REFCOUNT],
                                      &fields[HITS], &fields[LAST_ACCESS], &fields[CREATED], &fields[OWNER],
                                      &fields[TOKENS], &fields[REUSABLE], &uniform))
         return NULL;
@@ -112,7 +112,6 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     h->events = Py_NewRef(events);
     h->allocated_cls = Py_NewRef(allocated);
     h->freed_cls = Py_NewRef(freed);
-    h->counts = Py_NewRef(counts);
     if (!(h->acquire = PyObject_GetAttrString(lock, "acquire")) ||
         !(h->release = PyObject_GetAttrString(lock, "release")) ||
         !(h->frombytes = PyObject_GetAttrString(stack, "frombytes")) ||
@@ -175,19 +174,12 @@ static PyObject *tick(FastPath *h, long long *step) {
     return t;
 }
 
-static int count(FastPath *h, PyObject *key, Py_ssize_t n) {
-    PyObject *old = PyDict_GetItemWithError(h->counts, key), *new;
-    if (!old) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-        return -1;
-    }
-    PyObject *d = PyLong_FromSsize_t(n);
-    if (!d) return -1;
-    new = PyNumber_Add(old, d);
-    Py_DECREF(d);
-    if (!new) return -1;
-    int r = PyDict_SetItem(h->counts, key, new);
-    Py_DECREF(new);
+/* _take_counts() -> (allocated, freed): the blocks served here since the last call, then zero. FastBlockPool
+ * adds them to pool.counts whenever Python reads that dict (a dict update per call would cost a fifth of the
+ * whole call). */
+static PyObject *take_counts(FastPath *h, PyObject *unused) {
+    PyObject *r = Py_BuildValue("(LL)", h->allocs, h->frees);
+    if (r) h->allocs = h->frees = 0;
     return r;
 }
 
@@ -281,7 +273,7 @@ static PyObject *fast_allocate(FastPath *h, PyObject *const *args, Py_ssize_t na
         F(h, LAST_ACCESS, int64_t)[b] = F(h, CREATED, int64_t)[b] = step;
         F(h, OWNER, int32_t)[b] = (int32_t)owner;
     }
-    if (count(h, s_allocations, n) < 0 || count(h, s_served_free, n) < 0) goto done;
+    h->allocs += n;
     if (!(out = PyList_New(n))) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyLong_FromLong(ids[i]);
@@ -358,7 +350,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         F(h, REUSABLE, uint8_t)[b] = 0;
         F(h, OWNER, int32_t)[b] = -1;
     }
-    if (count(h, s_frees, n) < 0) goto unlock;
+    h->frees += n;
     if (PyList_GET_SIZE(h->events)) {
         if (!(tuple = ids_tuple(ids, n))) goto unlock;
         PyObject *ev[2] = {t, tuple};
@@ -380,6 +372,8 @@ static PyMethodDef methods[] = {
      "BlockPool.allocate; allocate(n[, owner=o]) of base blocks the free stack holds runs in C."},
     {"free", (PyCFunction)fast_free, METH_O,
      "BlockPool.free; a list of distinct blocks that each hold their only reference runs in C."},
+    {"_take_counts", (PyCFunction)take_counts, METH_NOARGS,
+     "(blocks allocated, blocks freed) here since the last call, which FastBlockPool adds to pool.counts."},
     {"_bind_fastpath", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS,
      "Bind the C paths to this pool's parts (FastBlockPool.__init__ calls it once)."},
     {NULL},
@@ -410,9 +404,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_fastpath"
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&FastPathType) < 0) return NULL;
-    if (!(s_allocations = PyUnicode_InternFromString("allocations")) ||
-        !(s_served_free = PyUnicode_InternFromString("served_free")) ||
-        !(s_frees = PyUnicode_InternFromString("frees")) || !(s_owner = PyUnicode_InternFromString("owner")) ||
+    if (!(s_owner = PyUnicode_InternFromString("owner")) ||
         !(s_ALLOCATED = PyUnicode_InternFromString("ALLOCATED")) || !(s_free = PyUnicode_InternFromString("free")) ||
         !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)))
         return NULL;

@@ -192,8 +192,24 @@ if _FastPath is not None:
             self._bind_fastpath(
                 allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.free, lock=self.lock, stack=self._stack,
                 clock=self.clock, step_slot=LogicalClock.step if type(self.clock) is LogicalClock else None,
-                events=self.events, allocated=ev.Allocated, freed=ev.Freed, counts=self.counts,
+                events=self.events, allocated=ev.Allocated, freed=ev.Freed,
                 status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
                 owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order)
+
+        @property
+        def counts(self) -> dict[str, int]:
+            """The pool's counters, with what the C paths served since they were last read added in."""
+            c = self._counts
+            allocated, freed = self._take_counts()
+            if allocated:
+                c["allocations"] += allocated
+                c["served_free"] += allocated
+            if freed:
+                c["frees"] += freed
+            return c
+
+        @counts.setter
+        def counts(self, value: dict[str, int]) -> None:
+            self._counts = value
 else:
     FastBlockPool = PyFastBlockPool  # type: ignore[misc]
