@@ -44,7 +44,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from kvlab import BlockPool, FastBlockPool, KVSpec, default_device
+from kvlab import BlockPool, FastBlockPool, KVSpec, PyFastBlockPool, default_device
+from kvlab.perf import COMPILED
 from kvlab.bench import ns_per_item_together
 
 POOL_BLOCKS = 4096  # blocks in every timed pool
@@ -513,6 +514,9 @@ def timing_rows(quick: bool) -> list[dict]:
             for sub in (False, True):
                 p = kvlab_pool(FastBlockPool, POOL_BLOCKS, shuf, sub)
                 fns[f"fast {state} {sub}"] = lambda p=p: p.free(p.allocate(n))
+        if COMPILED:  # the same tricks without the C, for comparison
+            py = kvlab_pool(PyFastBlockPool, POOL_BLOCKS, False, False)
+            fns["python fast"] = lambda py=py: py.free(py.allocate(n))
         if n == 1:
             ref, floor = kvlab_pool(BlockPool, POOL_BLOCKS, False, False), LockedNothing()
             fns["reference"] = lambda: ref.free(ref.allocate(1))
@@ -529,6 +533,9 @@ def timing_rows(quick: bool) -> list[dict]:
                              _goal(f"<= {GOAL_REFERENCE}x", met, quick), ns["nano fresh"]))
             rows.append(_row("  floor: two empty method calls under a lock, no pool work (informational), n=1",
                              ns["floor"], ns["vllm fresh"]))
+        if COMPILED:
+            rows.append(_row(f"  PyFastBlockPool (the same paths in Python, informational), n={n}, fresh, "
+                             f"no subscriber", ns["python fast"], ns["vllm fresh"], None, ns["nano fresh"]))
         for state in ("fresh", "shuffled"):
             base = ns[f"vllm {state}"]
             for sub in (False, True):
