@@ -28,6 +28,7 @@ queue" only retried the split once and returned None.
 """
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -43,6 +44,14 @@ from .textbook import check_kv_data
 
 FREE = int(BlockStatus.FREE)
 STRATEGIES = ("exact", "split", "merge", "evict")
+
+
+def check_size_class(pool: BlockPool, size_class: object) -> int:
+    """``size_class`` as an int naming one of ``pool``'s classes, else :class:`ConfigError`."""
+    if not is_int(size_class) or not 0 <= size_class <= pool.max_order:
+        raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{pool.max_order} "
+                          f"(block sizes {pool.block_sizes})")
+    return int(size_class)
 
 
 class TicketState(Enum):
@@ -118,7 +127,13 @@ class DynamicAllocator:
     calls :meth:`handle_wait_queue` afterwards (an engine does so once per step).
     """
 
-    def __init__(self, pool: BlockPool, *, history: int = 10_000) -> None:
+    def __init__(self, pool: BlockPool, *, history: int | None = 10_000) -> None:
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a DynamicAllocator needs a BlockPool, got {pool!r}")
+        if history is not None and not (is_int(history) and 0 <= history <= sys.maxsize):  # a deque's maxlen
+            raise ConfigError(f"history must be an int in 0..{sys.maxsize} (records kept) or None (all), got "
+                              f"{history!r}")
+        history = None if history is None else int(history)
         self.pool = pool
         self.waiters: deque[Ticket] = deque()
         self.allocation_history: deque[AllocationRecord] = deque(maxlen=history)
@@ -146,10 +161,10 @@ class DynamicAllocator:
         with pool.lock:
             order = self._order_of(kv_data, tokens, size_class)
             owner = check_owner(owner)
-            if not isinstance(wait, bool):
+            if not isinstance(wait, (bool, np.bool_)):
                 raise ConfigError(f"wait must be True or False, got {wait!r}")
-            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                        or not timeout >= 0):
+            if timeout is not None and (not (is_int(timeout) or isinstance(timeout, (float, np.floating)))
+                                        or not timeout >= 0):  # also refuses nan
                 raise ConfigError(f"timeout must be a number of clock steps >= 0 or None, got {timeout!r}")
             if pool.num_blocks < 1 << order:
                 raise OutOfBlocksError(f"size class {order} ({pool.block_sizes[order]} tokens) needs {1 << order} "
@@ -180,12 +195,7 @@ class DynamicAllocator:
             return self.size_class_for(kv_data.shape[2])
         if tokens is not None:
             return self.size_class_for(tokens)
-        if size_class is None:
-            return 0
-        if not is_int(size_class) or not 0 <= size_class <= self.pool.max_order:
-            raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{self.pool.max_order} "
-                              f"(block sizes {self.pool.block_sizes})")
-        return size_class
+        return 0 if size_class is None else check_size_class(self.pool, size_class)
 
     def _serve(self, ticket: Ticket, how: str) -> None:
         """Take the FREE block ``make_room`` left on the free list, write the request's data, record it."""
@@ -210,6 +220,7 @@ class DynamicAllocator:
         """Leave a FREE block of ``size_class`` on the pool's free list without taking it; return the strategy
         that did it ("exact", "split", "merge", "evict"), or None (and change nothing) if none can."""
         pool = self.pool
+        size_class = check_size_class(pool, size_class)
         with pool.lock:
             if pool.free_lists.count(size_class):
                 return "exact"
@@ -235,8 +246,9 @@ class DynamicAllocator:
         """Split the smallest FREE block larger than ``size_class`` down to it (best fit); False if none."""
         pool = self.pool
         for o in range(size_class + 1, pool.max_order + 1):
-            if pool.free_lists.count(o):
-                self.split_block(pool.free_lists.top(o), size_class)
+            b = pool.free_lists.top(o)
+            if b is not None:
+                self.split_block(b, size_class)
                 return True
         return False
 
@@ -326,6 +338,8 @@ class DynamicAllocator:
     def cancel(self, ticket: Ticket) -> list[Ticket]:
         """Withdraw a WAITING request; the waiters it held back may then be served (returned)."""
         with self.pool.lock:
+            if not isinstance(ticket, Ticket):
+                raise IllegalTransitionError(f"expected a Ticket of this allocator, got {ticket!r}")
             if ticket.state is not TicketState.WAITING or ticket not in self.waiters:
                 raise IllegalTransitionError(f"ticket {ticket.id} is {ticket.state.name}: only a WAITING ticket of "
                                              f"this allocator can be cancelled")

@@ -22,9 +22,10 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from .errors import IllegalTransitionError
+from .errors import ConfigError, IllegalTransitionError
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -61,6 +62,9 @@ class KVBlock:
     __slots__ = ("pool", "block_id")
 
     def __init__(self, pool: "BlockPool", block_id: int) -> None:
+        from .pool import BlockPool  # here, not at the top: the pool imports this module
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a KVBlock is a view of a BlockPool's block, got pool {pool!r}")
         self.pool, self.block_id = pool, pool.check_id(block_id)
 
     def __repr__(self) -> str:
@@ -121,6 +125,8 @@ class KVBlock:
     # --- the text's methods, made real and made atomic under the pool lock ---
     def is_compatible(self, required_size: int) -> bool:
         """True if the block is FREE and its capacity is at least ``required_size`` bytes."""
+        if not (type(required_size) is int or isinstance(required_size, np.integer)) or required_size < 0:
+            raise ConfigError(f"required_size must be a byte count >= 0, got {required_size!r}")
         return self.status is BlockStatus.FREE and self.memory_usage >= required_size
 
     def allocate(self, kv_data: torch.Tensor | None = None) -> "KVBlock":

@@ -55,7 +55,7 @@ class EvictionPolicy:
 
     def rank(self, k: int = 8) -> list[tuple[int, float]]:
         """The first ``k`` candidates with their scores."""
-        out = []
+        out: list[tuple[int, float]] = []
         for item in self.order():
             if len(out) == k:
                 break

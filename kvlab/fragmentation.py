@@ -38,9 +38,28 @@ import numpy as np
 
 from . import events as ev
 from .block import BlockStatus
-from .pool import BlockPool
+from .errors import ConfigError
+from .pool import BlockPool, check_count, is_int
 
 FREE, ALLOCATED = int(BlockStatus.FREE), int(BlockStatus.ALLOCATED)
+
+
+def _check_pool(pool: object, who: str) -> BlockPool:
+    if not isinstance(pool, BlockPool):
+        raise ConfigError(f"a {who} needs a BlockPool, got {pool!r}")
+    return pool
+
+
+def _check_percent(x: object, what: str) -> float:
+    """A threshold in percent: a number >= 0 (not a bool, not nan)."""
+    if not (is_int(x) or isinstance(x, (float, np.floating))) or not x >= 0:
+        raise ConfigError(f"{what} must be a number of percent >= 0, got {x!r}")
+    return float(x)
+
+
+def _check_cap(cap: object) -> int | None:
+    """A cap on blocks moved: an int >= 0, or None for no cap."""
+    return None if cap is None else check_count(cap, "max_moves")
 
 
 class FragmentationDetector:
@@ -49,8 +68,8 @@ class FragmentationDetector:
     with ``threshold``."""
 
     def __init__(self, pool: BlockPool, threshold: float = 20) -> None:
-        self.pool = pool
-        self.threshold = threshold
+        self.pool = _check_pool(pool, "FragmentationDetector")
+        self.threshold = _check_percent(threshold, "threshold")
 
     def external_fragmentation(self) -> float:
         """``1 - largest free run / total free`` (0.0 when nothing or everything in one run is free)."""
@@ -135,9 +154,9 @@ class DefragmentationStrategy:
     """
 
     def __init__(self, pool: BlockPool, minimum_fragmentation: float = 15, max_moves: int | None = None) -> None:
-        self.pool = pool
-        self.minimum_fragmentation = minimum_fragmentation
-        self.max_moves = max_moves
+        self.pool = _check_pool(pool, "DefragmentationStrategy")
+        self.minimum_fragmentation = _check_percent(minimum_fragmentation, "minimum_fragmentation")
+        self.max_moves = _check_cap(max_moves)
         self.detector = FragmentationDetector(pool, threshold=minimum_fragmentation)
 
     def _measure(self) -> dict[str, float]:
@@ -148,7 +167,9 @@ class DefragmentationStrategy:
     def defragment(self, *, force: bool = False, max_moves: int | None = None) -> DefragReport:
         """One pass: merge, then move up to ``max_moves`` blocks (default ``self.max_moves``) down into holes."""
         pool = self.pool
-        cap = self.max_moves if max_moves is None else max_moves
+        if not isinstance(force, (bool, np.bool_)):
+            raise ConfigError(f"force must be True or False, got {force!r}")
+        cap = self.max_moves if max_moves is None else _check_cap(max_moves)  # a negative cap would slice from the end
         with pool.lock:
             t0 = time.perf_counter()
             before = self._measure()

@@ -22,9 +22,9 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from .allocator import DynamicAllocator
+from .allocator import DynamicAllocator, check_size_class
 from .errors import ConfigError, OutOfBlocksError
-from .pool import BlockPool
+from .pool import INT32_MAX, BlockPool, check_count, check_owner, is_int
 
 Key = tuple[int, int]  # (owner, size_class)
 
@@ -44,10 +44,19 @@ class Preallocator:
 
     def __init__(self, pool: BlockPool, *, allocator: DynamicAllocator | None = None, window: int = 64,
                  horizon: int = 1024, headroom: float = 1.0, max_reserve: int | None = None) -> None:
-        if not (isinstance(window, int) and isinstance(horizon, int) and 0 < window <= horizon):
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a Preallocator needs a BlockPool, got {pool!r}")
+        if allocator is not None and not (isinstance(allocator, DynamicAllocator) and allocator.pool is pool):
+            raise ConfigError(f"allocator must be a DynamicAllocator of this pool or None; {allocator!r} is not "
+                              f"(one of another pool, or no allocator)")
+        if not (is_int(window) and is_int(horizon) and 0 < window <= horizon):
             raise ConfigError(f"need integers 0 < window <= horizon, got window={window!r}, horizon={horizon!r}")
-        if not headroom > 0 or (max_reserve is not None and max_reserve < 0):
-            raise ConfigError(f"headroom must be > 0 and max_reserve >= 0, got {headroom!r}, {max_reserve!r}")
+        # a finite factor: ceil(inf) has no int, and a bool is no factor
+        if not ((is_int(headroom) or isinstance(headroom, (float, np.floating))) and 0 < headroom < math.inf):
+            raise ConfigError(f"headroom must be a finite number > 0, got {headroom!r}")
+        if max_reserve is not None:
+            max_reserve = check_count(max_reserve, "max_reserve")
+        window, horizon = int(window), int(horizon)
         self.pool, self.allocator = pool, allocator
         self.window, self.horizon, self.headroom, self.max_reserve = window, horizon, headroom, max_reserve
         self.demand: dict[Key, deque[tuple[float, int]]] = defaultdict(deque)  # (step, blocks) per allocation
@@ -57,11 +66,19 @@ class Preallocator:
     # ------------------------------------------------------------------ learning
     def observe(self, owner: int, size_class: int, n: int = 1) -> None:
         """Record that ``owner`` allocated ``n`` blocks of ``size_class`` now (``allocate`` does this itself)."""
-        self.demand[(owner, size_class)].append((self.pool.clock.now(), n))
+        key, n = self._key(owner, size_class), check_count(n, "number of blocks")
+        if n > INT32_MAX:  # no pool holds more; a larger count would overflow the predictions' arrays
+            raise ConfigError(f"number of blocks must be at most {INT32_MAX}, got {n}")
+        self.demand[key].append((self.pool.clock.now(), n))
+
+    def _key(self, owner: object, size_class: object) -> Key:
+        """``(owner, size_class)`` checked as the pool would, as plain ints: ``(7, 0.0)`` would find the
+        reserve of ``(7, 0)`` in a dict."""
+        return check_owner(owner), check_size_class(self.pool, size_class)
 
     def predict(self, owner: int, size_class: int) -> int:
         """Blocks to hold in reserve for the key: its peak demand within ``window`` steps over the horizon."""
-        log = self.demand.get((owner, size_class))
+        log = self.demand.get(self._key(owner, size_class))
         now = self.pool.clock.now()
         while log and log[0][0] < now - self.horizon:
             log.popleft()
@@ -81,12 +98,15 @@ class Preallocator:
         :class:`OutOfBlocksError` if the rest cannot be supplied, with the reserves untouched and no block taken:
         the pool's batch changes nothing; through the allocator, blocks taken are returned, but cached blocks it
         evicted on the way stay evicted."""
-        if not isinstance(n, int) or n < 0:
-            raise ConfigError(f"number of blocks must be an int >= 0, got {n!r}")
+        n = check_count(n, "number of blocks")
+        owner, size_class = self._key(owner, size_class)
         pool = self.pool
         with pool.lock:
             reserve = self.reserves.get((owner, size_class), [])
             hit = min(n, len(reserve))
+            if n - hit > pool.num_blocks:  # said here, where the message can name the request
+                raise OutOfBlocksError(f"owner {owner} asked for {n} blocks ({hit} reserved); the pool has "
+                                       f"{pool.num_blocks}")
             extra = self._allocate_misses(n - hit, owner, size_class) if n > hit else []
             taken = reserve[len(reserve) - hit:]
             pool.commit(taken)
@@ -104,6 +124,7 @@ class Preallocator:
         try:
             for _ in range(n):
                 t = self.allocator.allocate_optimal_block(size_class=size_class, owner=owner, wait=False)
+                assert t.block is not None  # wait=False: served, or OutOfBlocksError
                 got.append(t.block.block_id)
         except OutOfBlocksError:
             if got:

@@ -25,11 +25,47 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from .block import BlockStatus
-from .errors import IllegalTransitionError, KVDataError
+from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .pool import BlockPool
+from .pool import BlockPool, is_int
+
+TOKEN_MAX = 2**63 - 1  # token ids are hashed as int64
+_NONE = object()  # "no bad token found" (None itself is a bad token)
+
+
+def check_token_ids(x: object, where: str) -> list[int]:
+    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as a list of ints,
+    else :class:`KVDataError` naming the bad id, starting with ``where``. Strings, sets and dicts are refused:
+    they iterate, but not as an ordered sequence of ids."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        if x.ndim != 1:
+            raise KVDataError(f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}")
+        x = x.tolist()
+    elif not isinstance(x, (list, tuple, range)):
+        raise KVDataError(f"{where}: token ids are a list of ints, not {x!r}")
+    if all(type(t) is int for t in x) and (not x or 0 <= min(x) and max(x) <= TOKEN_MAX):
+        return list(x)  # the common case, without a call per token
+    bad = next((t for t in x if not (is_int(t) and 0 <= t <= TOKEN_MAX)), _NONE)
+    if bad is not _NONE:
+        raise KVDataError(f"{where}: token ids are ints in 0..2**63-1, got {bad!r}")
+    return [int(t) for t in x]
+
+
+def check_tenant(tenant: object) -> str | None:
+    """A tenant is a str (its hash salt) or None."""
+    if tenant is not None and not isinstance(tenant, str):
+        raise ConfigError(f"tenant must be a str or None, got {tenant!r}")
+    return tenant
+
+
+def _check_parent(parent: object) -> bytes | None:
+    """A parent is a block hash (bytes) or None; a str would not even hash."""
+    if parent is not None and not isinstance(parent, bytes):
+        raise ConfigError(f"parent must be a block hash (bytes) or None, got {parent!r}")
+    return parent
 
 
 @dataclass(slots=True)
@@ -60,6 +96,13 @@ def _salt(tenant: str | None) -> bytes:
     return hashlib.blake2b(tenant.encode(), digest_size=16).digest() if tenant is not None else b""
 
 
+def _hash(parent: bytes | None, token_ids: Sequence[int], tenant: str | None) -> bytes:
+    """:meth:`PrefixCache.block_hash` of validated arguments (the lookups' inner loop)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16, salt=_salt(tenant))
+    h.update(array("q", token_ids).tobytes())  # int64 bytes, as numpy would give, without numpy's call cost
+    return h.digest()
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     digest: bytes
@@ -72,6 +115,8 @@ class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 
     def __init__(self, pool: BlockPool) -> None:
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a PrefixCache needs a BlockPool, got {pool!r}")
         self.pool, self.block_size = pool, pool.block_size
         self._block: dict[bytes, int] = {}
         self._entry: dict[int, _Entry] = {}
@@ -88,25 +133,25 @@ class PrefixCache:
     @staticmethod
     def block_hash(parent: bytes | None, token_ids: Sequence[int], tenant: str | None = None) -> bytes:
         """16-byte blake2b of the parent hash and the block's token ids, salted per tenant."""
-        h = hashlib.blake2b(parent or b"", digest_size=16, salt=_salt(tenant))
-        h.update(array("q", token_ids).tobytes())  # int64 bytes, as numpy would give, without numpy's call cost
-        return h.digest()
+        return _hash(_check_parent(parent), check_token_ids(token_ids, "block_hash"), check_tenant(tenant))
 
     def holds(self, block_id: int) -> bool:
         """True if ``block_id`` is registered (and still the registered allocation)."""
-        e = self._entry.get(block_id)
-        return e is not None and self._valid(block_id, e)
+        b = self.pool.check_id(block_id)  # a float would find the entry of its int
+        e = self._entry.get(b)
+        return e is not None and self._valid(b, e)
 
     def _valid(self, b: int, e: _Entry) -> bool:
         p = self.pool
-        return p.fields.status[b] == BlockStatus.ALLOCATED and p.fields.reusable[b] == 1 and p.fields.created[b] == e.created
+        f = p.fields
+        return f.status[b] == BlockStatus.ALLOCATED and f.reusable[b] == 1 and f.created[b] == e.created
 
     # ------------------------------------------------------------------ lookup and registration
     def match(self, token_ids: Sequence[int], tenant: str | None = None,
               max_blocks: int | None = None) -> tuple[list[int], bytes | None]:
         """The cached blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks`` full blocks),
         each with one new reference taken for the caller; and the hash of the last one (None if no hit)."""
-        ids, parent, n = self._walk(token_ids, tenant, max_blocks)
+        ids, parent, n = self._walk(*self._query(token_ids, tenant, max_blocks))
         self.requests += 1
         self.queries += n
         if ids:
@@ -120,17 +165,26 @@ class PrefixCache:
     def peek(self, token_ids: Sequence[int], tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
         """The blocks :meth:`match` would return now, without taking references or counting a lookup (admission
         control asks what a prompt would cost before committing to it)."""
-        return self._walk(token_ids, tenant, max_blocks)[0]
+        return self._walk(*self._query(token_ids, tenant, max_blocks))[0]
 
-    def _walk(self, token_ids: Sequence[int], tenant: str | None,
-              max_blocks: int | None) -> tuple[list[int], bytes | None, int]:
-        """Follow the hash chain of ``token_ids``: (hit blocks, last hit's hash, full blocks looked up)."""
+    def _query(self, token_ids: Sequence[int], tenant: str | None,
+               max_blocks: int | None) -> tuple[list[int], str | None, int]:
+        """The validated arguments of :meth:`match`/:meth:`peek`: all of them before any lookup is counted."""
+        tokens = check_token_ids(token_ids, "prefix lookup")
+        tenant = check_tenant(tenant)
+        if max_blocks is not None and not (is_int(max_blocks) and max_blocks >= 0):
+            raise ConfigError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
+        full = len(tokens) // self.block_size
+        return tokens, tenant, full if max_blocks is None else min(int(max_blocks), full)
+
+    def _walk(self, token_ids: list[int], tenant: str | None, n: int) -> tuple[list[int], bytes | None, int]:
+        """Follow the hash chain of the first ``n`` full blocks of validated ``token_ids``: (hit blocks, last
+        hit's hash, full blocks looked up)."""
         B = self.block_size
-        n = len(token_ids) // B if max_blocks is None else min(max_blocks, len(token_ids) // B)
         ids, parent = [], None
         for i in range(n):
-            chunk = tuple(map(int, token_ids[i * B:(i + 1) * B]))
-            digest = self.block_hash(parent, chunk, tenant)
+            chunk = tuple(token_ids[i * B:(i + 1) * B])
+            digest = _hash(parent, chunk, tenant)
             b = self._block.get(digest)
             if b is None:
                 break
@@ -149,15 +203,17 @@ class PrefixCache:
         """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
         it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
         b = self.pool.check_id(block_id)
-        chunk = tuple(map(int, token_ids))
+        chunk = tuple(check_token_ids(token_ids, f"block {b}"))
+        parent, tenant = _check_parent(parent), check_tenant(tenant)
         if len(chunk) != self.block_size:
-            raise KVDataError(f"block {b}: only full blocks of {self.block_size} tokens are cached, got {len(chunk)}")
+            raise KVDataError(f"block {b}: only full blocks of {self.block_size} tokens are cached, got "
+                              f"{len(chunk)}: {list(chunk)}")
         if self.pool.fields.status[b] != BlockStatus.ALLOCATED or not self.pool.fields.refcount[b]:
             raise IllegalTransitionError(f"block {b} is {BlockStatus(self.pool.fields.status[b]).name} with refcount "
                                          f"{self.pool.fields.refcount[b]}: only a held block can be registered")
         if parent is not None and parent not in self._block:
             raise IllegalTransitionError(f"block {b}: its parent hash {parent.hex()} is not cached")
-        digest = self.block_hash(parent, chunk, tenant)
+        digest = _hash(parent, chunk, tenant)
         other = self._block.get(digest)
         if other is not None:
             if other == b:
@@ -182,8 +238,7 @@ class PrefixCache:
         e = self._entry.pop(b)
         if self._block.get(e.digest) == b:
             del self._block[e.digest]
-        kids = self._children.get(e.parent) if e.parent is not None else None
-        if kids is not None:
+        if e.parent is not None and (kids := self._children.get(e.parent)) is not None:
             kids.discard(b)
             if not kids:
                 del self._children[e.parent]

@@ -6,6 +6,7 @@ is the only truth: this class reads and writes it, under the pool's lock, and ad
 """
 from __future__ import annotations
 
+from .errors import ConfigError
 from .pool import BlockPool, Ids
 
 
@@ -13,6 +14,8 @@ class ReferenceManager:
     """The text's reference-count API over ``pool``."""
 
     def __init__(self, pool: BlockPool) -> None:
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a ReferenceManager needs a BlockPool, got {pool!r}")
         self.pool = pool
 
     def add_reference(self, block_id: int) -> None:

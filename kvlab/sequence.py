@@ -38,11 +38,19 @@ from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
 from .pool import BlockPool, is_int
-from .prefix import PrefixCache
+from .prefix import TOKEN_MAX, PrefixCache, check_tenant, check_token_ids
 
 NewTokens = int | Seq[int]
 ALLOCATED = int(BlockStatus.ALLOCATED)
-_NONE = object()  # "no bad token found" (None itself is a bad token)
+
+
+def _positions(x: object, what: str) -> list:
+    """``starts``/``stops`` of :meth:`SequenceManager.slot_mapping` as a list (ints are checked per sequence)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
+        return x.tolist()
+    if not isinstance(x, (list, tuple, range)):
+        raise ConfigError(f"slot_mapping: {what} must be a list of positions, got {x!r}")
+    return list(x)
 
 
 @dataclass(slots=True)
@@ -134,16 +142,16 @@ class SequenceManager:
     builds one). Registers a relocation hook so ``pool.migrate`` rewrites every table."""
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
-        self.pool, self.block_size = pool, pool.block_size
-        if prefix_cache is True:
-            prefix_cache = PrefixCache(pool)
-        elif prefix_cache is False:
-            prefix_cache = None
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a SequenceManager needs a BlockPool, got {pool!r}")
+        if isinstance(prefix_cache, PrefixCache) and prefix_cache.pool is not pool:
+            raise ConfigError(f"the prefix cache {prefix_cache!r} belongs to another pool")
+        if isinstance(prefix_cache, (bool, np.bool_)):
+            prefix_cache = PrefixCache(pool) if prefix_cache else None
         elif prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise ConfigError(f"prefix_cache must be a PrefixCache, True, False or None, not {prefix_cache!r}")
+        self.pool, self.block_size = pool, pool.block_size
         self.prefix_cache = prefix_cache  # an empty cache is falsy (it has a length): never test it for truth
-        if self.prefix_cache is not None and self.prefix_cache.pool is not pool:
-            raise ConfigError("the prefix cache belongs to another pool")
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
         pool.relocation_hooks.append(self._relocate)
@@ -160,10 +168,12 @@ class SequenceManager:
         """A new empty sequence. With a ``prompt`` (token ids) the sequence tracks token ids and, if there is a
         prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
         token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
+        tenant = check_tenant(tenant)
+        if prompt is not None:  # checked with or without a cache: the same prompt must not pass only sometimes
+            prompt = check_token_ids(prompt, f"sequence {self._next_id}")
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
-            prompt = [int(t) for t in prompt]
-            ids, last = self.prefix_cache.match(prompt, tenant, max_blocks=(len(prompt) - 1) // self.block_size)
+            ids, last = self.prefix_cache.match(prompt, tenant, max(0, (len(prompt) - 1) // self.block_size))
             n = len(ids) * self.block_size
             seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
             seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last
@@ -211,7 +221,7 @@ class SequenceManager:
         the new tokens returned in a :class:`PagedBatch`."""
         starts = self.append_tokens(seqs, new)
         counts = [s.num_tokens - a for s, a in zip(seqs, starts)]
-        tables = self.block_tables(seqs)
+        tables = self._tables(seqs)  # checked by append_tokens
         rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts, dtype=torch.long))
         pos = torch.arange(rows.numel()) - torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.long)[rows] \
             + torch.tensor(starts, dtype=torch.long)[rows]
@@ -230,7 +240,8 @@ class SequenceManager:
         for seq in seqs:
             self._live(seq)
         if len({s.seq_id for s in seqs}) != len(seqs):
-            raise ConfigError(f"append_batch needs distinct sequences, got {[s.seq_id for s in seqs]}")
+            twice = next(s.seq_id for s in seqs if sum(t is s for t in seqs) > 1)
+            raise ConfigError(f"append_batch needs distinct sequences; sequence {twice} appears twice")
         B, refcount = self.block_size, self.pool.fields.refcount
         # Plan: the new token ids, new blocks per sequence, and a private copy of a shared, partly filled tail
         # (copy-on-write). Refcounts are simulated in order, so of k sharers appending in one batch only the
@@ -287,25 +298,27 @@ class SequenceManager:
         """``(count, token ids or None)`` of what is appended to ``seq``; :class:`KVDataError` for anything but
         a count (for a sequence without token ids) or a flat sequence of token ids in 0..2**63-1."""
         if is_int(x):
-            if x < 0:
-                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens")
+            if x < 0 or seq.num_tokens + x > TOKEN_MAX:  # positions are int64
+                raise ConfigError(f"sequence {seq.seq_id}: cannot append {x!r} tokens to {seq.num_tokens}")
             if seq.token_ids is not None and x:
                 raise KVDataError(f"sequence {seq.seq_id} tracks token ids: append ids, not a count ({x})")
             return int(x), None
-        if isinstance(x, (torch.Tensor, np.ndarray)):
-            if x.ndim != 1:
-                raise KVDataError(f"sequence {seq.seq_id}: token ids must be 1-D, got shape {tuple(x.shape)}")
-            x = x.tolist()
-        if not isinstance(x, (list, tuple, range)):
+        if not isinstance(x, (list, tuple, range, torch.Tensor, np.ndarray)):
             raise KVDataError(f"sequence {seq.seq_id}: append a token count or a list of token ids, not {x!r}")
-        bad = next((t for t in x if not (is_int(t) and 0 <= t < 2**63)), _NONE)
-        if bad is not _NONE:
-            raise KVDataError(f"sequence {seq.seq_id}: token ids are ints in 0..2**63-1, got {bad!r}")
-        return len(x), [int(t) for t in x] if seq.token_ids is not None else None
+        ids = check_token_ids(x, f"sequence {seq.seq_id}")
+        return len(ids), ids if seq.token_ids is not None else None
 
     # ------------------------------------------------------------------ tables and slots
     def block_tables(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Padded ``[batch, max_blocks]`` int64 block tables (CPU), padding with block 0 (never read)."""
+        if not isinstance(seqs, (list, tuple)):
+            raise ConfigError(f"block_tables needs a list of sequences, got {seqs!r}")
+        for s in seqs:
+            self._live(s)  # a swapped-out table holds -1: no kernel may read it
+        return self._tables(seqs)
+
+    @staticmethod
+    def _tables(seqs: Seq[Sequence]) -> torch.Tensor:
         width = max((len(s.block_table) for s in seqs), default=0)
         return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
 
@@ -315,16 +328,22 @@ class SequenceManager:
 
     def slot_mapping(self, seqs: Seq[Sequence], starts: Seq[int], stops: Seq[int]) -> torch.Tensor:
         """Slots of positions ``starts[i] .. stops[i]-1`` of each sequence, packed (vectorised)."""
+        if not isinstance(seqs, (list, tuple)):
+            raise ConfigError(f"slot_mapping needs a list of sequences, got {seqs!r}")
+        starts, stops = _positions(starts, "starts"), _positions(stops, "stops")
         if not len(seqs) == len(starts) == len(stops):
-            raise ConfigError(f"slot_mapping needs one start and stop per sequence, got {starts!r}, {stops!r}")
+            raise ConfigError(f"slot_mapping needs one start and stop per sequence: {len(seqs)} sequences, "
+                              f"starts {starts!r}, stops {stops!r}")
         for s, a, b in zip(seqs, starts, stops):
             self._live(s)
             if not (is_int(a) and is_int(b) and 0 <= a <= b <= s.num_tokens):
-                raise ConfigError(f"sequence {s.seq_id} has {s.num_tokens} tokens; positions {a}..{b} are outside")
+                raise ConfigError(f"sequence {s.seq_id} has {s.num_tokens} tokens: positions from start {a!r} to "
+                                  f"stop {b!r} are outside 0 <= start <= stop <= {s.num_tokens}")
+        starts, stops = [int(a) for a in starts], [int(b) for b in stops]
         lens = torch.tensor([b - a for a, b in zip(starts, stops)], dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(seqs)), lens)
         off = torch.arange(rows.numel()) - (torch.cumsum(lens, 0) - lens)[rows]
-        return self._slots(self.block_tables(seqs), rows, off + torch.tensor(list(starts), dtype=torch.long)[rows])
+        return self._slots(self._tables(seqs), rows, off + torch.tensor(starts, dtype=torch.long)[rows])
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(self, seq: Sequence) -> int:
@@ -332,10 +351,10 @@ class SequenceManager:
         A block is registered only on top of its registered parent, so a cached child's holders always hold its
         parent; if another block already caches the same content, registration stops for this sequence.
         Returns how many blocks were added."""
+        self._live(seq)
         cache = self.prefix_cache
         if cache is None or seq.token_ids is None or not seq.cacheable:
             return 0
-        self._live(seq)
         B, added = self.block_size, 0
         for i in range(seq.cached_blocks, seq.num_tokens // B):
             digest = cache.store(seq.block_table[i], seq.token_ids[i * B:(i + 1) * B], seq.prefix_hash, seq.tenant)
@@ -384,7 +403,7 @@ class SequenceManager:
             raise IllegalTransitionError(f"sequence {seq.seq_id} is not swapped out")
         ids = self.pool.reserve(len(st.positions), owner=seq.seq_id) if st.positions else []
         if st.data is not None:
-            self.pool.storage.scatter_blocks(ids, st.data)
+            self.pool.storage_of().scatter_blocks(ids, st.data)
         self.pool.commit(ids)
         self.pool.set_token_counts(ids, st.tokens)
         for i, b in zip(st.positions, ids):
@@ -404,6 +423,8 @@ class SequenceManager:
         """The pool's invariants, plus: refcount == number of table entries naming the block (and, when
         ``exclusive``, no block is referenced by anything but these tables); resident entries are ALLOCATED and
         count the tokens the table puts in them; table length == ceil(tokens / B). Raises AssertionError."""
+        if not isinstance(exclusive, (bool, np.bool_)):
+            raise ConfigError(f"exclusive must be True or False, got {exclusive!r}")
         self.pool.check_invariants()
         named = Counter(b for s in self.seqs.values() for b in s.block_table if b >= 0)
         refs = self.pool.arrays.refcount
