@@ -132,6 +132,8 @@ class PyFastBlockPool(BlockPool):
         """Free many distinct single-reference, non-reusable blocks with numpy; False (nothing changed) for
         any other list, which the reference path then serves or rejects."""
         n = len(ids)
+        if n > self.num_blocks:  # more ids than blocks: some repeat, which the reference path words
+            return False
         try:  # array('I') conversion refuses negatives and non-ints (bools pass: caught by the type scan)
             v = np.array(ids, dtype=np.int64) if all(type(b) is int for b in ids) else None
         except OverflowError:

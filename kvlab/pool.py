@@ -100,13 +100,14 @@ class BlockPool(TextbookNames):
         spec = spec or KVSpec()
         self.max_order = 0
         if block_sizes is not None:
-            sizes = sorted(set(block_sizes))
-            if not sizes or not all(is_int(s) and s >= 1 for s in sizes):
-                raise ConfigError(f"block_sizes must be positive ints, got {list(block_sizes)!r}")
+            if not isinstance(block_sizes, (list, tuple)) or not block_sizes or \
+                    not all(is_int(s) and s >= 1 for s in block_sizes):
+                raise ConfigError(f"block_sizes must be a list of positive ints, got {block_sizes!r}")
+            sizes = sorted({int(s) for s in block_sizes})
             bad = [s for s in sizes if s % sizes[0] or (s // sizes[0]) & (s // sizes[0] - 1)]
             if bad:
                 raise ConfigError(f"block sizes {bad} are not power-of-two multiples of the smallest, {sizes[0]}")
-            spec = replace(spec, block_size=int(sizes[0]))
+            spec = replace(spec, block_size=sizes[0])
             self.max_order = (sizes[-1] // sizes[0]).bit_length() - 1
         if (num_blocks is None) == (total_memory is None):
             raise ConfigError("give exactly one of num_blocks or total_memory")
@@ -115,6 +116,8 @@ class BlockPool(TextbookNames):
         if not is_int(num_blocks) or num_blocks < 1 or num_blocks > INT32_MAX:
             raise ConfigError(f"num_blocks must be an int in 1..{INT32_MAX}, got {num_blocks!r}")
         self.clock: Clock = clock or LogicalClock()
+        if not isinstance(with_storage, (bool, np.bool_)):
+            raise ConfigError(f"with_storage must be True or False, got {with_storage!r}")
         if not isinstance(now := self.clock.now(), int):
             raise ConfigError(f"the clock must count in ints (stamps are int64), but now() gave {now!r}")
         self.spec, self.num_blocks, self.block_size = spec, int(num_blocks), spec.block_size

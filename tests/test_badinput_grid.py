@@ -892,19 +892,7 @@ assert not _dups, f"case ids must be unique: {_dups[:5]}"
 
 # Cases that fail because of code outside the modules this grid's author may change, as ``spec[label]``
 # (both pool classes) or ``Class/spec[label]``; each one a bug to fix there, after which the xfail turns red.
-_WITH_STORAGE = "BlockPool(with_storage=...) takes any value and tests its truth: kvlab/pool.py"
-_FREE_40 = ("free([b] * 40) on a 32-block pool: PyFastBlockPool._distinct slices _pos (num_blocks long) to 40 and "
-            "numpy raises ValueError instead of the reference's DoubleFreeError: kvlab/perf.py")
-KNOWN_BUGS: dict[str, str] = {
-    "BlockPool()[block_sizes=int]": "BlockPool(block_sizes=4) raises TypeError (sorted(set(4))): kvlab/pool.py",
-    "BlockPool()[block_sizes=np ints]": "BlockPool(block_sizes=[np.int64(4), np.int64(16)]) passes is_int, then "
-                                        "raises AttributeError (numpy ints have no bit_length): kvlab/pool.py",
-    "BlockPool()[with_storage=str]": _WITH_STORAGE,
-    "BlockPool()[with_storage=None]": _WITH_STORAGE,
-    "BlockPool()[with_storage=1]": _WITH_STORAGE,
-    "FastBlockPool/BlockPool.free[held 40 times]": _FREE_40,
-    "PyFastBlockPool/BlockPool.free[held 40 times]": _FREE_40,
-}
+KNOWN_BUGS: dict[str, str] = {}  # case id -> why it fails; each entry is a strict xfail until fixed
 
 
 def _needles(w: World, v: V) -> list[str]:
