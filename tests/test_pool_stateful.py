@@ -1,5 +1,9 @@
 """Random operation sequences on a pool, checked step by step against a plain reference model. (Threads
-hammering one pool: tests/test_reliability.py.)"""
+hammering one pool: tests/test_reliability.py.)
+
+The model keeps its own clock (one tick per accepted public mutation), every block's stamps (created, last
+access, hits), the free stack and the evictable set, so it predicts the exact ids of every allocation and the
+victim of every eviction under LRU, FIFO and LFU, for the reference pool and the fast one."""
 from __future__ import annotations
 
 import torch
@@ -8,140 +12,259 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from _util import small_spec
-from kvlab import BlockPool, BlockStatus, KVLabError, OutOfBlocksError
+from kvlab import (BlockPool, BlockStatus, DoubleFreeError, FastBlockPool, KVLabError, OutOfBlocksError,
+                   RefcountUnderflowError, perf)
 
 N = 12
 STATUS = {int(s): s.name for s in BlockStatus}
 
 
+def multiplicity(ids: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for b in ids:
+        out[b] = out.get(b, 0) + 1
+    return out
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """Reference model: ``status``/``refs``/``reusable`` dicts and the expected K/V of every block with data."""
+    """Reference model: ``status``/``refs``/``reusable`` dicts, stamps, the free stack (top last), the cached
+    set, and the expected K/V of every block with data."""
+
+    POLICY = "lru"
+    POOL = BlockPool
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(N, spec=small_spec())
+        self.pool = self.POOL(N, spec=small_spec(), eviction_policy=self.POLICY)
         self.status = {b: "FREE" for b in range(N)}
         self.refs = {b: 0 for b in range(N)}
         self.reusable = {b: False for b in range(N)}
+        self.created = {b: 0 for b in range(N)}
+        self.last = {b: 0 for b in range(N)}
+        self.hits = {b: 0 for b in range(N)}
+        self.free_stack = list(range(N - 1, -1, -1))  # a fresh pool hands out the lowest ids first
+        self.cached: dict[int, int] = {}  # cached block -> when it (re)entered the policy, for LRU ties
+        self.entered = 0
+        self.clock = 0
         self.data: dict[int, torch.Tensor] = {}
-        self.stamp = 0
+        self.pattern = 0
+
+    # ------------------------------------------------------------------ the model
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def _blocks(self, status: str, referenced: bool | None = None) -> list[int]:
         return [b for b in range(N) if self.status[b] == status
                 and (referenced is None or (self.refs[b] > 0) == referenced)]
 
+    def _cache(self, b: int) -> None:
+        self.entered += 1
+        self.cached[b] = self.entered
+
+    def _victim(self) -> int | None:
+        """The block the policy must evict next, from the model's own stamps."""
+        if not self.cached:
+            return None
+        key = {"lru": lambda b: (self.last[b], self.cached[b]),  # least recent; same step: first released
+               "fifo": lambda b: (self.created[b], b),
+               "lfu": lambda b: (self.hits[b], self.last[b], b)}[self.POLICY]
+        return min(self.cached, key=key)
+
     def _write(self, b: int) -> None:
-        self.stamp += 1
-        pattern = torch.full_like(self.pool.block(b).kv_data, float(self.stamp))
+        self.pattern += 1
+        pattern = torch.full_like(self.pool.block(b).kv_data, float(self.pattern))
         self.pool.block(b).kv_data.copy_(pattern)
         self.data[b] = pattern
 
     def _to_free(self, b: int) -> None:
+        """``b`` goes FREE and onto the top of the free stack; its stamps stay."""
         self.status[b], self.refs[b], self.reusable[b] = "FREE", 0, False
+        self.cached.pop(b, None)
         self.data.pop(b, None)
+        self.free_stack.append(b)
 
-    @rule(n=st.integers(1, 5))
-    def allocate(self, n: int) -> None:
-        avail = len(self._blocks("FREE")) + len(self._blocks("ALLOCATED", referenced=False))
-        try:
-            ids = self.pool.allocate(n)
-        except OutOfBlocksError:
-            assert n > avail
-            return
-        assert n <= avail and len(set(ids)) == n
+    def _take(self, n: int, t: int, status: str) -> list[int]:
+        """What ``allocate(n)`` hands out at step ``t``: the free stack's top, else the policy's victim."""
+        out = []
+        for _ in range(n):
+            if not self.free_stack:
+                self._to_free(self._victim())
+            b = self.free_stack.pop()
+            self.status[b], self.refs[b], self.reusable[b] = status, 1, False
+            self.created[b] = self.last[b] = t
+            self.hits[b] = 1
+            out.append(b)
+        return out
+
+    # ------------------------------------------------------------------ rules
+    @rule(n=st.integers(1, 5), pending=st.booleans())
+    def allocate(self, n: int, pending: bool) -> None:
+        avail = len(self.free_stack) + len(self.cached)
+        if n > avail:
+            try:
+                self.pool.reserve(n) if pending else self.pool.allocate(n)
+            except OutOfBlocksError:
+                return
+            raise AssertionError(f"allocate({n}) with {avail} available was accepted")
+        ids = self.pool.reserve(n) if pending else self.pool.allocate(n)
+        assert ids == self._take(n, self._tick(), "PENDING" if pending else "ALLOCATED")
         for b in ids:
-            assert self.status[b] in ("FREE", "ALLOCATED") and self.refs[b] == 0
-            self._to_free(b)
-            self.status[b], self.refs[b] = "ALLOCATED", 1
             self._write(b)
+
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        pending = self._blocks("PENDING")
+        if pending:
+            ids = data.draw(st.lists(st.sampled_from(pending), min_size=1, max_size=3, unique=True))
+            self.pool.commit(ids)
+            t = self._tick()
+            for b in ids:
+                self.status[b], self.last[b] = "ALLOCATED", t
 
     @rule(data=st.data())
     def free(self, data) -> None:
         held = self._blocks("ALLOCATED", referenced=True) + self._blocks("PENDING")
-        ids = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=4, unique=True) if held else st.just([0]))
         if not held:
             try:
-                self.pool.free(ids)
+                self.pool.free([0])
             except KVLabError:
                 return
             raise AssertionError("free of an unheld block was accepted")
+        ids = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=5))  # repeats drop one each
+        want = multiplicity(ids)
+        ok = all(self.refs[b] >= c if self.status[b] == "ALLOCATED" else c == 1 for b, c in want.items())
+        if not ok:
+            try:
+                self.pool.free(ids)
+            except DoubleFreeError:
+                return
+            raise AssertionError(f"free({ids}) past the references was accepted")
         self.pool.free(ids)
-        for b in ids:
-            self.refs[b] -= 1
-            if self.refs[b] == 0 and not (self.status[b] == "ALLOCATED" and self.reusable[b]):
-                self._to_free(b)
+        t = self._tick()
+        gone = []
+        for b, c in want.items():
+            self.refs[b] -= c
+            if self.refs[b]:
+                self.last[b] = t
+            elif self.status[b] == "ALLOCATED" and self.reusable[b]:
+                self.last[b] = t
+                self._cache(b)
+            else:
+                gone.append(b)
+        for b in reversed(gone):  # the first id freed comes out first
+            self._to_free(b)
 
     @rule(data=st.data())
     def incref(self, data) -> None:
         live = self._blocks("ALLOCATED")
         if live:
-            b = data.draw(st.sampled_from(live))
-            self.pool.incref([b])
-            self.refs[b] += 1
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4))
+            self.pool.incref(ids)
+            t = self._tick()
+            for b, c in multiplicity(ids).items():
+                self.cached.pop(b, None)
+                self.refs[b] += c
+                self.hits[b] += c
+                self.last[b] = t
 
     @rule(data=st.data())
     def decref(self, data) -> None:
         live = self._blocks("ALLOCATED")
         if not live:
             return
-        b = data.draw(st.sampled_from(live))
-        if self.refs[b] == 0:
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4))
+        want = multiplicity(ids)
+        if any(self.refs[b] < c for b, c in want.items()):
             try:
-                self.pool.decref([b])
-            except KVLabError:
+                self.pool.decref(ids)
+            except RefcountUnderflowError:
                 return
             raise AssertionError("underflow accepted")
-        self.pool.decref([b])
-        self.refs[b] -= 1
+        self.pool.decref(ids)
+        t = self._tick()
+        for b, c in want.items():
+            self.refs[b] -= c
+            self.last[b] = t
+            if not self.refs[b]:
+                self._cache(b)
 
     @rule(data=st.data())
-    def mark_reusable(self, data) -> None:
-        live = self._blocks("ALLOCATED", referenced=True)
+    def touch(self, data) -> None:
+        live = self._blocks("ALLOCATED")
         if live:
-            b = data.draw(st.sampled_from(live))
-            self.pool.mark_reusable([b])
-            self.reusable[b] = True
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4))
+            self.pool.touch(ids)
+            t = self._tick()
+            for b, c in multiplicity(ids).items():
+                self.last[b] = t
+                self.hits[b] += c
+                if b in self.cached:  # re-ranked: LRU moves it last, LFU counts the reads, FIFO ignores them
+                    self._cache(b)
+
+    @rule(data=st.data(), reusable=st.booleans())
+    def mark_reusable(self, data, reusable: bool) -> None:
+        live = self._blocks("ALLOCATED") + self._blocks("PENDING")
+        if live:
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3))
+            self.pool.mark_reusable(ids, reusable)
+            self._tick()
+            gone = [b for b in dict.fromkeys(ids) if not reusable and b in self.cached]
+            for b in ids:
+                self.reusable[b] = reusable
+            for b in reversed(gone):
+                self._to_free(b)
 
     @rule()
     def evict(self) -> None:
-        cached = self._blocks("ALLOCATED", referenced=False)
-        blk = self.pool.evict_block()
-        if blk is None:
-            assert not cached
-        else:
-            assert blk.block_id in cached
-            self._to_free(blk.block_id)
-
-    @rule()
-    def reserve_commit(self) -> None:
-        if self._blocks("FREE"):
-            (b,) = self.pool.reserve(1)
-            assert self.status[b] == "FREE"
-            self.status[b], self.refs[b] = "PENDING", 1
-            self._write(b)
-            self.pool.commit([b])
-            self.status[b] = "ALLOCATED"
+        victim = self._victim()
+        got = self.pool.evict()
+        assert got == victim, f"{self.POLICY} evicted {got}, the model's stamps say {victim}"
+        if victim is not None:
+            self._tick()
+            self._to_free(victim)
 
     @rule(data=st.data())
-    def swap_like_eviction(self, data) -> None:
-        live = self._blocks("ALLOCATED", referenced=True)
-        if live:
-            b = data.draw(st.sampled_from(live))
-            self.pool.begin_eviction([b])
-            self.status[b] = "EVICTING"
-            assert torch.equal(self.pool.block(b).kv_data, self.data[b])
-            self.pool.finish_eviction([b])
+    def release_cached(self, data) -> None:
+        if self.cached:
+            b = data.draw(st.sampled_from(sorted(self.cached)))
+            self.pool.release_cached(b)
+            self._tick()
             self._to_free(b)
 
     @rule(data=st.data())
+    def begin_eviction(self, data) -> None:
+        live = self._blocks("ALLOCATED")
+        if live:
+            b = data.draw(st.sampled_from(live))
+            self.pool.begin_eviction([b])
+            self.last[b] = self._tick()
+            self.status[b] = "EVICTING"
+            self.cached.pop(b, None)
+            assert torch.equal(self.pool.block(b).kv_data, self.data[b])
+
+    @rule(data=st.data())
+    def finish_eviction(self, data) -> None:
+        leaving = self._blocks("EVICTING")
+        if leaving:
+            ids = data.draw(st.lists(st.sampled_from(leaving), min_size=1, max_size=3, unique=True))
+            self.pool.finish_eviction(ids)
+            self._tick()
+            for b in ids:  # pushed in order: the last on top
+                self._to_free(b)
+
+    @rule(data=st.data())
     def illegal(self, data) -> None:
-        """Any illegal call raises a typed error and changes nothing the model can see."""
+        """Any illegal call raises a typed error and changes nothing the model can see (not even the clock)."""
         b = data.draw(st.integers(-2, N + 2))
-        op = data.draw(st.sampled_from(["free", "decref", "incref", "commit", "finish_eviction", "release_cached"]))
+        op = data.draw(st.sampled_from(["free", "decref", "incref", "commit", "finish_eviction", "release_cached",
+                                        "begin_eviction", "touch"]))
         legal = 0 <= b < N and {
             "free": self.status.get(b) in ("ALLOCATED", "PENDING") and self.refs.get(b, 0) > 0,
             "decref": self.status.get(b) == "ALLOCATED" and self.refs.get(b, 0) > 0,
             "incref": self.status.get(b) == "ALLOCATED",
+            "touch": self.status.get(b) == "ALLOCATED",
+            "begin_eviction": self.status.get(b) == "ALLOCATED",
             "commit": self.status.get(b) == "PENDING",
             "finish_eviction": self.status.get(b) == "EVICTING",
             "release_cached": self.status.get(b) == "ALLOCATED" and self.refs.get(b, 0) == 0,
@@ -159,19 +282,39 @@ class PoolMachine(RuleBasedStateMachine):
     def matches_model(self) -> None:
         p = self.pool
         p.check_invariants()
-        counts = p.status_counts()
-        assert sum(counts.values()) == N
+        assert p.clock.now() == self.clock
+        assert sum(p.status_counts().values()) == N
         for b in range(N):
             assert STATUS[p.fields.status[b]] == self.status[b], b
             assert p.fields.refcount[b] == self.refs[b] >= 0, b
-            if self.status[b] == "FREE":
-                assert p.fields.refcount[b] == 0
-        assert p.num_cached_blocks == len(self._blocks("ALLOCATED", referenced=False))
+            assert bool(p.fields.reusable[b]) == self.reusable[b], b
+            assert (p.fields.created[b], p.fields.last_access[b], p.fields.hits[b]) == \
+                (self.created[b], self.last[b], self.hits[b]), b
+        assert p.free_ids() == self.free_stack[::-1]
+        assert {b for b, _ in p.policy.order()} == set(self.cached)
+        assert (p.policy.rank(1) or [(None, 0)])[0][0] == self._victim()
         for b, expect in self.data.items():  # K/V written through kv_data reads back bitwise until freed
             assert torch.equal(p.block(b).kv_data, expect), b
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
+
+def machine(policy: str, pool_cls: type) -> type:
+    cls = type(f"PoolMachine_{policy}_{pool_cls.__name__}", (PoolMachine,), {"POLICY": policy, "POOL": pool_cls})
+    case = cls.TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestPoolMachineLRU = machine("lru", BlockPool)
+TestPoolMachineFIFO = machine("fifo", BlockPool)
+TestPoolMachineLFU = machine("lfu", BlockPool)
+TestFastPoolMachineLRU = machine("lru", FastBlockPool)
+TestFastPoolMachineFIFO = machine("fifo", FastBlockPool)
+TestFastPoolMachineLFU = machine("lfu", FastBlockPool)
+if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:  # compiled: its Python paths too
+    TestPyFastPoolMachineLRU = machine("lru", perf.PyFastBlockPool)
+    TestPyFastPoolMachineFIFO = machine("fifo", perf.PyFastBlockPool)
+    TestPyFastPoolMachineLFU = machine("lfu", perf.PyFastBlockPool)

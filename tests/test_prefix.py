@@ -82,10 +82,36 @@ def test_tenants_do_not_share():
 
 
 def test_token_ids_are_verified_on_hit(monkeypatch):
-    pool, mgr = make()
-    run(mgr, [1, 2, 3, 4, 5])
+    # every block hashes alike from the start, so the stored block and the new prompt collide
     monkeypatch.setattr(PrefixCache, "block_hash", staticmethod(lambda parent, toks, tenant=None: b"x" * 16))
-    assert mgr.create([9, 9, 9, 9, 9]).num_tokens == 0  # same hash, other tokens: a miss, not wrong data
+    pool, mgr = make()
+    a = run(mgr, [1, 2, 3, 4, 5])
+    assert mgr.prefix_cache.holds(a.block_table[0])
+    s = mgr.create([9, 9, 9, 9, 9])
+    assert s.num_tokens == 0 and s.block_table == []  # same hash, other tokens: a miss, not wrong data
+    assert mgr.prefix_cache.peek([9, 9, 9, 9, 9]) == []
+    assert mgr.create([1, 2, 3, 4, 5]).block_table == a.block_table[:1]  # the same tokens still hit
+    mgr.check_invariants()
+
+
+def test_a_collision_inside_a_chain_stops_the_hit_there(monkeypatch):
+    """A hash blind to each block's last token: the second block of the new prompt collides with the cached
+    one. The hit must stop after the first block, and every token's K/V must be the prompt's own."""
+    real = PrefixCache.block_hash
+    monkeypatch.setattr(PrefixCache, "block_hash",
+                        staticmethod(lambda parent, toks, tenant=None: real(parent, list(toks)[:-1], tenant)))
+    pool, mgr = make()
+    rec = EventRecorder(pool.events)
+    a = run(mgr, list(range(13)))  # 3 full blocks registered
+    prompt = list(range(7)) + [99] + list(range(8, 13))  # block 1 ends in 99 instead of 7: same (blind) hash
+    assert mgr.prefix_cache.peek(prompt) == a.block_table[:1]
+    s = run(mgr, prompt)
+    assert s.num_cached_tokens == 4 and s.block_table[0] == a.block_table[0]
+    assert s.block_table[1] != a.block_table[1]
+    assert torch.equal(pool.storage.read_slots(0, s.slots())[0][:, 0, 0], torch.tensor(prompt, dtype=torch.float32))
+    assert [e.block_ids for e in rec.of(PrefixHit)] == [tuple(a.block_table[:1])]
+    assert mgr.prefix_cache.get_stats()["hits"] == 1
+    mgr.check_invariants()
 
 
 def test_eviction_takes_tails_before_heads():
@@ -142,10 +168,18 @@ def test_swap_keeps_prefix_blocks_resident():
     pool, mgr = make()
     a = run(mgr, list(range(10)))
     cached = a.block_table[:2]
+    a.append(list(range(10, 15)))  # private blocks 2 and 3 holding 4 and 3 tokens
+    private = a.block_table[2:]
     a.swap_out()
-    assert a.block_table[:2] == cached and a.block_table[2] == -1
-    a.swap_in()
+    assert a.block_table[:2] == cached and a.block_table[2:] == [-1, -1]
+    assert a.swapped.positions == [2, 3] and a.swapped.tokens == [4, 3]
     mgr.check_invariants()
+    a.swap_in()
+    assert a.block_table[:2] == cached
+    assert a.block_table[2:] == private[::-1]  # the free stack hands the blocks back in the other order
+    assert [pool.fields.tokens[b] for b in a.block_table] == [4, 4, 4, 3]  # each count back at its position
+    mgr.check_invariants()
+    assert mgr.create(list(range(10))).block_table == cached
 
 
 def test_store_rejects_bad_blocks():
