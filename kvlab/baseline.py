@@ -128,6 +128,9 @@ class ContiguousMemory:
     def lookup(self, job) -> list[int]:
         return []
 
+    def admission_bound(self, job) -> int:
+        return self.region_blocks
+
     def admission_need(self, job, hits, n: int) -> int:
         return self.region_blocks
 

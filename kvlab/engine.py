@@ -235,6 +235,10 @@ class PagedMemory:
             return []
         return self.cache.peek(job.tokens, job.req.tenant, (len(job.tokens) - 1) // self.bs)
 
+    def admission_bound(self, job: Job) -> int:
+        """At most what admitting ``job`` takes, without looking up the cache: its whole prompt's blocks."""
+        return -(-len(job.tokens) // self.bs)
+
     def admission_need(self, job: Job, hits: list[int], n: int) -> int:
         """Blocks admitting ``job`` with its first ``n`` tokens takes from :meth:`available`: new blocks, plus
         the cached hits that leave the evictable set once referenced."""
@@ -541,9 +545,9 @@ class Engine:
                 tried += 1
                 continue
             job = q[0]
-            # Whole-prompt blocks bound what admission takes, hits or not: price the hits only when that
-            # bound does not fit (a cache walk hashes every full block of the prompt).
-            if not self._fits(tenant, -(-len(job.tokens) // mem.bs)):
+            # Price the hits only when the memory's bound on what admission takes does not fit (a cache walk
+            # hashes every full block of the prompt).
+            if not self._fits(tenant, mem.admission_bound(job)):
                 hits = mem.lookup(job)
                 n = min(len(job.tokens) - len(hits) * mem.bs, budget)
                 if not self._fits(tenant, mem.admission_need(job, hits, n)):

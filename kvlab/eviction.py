@@ -5,8 +5,8 @@ A policy orders the pool's *evictable* blocks: ALLOCATED blocks with refcount 0 
 candidate (a prefix-cache head whose child is still cached) it simply takes the next one. Every policy can rank
 its candidates with scores (lower score = evicted sooner), which is what a widget shows to explain a choice.
 
-Cost per operation: LRU and FIFO-by-release are O(1) (an insertion-ordered dict); FIFO-by-creation and LFU use a
-heap with lazy deletion, O(log n); random is O(1) with a swap-remove list. The text's version scanned every
+Cost per operation: LRU is O(1) (an insertion-ordered dict); FIFO (by creation), LFU and random use a heap
+with lazy deletion, O(log n). The text's version scanned every
 active block with ``min`` on each eviction, O(n).
 """
 from __future__ import annotations
@@ -53,6 +53,12 @@ class EvictionPolicy:
         self.discard(block_id)
         self.add(block_id)
 
+    def relabel(self, moved: dict[int, int]) -> None:
+        """Evictable blocks moved ``old -> new`` (compaction copied their stamps): same place in the order."""
+        for old, new in moved.items():
+            self.discard(old)
+            self.add(new)
+
     def rank(self, k: int = 8) -> list[tuple[int, float]]:
         """The first ``k`` candidates with their scores."""
         out: list[tuple[int, float]] = []
@@ -83,6 +89,9 @@ class LRUPolicy(EvictionPolicy):
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._set
+
+    def relabel(self, moved: dict[int, int]) -> None:
+        self._set = {moved.get(b, b): None for b in self._set}
 
     def order(self) -> Iterator[tuple[int, float]]:
         last = self.pool.fields.last_access
@@ -151,50 +160,30 @@ class LFUPolicy(_HeapPolicy):
         return (self.pool.fields.hits[block_id], self.pool.fields.last_access[block_id], block_id)
 
 
-class RandomPolicy(EvictionPolicy):
-    """A uniformly random evictable block, from a seeded generator so runs replay; score = the random draw."""
+class RandomPolicy(_HeapPolicy):
+    """A uniformly random evictable block, reproducible with its seed. Each block draws a random key from the
+    seeded generator when it becomes evictable, and the smallest key goes first: the minimum of independent
+    uniform draws is a uniform choice. Draws happen only when the pool changes, so asking for a ranking (a view
+    does, ``check_invariants`` does) never changes which victims later evictions pick. Score = the draw."""
 
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
-        self._seed = seed
+        super().__init__()
         self._rng = random.Random(seed)
-        self._items: list[int] = []
-        self._pos: dict[int, int] = {}
 
-    def add(self, block_id: int) -> None:
-        if block_id not in self._pos:
-            self._pos[block_id] = len(self._items)
-            self._items.append(block_id)
-
-    def discard(self, block_id: int) -> None:
-        i = self._pos.pop(block_id, None)
-        if i is not None:
-            last = self._items.pop()
-            if last != block_id:
-                self._items[i], self._pos[last] = last, i
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._pos
+    def key(self, block_id: int) -> tuple[float, ...]:
+        return (self._rng.random(), block_id)
 
     def touched(self, block_id: int) -> None:
         """A read changes nothing for a random choice."""
 
-    def order(self) -> Iterator[tuple[int, float]]:
-        """A random permutation, drawn lazily (the victim alone costs O(1)); score = draw number."""
-        if not self._items:
-            return
-        first = self._items[self._rng.randrange(len(self._items))]
-        yield first, 0.0
-        # The runners-up come from a generator of their own: asking for a ranking (a widget does) must not
-        # change which victims later evictions pick.
-        rest = [b for b in self._items if b != first]
-        random.Random(f"{self._seed}/{first}/{len(rest)}").shuffle(rest)
-        for i, b in enumerate(rest, 1):
-            yield b, float(i)
+    def relabel(self, moved: dict[int, int]) -> None:
+        """Moved blocks keep their draws."""
+        for old, new in moved.items():
+            k = (self._keys.pop(old)[0], new)
+            self._keys[new] = k
+            heapq.heappush(self._heap, (k, new))
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

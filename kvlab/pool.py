@@ -222,7 +222,8 @@ class BlockPool(TextbookNames):
                  status: BlockStatus = BlockStatus.ALLOCATED, block_id: int | None = None) -> list[int]:
         """Allocate ``n`` blocks of ``size_class`` (refcount 1 each): from the free stack, else by splitting a
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError` if
-        the pool cannot supply ``n``. ``status=PENDING`` reserves blocks whose data is still to arrive;
+        the pool cannot supply ``n`` (if an ``evict_guard`` vetoes candidates the capacity check counted, the
+        evictions already made stay, and the blocks taken go back). ``status=PENDING`` reserves blocks whose data is still to arrive;
         ``block_id`` takes that one FREE block (``n`` must be 1)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
@@ -239,18 +240,24 @@ class BlockPool(TextbookNames):
                 raise OutOfBlocksError(
                     f"asked for {n} blocks of {self.block_size << k} tokens; the pool has {self.num_free_blocks} "
                     f"free base blocks and {len(self.policy)} evictable of {self.num_blocks}")
+            if not n:
+                return []
             t = self._mutation()
-            out, served = [], []
-            for _ in range(n):
-                if block_id is not None:
-                    self.free_lists.remove(b)
-                    how = "free"
-                else:
-                    b, how = self._take(k, t)
+            taken: list[tuple[int, str]] = []
+            if block_id is not None:
+                self.free_lists.remove(b)
+                taken.append((b, "free"))
+            try:
+                while len(taken) < n:
+                    taken.append(self._take(k, t))
+            except OutOfBlocksError:  # a guard vetoed the last candidates: hand back what was taken
+                for b, _ in reversed(taken):
+                    self.free_lists.push(b)
+                raise
+            out, served = [b for b, _ in taken], [how for _, how in taken]
+            for b, how in taken:
                 self.meta.stamp(b, t, owner, int(status))
                 self.counts["served_" + how] += 1
-                out.append(b)
-                served.append(how)
             self.counts["allocations"] += n
             if self.events and n:  # the strategy reported is the one that served most of the blocks
                 how = max(("free", "split", "evict"), key=served.count)
@@ -587,9 +594,8 @@ class BlockPool(TextbookNames):
             self.free_lists.remove_many(np.array(d))
             for a, b in zip(s, d):
                 m.copy(a, b)
-                if a in self.policy:
-                    self.policy.discard(a)
-                    self.policy.add(b)
+            self.policy.relabel({a: b for a, b in zip(s, d) if a in self.policy})  # moving is no access
+            for a in s:
                 self._push_free(a)
             self.counts["migrations"] += len(s)
             for hook in self.relocation_hooks:

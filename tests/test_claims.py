@@ -124,9 +124,6 @@ def test_the_long_request_must_finish_within_its_pool(monkeypatch, long, support
     assert [c.supported for c in got] == [True] * 5 + [supported]
 
 
-@pytest.mark.xfail(strict=True, reason="the engine admits a request when its prompt's blocks fit, without asking "
-                                       "the contiguous baseline for its max_model_len region: with room for one "
-                                       "region and a half, reserving the second raises OutOfBlocksError")
 def test_claims_measure_when_memory_holds_one_region_and_a_half():
     claims = measure_claims(requests=50, num_blocks=192, long_tokens=2000)  # 3072 slots, regions of 2048
     assert len(claims) == 6

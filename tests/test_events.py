@@ -68,8 +68,6 @@ def test_allocate_from_the_free_stack(cls):
     pool.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="allocate(0) ticks the clock (and counts a lock acquisition) though it takes "
-                                       "nothing; free([]), incref([]), touch([]) and migrate([], []) do not tick")
 def test_allocate_nothing_does_not_tick(cls):
     pool, rec = make(cls)
     assert check(pool, rec, lambda: pool.free([]), [], ticks=0) is None
