@@ -2,6 +2,8 @@
 at refcount 0, tail-first eviction without orphans, stale entries, migration, and a property test."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec,
                    OutOfBlocksError)
+import kvlab.prefix as prefix_mod
 from kvlab.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
 from kvlab.sequence import SequenceManager
 
@@ -81,11 +84,28 @@ def test_tenants_do_not_share():
     assert mgr.create(list(range(9)), tenant="alice").num_tokens == 8
 
 
+def route_hashes(monkeypatch, fake):
+    """Make every hash the prefix cache computes ``fake(parent, token_ids, tenant)``: the public
+    ``PrefixCache.block_hash`` and the module's inner-loop helper, if it has one. Each test then checks, through
+    the PrefixStored events, that the cache really stored under the fake hashes."""
+    monkeypatch.setattr(PrefixCache, "block_hash",
+                        staticmethod(lambda parent, toks, tenant=None: fake(parent, list(toks), tenant)))
+    if hasattr(prefix_mod, "_hash"):
+        monkeypatch.setattr(prefix_mod, "_hash", lambda parent, toks, tenant: fake(parent, list(toks), tenant))
+
+
+def blind_to_last_token(parent, toks, tenant):
+    """A chained hash that ignores each block's last token: blocks differing only there collide."""
+    return hashlib.blake2b((parent or b"") + repr((tenant, toks[:-1])).encode(), digest_size=16).digest()
+
+
 def test_token_ids_are_verified_on_hit(monkeypatch):
     # every block hashes alike from the start, so the stored block and the new prompt collide
-    monkeypatch.setattr(PrefixCache, "block_hash", staticmethod(lambda parent, toks, tenant=None: b"x" * 16))
+    route_hashes(monkeypatch, lambda parent, toks, tenant: b"x" * 16)
     pool, mgr = make()
+    rec = EventRecorder(pool.events)
     a = run(mgr, [1, 2, 3, 4, 5])
+    assert [e.digest for e in rec.of(PrefixStored)] == [(b"x" * 16).hex()]  # stored under the colliding hash
     assert mgr.prefix_cache.holds(a.block_table[0])
     s = mgr.create([9, 9, 9, 9, 9])
     assert s.num_tokens == 0 and s.block_table == []  # same hash, other tokens: a miss, not wrong data
@@ -95,15 +115,15 @@ def test_token_ids_are_verified_on_hit(monkeypatch):
 
 
 def test_a_collision_inside_a_chain_stops_the_hit_there(monkeypatch):
-    """A hash blind to each block's last token: the second block of the new prompt collides with the cached
-    one. The hit must stop after the first block, and every token's K/V must be the prompt's own."""
-    real = PrefixCache.block_hash
-    monkeypatch.setattr(PrefixCache, "block_hash",
-                        staticmethod(lambda parent, toks, tenant=None: real(parent, list(toks)[:-1], tenant)))
+    """The second block of the new prompt collides with the cached one (it differs only in its last token). The
+    hit must stop after the first block, and every token's K/V must be the prompt's own."""
+    route_hashes(monkeypatch, blind_to_last_token)
     pool, mgr = make()
     rec = EventRecorder(pool.events)
     a = run(mgr, list(range(13)))  # 3 full blocks registered
-    prompt = list(range(7)) + [99] + list(range(8, 13))  # block 1 ends in 99 instead of 7: same (blind) hash
+    h0 = blind_to_last_token(None, [0, 1, 2, 3], None)
+    assert [e.digest for e in rec.of(PrefixStored)][:2] == [h0.hex(), blind_to_last_token(h0, [4, 5, 6, 7], None).hex()]
+    prompt = list(range(7)) + [99] + list(range(8, 13))  # block 1 ends in 99 instead of 7: the same hash
     assert mgr.prefix_cache.peek(prompt) == a.block_table[:1]
     s = run(mgr, prompt)
     assert s.num_cached_tokens == 4 and s.block_table[0] == a.block_table[0]
