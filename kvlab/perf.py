@@ -181,6 +181,8 @@ def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> ty
 
 
 _FastPath = _load_fastpath()
+if _FastPath is not None:
+    from ._fastpath import PoolLock as _PoolLock
 COMPILED = _FastPath is not None
 
 if _FastPath is not None:
@@ -190,6 +192,7 @@ if _FastPath is not None:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.lock = _PoolLock()  # reentrant like threading.RLock; the C takes it without a method call
             m = self.meta
             self._bind_fastpath(
                 allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.free, lock=self.lock, stack=self._stack,

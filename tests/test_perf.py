@@ -255,3 +255,46 @@ def test_a_pool_with_the_compiled_paths_is_collected():
     del pool
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.skipif(not COMPILED, reason="needs the compiled fast path")
+def test_the_pool_lock_is_reentrant_and_exclusive():
+    """FastBlockPool's PoolLock behaves as threading.RLock where the pool relies on it."""
+    import threading
+    import time
+    lock = FastBlockPool(4, with_storage=False).lock
+    with lock:
+        with lock:  # reentrant: the pool's methods call each other under it
+            assert lock.held()
+        assert lock.held()
+    assert not lock.held()
+    with pytest.raises(RuntimeError):
+        lock.release()  # not held
+    inside, seen = [0], []
+
+    def worker():
+        for _ in range(200):
+            with lock:
+                inside[0] += 1
+                seen.append(inside[0])
+                time.sleep(0)  # let the other threads run while this one holds the lock
+                inside[0] -= 1
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert seen == [1] * 800  # never two holders at once
+
+    def other_thread_release(out):
+        try:
+            lock.release()
+        except RuntimeError as e:
+            out.append(e)
+    with lock:
+        out: list = []
+        t = threading.Thread(target=other_thread_release, args=(out,))
+        t.start()
+        t.join()
+        assert out and lock.held()  # only the holder can release it
