@@ -21,6 +21,8 @@ Invariants (:meth:`BlockPool.check_invariants` asserts them after every step of 
   == ``num_blocks``;
 * a block is on a free stack iff it is FREE, and in the eviction policy iff it is cached;
 * refcount >= 0; a FREE block has refcount 0, no tokens, no owner and no reusable data.
+* a block counts at most its capacity in tokens (``SequenceManager.check_invariants`` adds: exactly what the
+  block tables put in it).
 
 Every public mutation takes the lock once, ticks the clock once (only once it has validated its input: a
 rejected call changes nothing, not even the clock) and publishes one typed event per effect, stamped with the
