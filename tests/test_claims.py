@@ -112,6 +112,18 @@ def test_each_verdict_flips_at_the_texts_threshold(monkeypatch, claim, offset, s
     assert others == [True] * 5  # the default summaries support every other claim
 
 
+def test_the_report_states_each_verdict_at_the_threshold(monkeypatch):
+    """What a reader sees: just past each threshold the report says "supported" for all six; just short of one,
+    "NOT supported" for that claim alone."""
+    for claim in sorted(FIGURES):
+        for offset, short in ((1e-6, False), (-1e-6, True)):
+            monkeypatch.setattr(claims_mod, "Engine", fake_engine(*FIGURES[claim](offset)))
+            text = claims_report(measure_claims(requests=5, num_blocks=64, block_size=BS, long_tokens=LONG))
+            lines = [line for line in text.splitlines() if line.startswith("* ")]
+            assert [line.endswith("NOT supported by this measurement") for line in lines] == \
+                [short and i == claim for i in range(6)], (NAMES[claim], offset)
+
+
 @pytest.mark.parametrize("long, supported", [
     ({}, True),  # finished within its own pool
     ({"peak_reserved_slots": LONG_BLOCKS * BS}, True),  # every slot of the pool used: still within it

@@ -170,7 +170,8 @@ def test_decref_to_cached_and_incref(cls):
     a, b, c = pool.allocate(3)
     rec.events.clear()
     check(pool, rec, lambda: pool.incref([a, c]), lambda t: [RefChanged(t, (a, c), (1, 1), (2, 2))])
-    check(pool, rec, lambda: pool.decref([c, b, a]), lambda t: [RefChanged(t, (c, a), (-1, -1), (1, 1)), Cached(t, (b,))])
+    check(pool, rec, lambda: pool.decref([c, b, a]),
+          lambda t: [RefChanged(t, (c, a), (-1, -1), (1, 1)), Cached(t, (b,))])
     assert pool.is_cached(b)  # decref keeps the data whether or not the block is reusable
     check(pool, rec, lambda: pool.incref([b]), lambda t: [RefChanged(t, (b,), (1,), (1,))])  # a cached block
     assert b not in pool.policy
@@ -290,7 +291,8 @@ def test_migrate(cls):
     a, b, c = pool.allocate(3)
     rec.events.clear()
     check(pool, rec, lambda: pool.decref([b]), lambda t: [Cached(t, (b,))])
-    check(pool, rec, lambda: pool.migrate([c, b], [9, 12], reason="test"), lambda t: [Migrated(t, (c, b), (9, 12), "test")])
+    check(pool, rec, lambda: pool.migrate([c, b], [9, 12], reason="test"),
+          lambda t: [Migrated(t, (c, b), (9, 12), "test")])
     assert pool.is_cached(12) and pool.free_ids()[:2] == [b, c]  # sources pushed in order: the last on top
     check(pool, rec, lambda: pool.migrate([], []), [], ticks=0)
     pool.check_invariants()
@@ -376,7 +378,8 @@ def test_prefix_store_hit_and_evict_events(cls):
     # (told by the pool's hook) before the pool publishes the eviction
     check(pool, rec, pool.evict, lambda t: [PrefixEvicted(t, 1, h1.hex()),
                                             Evicted(t, 1, "lru", "explicit", ((1, float(t - 1)), (0, float(t - 1))))])
-    check(pool, rec, pool.evict, lambda t: [PrefixEvicted(t, 0, h0.hex()), Evicted(t, 0, "lru", "explicit", ((0, float(t - 2)),))])
+    check(pool, rec, pool.evict,
+          lambda t: [PrefixEvicted(t, 0, h0.hex()), Evicted(t, 0, "lru", "explicit", ((0, float(t - 2)),))])
     assert len(mgr.prefix_cache) == 0
     mgr.check_invariants()
 
