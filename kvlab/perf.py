@@ -134,7 +134,7 @@ class PyFastBlockPool(BlockPool):
         n = len(ids)
         if n > self.num_blocks:  # more ids than blocks: some repeat, which the reference path words
             return False
-        try:  # array('I') conversion refuses negatives and non-ints (bools pass: caught by the type scan)
+        try:  # exact ints only (bools and numpy ints go to the reference); past int64 is an OverflowError
             v = np.array(ids, dtype=np.int64) if all(type(b) is int for b in ids) else None
         except OverflowError:
             return False
@@ -181,11 +181,11 @@ def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> ty
 
 
 _FastPath = _load_fastpath()
-if _FastPath is not None:
-    from ._fastpath import PoolLock as _PoolLock
 COMPILED = _FastPath is not None
 
 if _FastPath is not None:
+    from ._fastpath import PoolLock as _PoolLock
+
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
         """:class:`PyFastBlockPool` with ``allocate`` and ``free`` compiled (``kvlab/_fastpath.c``): the C
         serves what the Python fast paths serve and hands every other call to them."""
@@ -196,7 +196,7 @@ if _FastPath is not None:
             m = self.meta
             self._bind_fastpath(
                 allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.free, lock=self.lock, stack=self._stack,
-                clock=self.clock, step_slot=LogicalClock.step if type(self.clock) is LogicalClock else None,
+                clock=self.clock, step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
                 events=self.events, allocated=ev.Allocated, freed=ev.Freed,
                 status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
                 owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order)
@@ -217,4 +217,4 @@ if _FastPath is not None:
         def counts(self, value: dict[str, int]) -> None:
             self._counts = value
 else:
-    FastBlockPool = PyFastBlockPool  # type: ignore[misc]
+    FastBlockPool = PyFastBlockPool  # type: ignore[misc,assignment]

@@ -32,7 +32,8 @@ id where the method says what a repeat means.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
@@ -306,7 +307,7 @@ class BlockPool(TextbookNames):
     def _drop_refs(self, ids: Ids, free: bool) -> None:
         with self.lock:
             m = self.meta
-            want = _multiplicity(self.check_ids(ids))
+            want = Counter(self.check_ids(ids))  # {id: occurrences}, first occurrence first
             for b, c in want.items():
                 s, r = m.status[b], m.refcount[b]
                 if free and not (s == ALLOCATED and r >= c or s == PENDING and c == 1):
@@ -366,7 +367,7 @@ class BlockPool(TextbookNames):
 
     def _allocated_counts(self, ids: Ids, what: str) -> dict[int, int]:
         """``{id: occurrences}`` of ``ids``, each ALLOCATED, else :class:`IllegalTransitionError`."""
-        want = _multiplicity(self.check_ids(ids))
+        want = Counter(self.check_ids(ids))  # {id: occurrences}, first occurrence first
         for b in want:
             if self.meta.status[b] != ALLOCATED:
                 raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]}: only ALLOCATED blocks "
@@ -653,14 +654,6 @@ class BlockPool(TextbookNames):
             assert len(self.policy) == len(in_policy) == len(set(in_policy)), "the policy's size and order disagree"
             odd = sorted(set(in_policy) ^ cached)[:5]
             assert not odd, f"evictable set disagrees with cached blocks at {odd}"
-
-
-def _multiplicity(ids: Iterable[int]) -> dict[int, int]:
-    """``{id: occurrences}`` in order of first occurrence."""
-    out: dict[int, int] = {}
-    for b in ids:
-        out[b] = out.get(b, 0) + 1
-    return out
 
 
 def _base_blocks(ids: list[int], meta: BlockMeta) -> list[int]:
