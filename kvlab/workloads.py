@@ -32,7 +32,7 @@ skipped) holding one request per record:
 * **CSV** (``.csv``): a header row naming the columns (each once, the required ones present), then one row per
   request with a cell per column, quoted as :mod:`csv` writes it (``"`` around a cell holding a comma, quote or
   line end, ``""`` for a quote inside it); a stray quote is an error. Empty optional cells take their default,
-  numbers are ASCII decimals, ``prompt_tokens`` is written as space-separated integers.
+  numbers are ASCII decimals, ``prompt_tokens`` and ``hash_ids`` are written as space-separated integers.
 
 =================  ========  =====================================================================
 field              required  meaning
@@ -46,6 +46,8 @@ field              required  meaning
 ``prefix_len``     no        tokens of that prefix; > 0 iff ``prefix_id`` is set, the same in every request
 ``prompt_tokens``  no        the prompt's token ids (``prompt_len`` of them, each in 0..2**31-1); derived when
                              absent
+``hash_ids``       no        Mooncake-style content ids, one per 512 prompt tokens (:data:`HASH_BLOCK`): the
+                             prompt's token ids follow from them; not with ``prefix_id`` or ``prompt_tokens``
 =================  ========  =====================================================================
 
 The bound 2**31-1 (:data:`INT_MAX`) is the pool's: it keeps owners and token counts as int32. A malformed record
@@ -72,9 +74,12 @@ import numpy as np
 
 from .errors import ConfigError, TraceFormatError
 
-FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens")
+FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
+          "hash_ids")
 REQUIRED = FIELDS[:4]
 INT_MAX = 2**31 - 1  # the largest id, length or token id a request may hold (the pool's int32 fields)
+HASH_BLOCK = 512  # prompt tokens per hash id (Mooncake's trace hashes its prompts in blocks of 512 tokens)
+HASH_ID_MAX = INT_MAX // HASH_BLOCK  # the largest hash id whose tokens (id * 512 + offset) stay <= INT_MAX
 _PHI = NormalDist()
 _inv_cdf = np.vectorize(_PHI.inv_cdf, otypes=[float])
 
@@ -91,6 +96,12 @@ class Request:
     iff ``prefix_id`` is set, and ``prompt_tokens`` (when given) holds ``prompt_len`` token ids. The id, the
     lengths and the token ids are ints in ``0..INT_MAX`` (2**31 - 1): the pool stores owners and counts as int32,
     so a larger value would overflow there rather than fail here.
+
+    ``hash_ids`` describes the prompt the way the Mooncake trace does: id ``i`` of the tuple names the content
+    of prompt tokens ``512*i .. 512*(i+1)-1`` (the last id the rest of the prompt), so it holds
+    ``ceil(prompt_len / 512)`` ints in ``0..HASH_ID_MAX``, and two requests whose tuples start alike share that
+    much prompt. It is a complete description of the prompt, so it excludes ``prefix_id`` and ``prompt_tokens``
+    (a request with both would describe its prompt twice, possibly differently).
     """
 
     id: int
@@ -101,6 +112,7 @@ class Request:
     prefix_id: str | None = None
     prefix_len: int = 0
     prompt_tokens: tuple[int, ...] | None = None
+    hash_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise numpy scalars etc. to plain Python values once
@@ -128,7 +140,18 @@ class Request:
                               f"and prompt_len={self.prompt_len} (need 0 < prefix_len <= prompt_len exactly "
                               f"when a prefix_id is set)")
         if self.prompt_tokens is not None:
-            set_(self, "prompt_tokens", _token_tuple(self.prompt_tokens, self.id, self.prompt_len))
+            set_(self, "prompt_tokens", _int_tuple(self.prompt_tokens, self.prompt_len, INT_MAX,
+                                                   f"request {self.id}: prompt_tokens must be {self.prompt_len} "
+                                                   f"token ids in 0..{INT_MAX}"))
+        if self.hash_ids is not None:
+            if self.prefix_id is not None or self.prompt_tokens is not None:
+                raise ConfigError(f"request {self.id}: hash_ids describe the whole prompt, so they exclude "
+                                  f"prefix_id and prompt_tokens")
+            need = -(-self.prompt_len // HASH_BLOCK)
+            set_(self, "hash_ids", _int_tuple(self.hash_ids, need, HASH_ID_MAX,
+                                              f"request {self.id}: hash_ids must be {need} ints in "
+                                              f"0..{HASH_ID_MAX} (one per {HASH_BLOCK} of the {self.prompt_len} "
+                                              f"prompt tokens)"))
 
     @property
     def total_len(self) -> int:
@@ -138,11 +161,18 @@ class Request:
     def prompt_token_ids(self, vocab_size: int = 32000) -> list[int]:
         """The prompt's token ids: :attr:`prompt_tokens` when given, else derived deterministically (a stable
         hash seeds a generator) so that every request naming the same prefix starts with the same ids, and a
-        prefix cache that hashes token ids finds the sharing the trace describes."""
+        prefix cache that hashes token ids finds the sharing the trace describes.
+
+        With :attr:`hash_ids` the token at offset ``o`` of hash id ``h`` is ``h * 512 + o``: equal ids give equal
+        tokens and distinct ids never share one. These ids are exact, not taken modulo ``vocab_size`` (that
+        would make distinct ids collide), so a vocabulary too small for them raises
+        :class:`~kvlab.errors.ConfigError`: such traces run without a model (metadata mode)."""
         if self.prompt_tokens is not None:
             return list(self.prompt_tokens)
         if vocab_size < 1:
             raise ConfigError(f"vocab_size must be >= 1, got {vocab_size}")
+        if self.hash_ids is not None:
+            return _hash_token_ids(self.hash_ids, self.prompt_len, vocab_size, self.id)
         head = _token_ids(f"prefix:{self.prefix_id}", self.prefix_len, vocab_size) if self.prefix_id else []
         return head + _token_ids(f"request:{self.id}", self.prompt_len - self.prefix_len, vocab_size)
 
@@ -160,9 +190,8 @@ def _bounded_int(v: Any, what: str) -> int:
     return n
 
 
-def _token_tuple(toks: Any, rid: int, n: int) -> tuple[int, ...]:
-    """``toks`` as a tuple of ``n`` plain-int token ids in ``0..INT_MAX``."""
-    what = f"request {rid}: prompt_tokens must be {n} token ids in 0..{INT_MAX}"
+def _int_tuple(toks: Any, n: int, hi: int, what: str) -> tuple[int, ...]:
+    """``toks`` as a tuple of ``n`` plain ints in ``0..hi``; ``what`` says so in the error."""
     if isinstance(toks, np.ndarray):
         if toks.dtype.kind not in "iu":
             raise ConfigError(f"{what}, got an array of {toks.dtype}")
@@ -179,9 +208,21 @@ def _token_tuple(toks: Any, rid: int, n: int) -> tuple[int, ...]:
             raise ConfigError(f"{what}, got {_show(t)}") from None
     if len(out) != n:
         raise ConfigError(f"{what}, got {len(out)} ids")
-    if out and not (0 <= min(out) and max(out) <= INT_MAX):
-        raise ConfigError(f"{what}, got {_show(next(t for t in out if not 0 <= t <= INT_MAX))}")
+    if out and not (0 <= min(out) and max(out) <= hi):
+        raise ConfigError(f"{what}, got {_show(next(t for t in out if not 0 <= t <= hi))}")
     return tuple(out)
+
+
+def _hash_token_ids(hash_ids: tuple[int, ...], n: int, vocab_size: int, rid: int) -> list[int]:
+    """The ``n`` token ids of a prompt given by hash ids: ``h * HASH_BLOCK + offset`` (vectorised: a 126k-token
+    prompt is built without a Python step per token)."""
+    toks = np.repeat(np.asarray(hash_ids, dtype=np.int64) * HASH_BLOCK, HASH_BLOCK)[:n] + np.arange(n) % HASH_BLOCK
+    top = int(toks.max())
+    if top >= vocab_size:
+        raise ConfigError(f"request {rid}: its hash ids make token ids up to {top}, past vocab_size={vocab_size}; "
+                          f"hash-id prompts are exact (a modulo would make distinct ids collide), so run them "
+                          f"without a model or with a vocabulary of more than {top} ids")
+    return toks.tolist()
 
 
 def _show(v: Any, limit: int = 60) -> str:
@@ -435,10 +476,11 @@ def _jsonl_text(workload: Workload) -> str:
     lines = []
     for r in workload:
         row = asdict(r)
-        if row["prompt_tokens"] is None:
-            del row["prompt_tokens"]
-        else:
-            row["prompt_tokens"] = list(row["prompt_tokens"])
+        for name in ("prompt_tokens", "hash_ids"):
+            if row[name] is None:
+                del row[name]
+            else:
+                row[name] = list(row[name])
         # ASCII-only output: a lone surrogate in a tenant survives as an escape, and nothing splits a line
         lines.append(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
     return "".join(lines)
@@ -455,10 +497,9 @@ def _csv_text(workload: Workload) -> str:
                 raise ConfigError(f"request {r.id}: {name} {_show(value)} holds a lone surrogate, which a UTF-8 "
                                   f"CSV file cannot store; write a .jsonl trace instead")
         row = asdict(r)
-        toks = row["prompt_tokens"]
-        row.update(prefix_id=row["prefix_id"] or "",
-                   prompt_tokens="" if toks is None else " ".join(map(str, toks)),
-                   arrival=repr(row["arrival"]))
+        row.update({name: "" if row[name] is None else " ".join(map(str, row[name]))
+                    for name in ("prompt_tokens", "hash_ids")})
+        row.update(prefix_id=row["prefix_id"] or "", arrival=repr(row["arrival"]))
         w.writerow(row)
     return out.getvalue()
 
@@ -484,7 +525,12 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
         data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read trace {path}: {e.strerror or e}") from None
-    where = str(path)
+    return parse_trace(data, kind, str(path), name or path.stem)
+
+
+def parse_trace(data: bytes, kind: str, where: str, name: str) -> Workload:
+    """The workload in trace text ``data`` of ``kind`` ``"jsonl"`` or ``"csv"`` (what :func:`read_trace` does
+    once it has the bytes); errors name ``where`` as the file."""
     text = _decode(data, where)
     records = _jsonl_records(text, where) if kind == "jsonl" else _csv_records(text, where)
     requests: list[Request] = []
@@ -501,7 +547,7 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
         requests.append(r)
     if not requests:
         raise TraceFormatError(where, 1, "the trace holds no request")
-    return Workload(name or path.stem, requests)
+    return Workload(name, requests)
 
 
 def _kind(path: Path) -> str:
@@ -637,10 +683,12 @@ def _request(rec: dict[str, Any], from_text: bool) -> Request:
         rec = {k: v for k, v in rec.items() if v is not None or k in REQUIRED}
     num, real, tokens = (_cell_int, _cell_float, _cell_tokens) if from_text else (_json_int, _json_float,
                                                                                   _json_tokens)
-    plen, toks = rec.get("prefix_len"), rec.get("prompt_tokens")
+    plen, toks, hashes = rec.get("prefix_len"), rec.get("prompt_tokens"), rec.get("hash_ids")
     return Request(num(rec["id"], "id"), real(rec["arrival"], "arrival"), num(rec["prompt_len"], "prompt_len"),
                    num(rec["output_len"], "output_len"), rec.get("tenant", "default"), rec.get("prefix_id"),
-                   0 if plen is None else num(plen, "prefix_len"), None if toks is None else tokens(toks))
+                   0 if plen is None else num(plen, "prefix_len"),
+                   None if toks is None else tokens(toks, "prompt_tokens"),
+                   None if hashes is None else tokens(hashes, "hash_ids"))
 
 
 _INT_CELL = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
@@ -664,12 +712,12 @@ def _cell_float(cell: str, name: str) -> float:
     return float(cell)
 
 
-def _cell_tokens(cell: str) -> tuple[int, ...]:
+def _cell_tokens(cell: str, name: str) -> tuple[int, ...]:
     if not _TOKENS_CELL.fullmatch(cell):
-        raise ConfigError(f"prompt_tokens must be token ids (integers >= 0) separated by spaces, got {_show(cell)}")
+        raise ConfigError(f"{name} must be integers >= 0 separated by spaces, got {_show(cell)}")
     parts = cell.split()
     if any(len(t.lstrip("0")) > _DIGITS for t in parts):
-        raise ConfigError(f"prompt_tokens must be token ids in 0..{INT_MAX}")
+        raise ConfigError(f"{name} must be ints in 0..{INT_MAX}")
     return tuple(map(int, parts))
 
 
@@ -690,7 +738,7 @@ def _json_float(value: Any, name: str) -> float:
     raise ConfigError(f"{name} must be a number, got {_show(value)}")
 
 
-def _json_tokens(value: Any) -> tuple[int, ...]:
+def _json_tokens(value: Any, name: str) -> tuple[int, ...]:
     if type(value) is not list or any(type(t) is not int for t in value):
-        raise ConfigError(f"prompt_tokens must be a list of integer token ids, got {_show(value)}")
+        raise ConfigError(f"{name} must be a list of integers, got {_show(value)}")
     return tuple(value)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import ConfigError, Request, TraceFormatError, Workload, read_trace, write_trace
-from kvlab.workloads import FIELDS, INT_MAX, _csv_rows
+from kvlab.workloads import FIELDS, HASH_ID_MAX, INT_MAX, _csv_rows
 
 BIG = tuple(np.random.default_rng(7).integers(0, INT_MAX + 1, 30_000).tolist())  # a 180 KiB CSV cell
 
@@ -43,9 +43,14 @@ def workloads(draw) -> Workload:
             n, seed = draw(st.integers(1, 30_000)), draw(st.integers(0, 2**32))
             toks = tuple(np.random.default_rng(seed).integers(0, INT_MAX + 1, n).tolist())
         prompt_len = len(toks) if toks is not None else draw(st.integers(max(plen, 1), INT_MAX))
+        hashes = None
+        if pid is None and toks is None and draw(st.integers(0, 3)) == 0:  # a Mooncake-style prompt
+            prompt_len = draw(st.integers(1, 5000))
+            hashes = tuple(draw(st.lists(st.integers(0, HASH_ID_MAX), min_size=-(-prompt_len // 512),
+                                         max_size=-(-prompt_len // 512))))
         arrival = draw(st.floats(0, allow_nan=False, allow_infinity=False) | st.integers(0, 10**6))
         reqs.append(Request(i, arrival, prompt_len, draw(LENGTHS), draw(NAMES | st.just("default")), pid, plen,
-                            toks))
+                            toks, hashes))
     return Workload(draw(st.sampled_from(["w", "trace-1"])), reqs)
 
 
@@ -127,6 +132,10 @@ def _jsonl_field_cases():
     for v in ["1 2 3 4 5 6 7 8", [1] * 7, [1] * 9, [1.0] * 8, [-1] + [1] * 7, [INT_MAX + 1] + [1] * 7,
               [True] * 8, [None] * 8, 5, {}, [[1]] * 8]:
         out.append((f"prompt_tokens={str(v)[:20]}", {**BASE, "prompt_tokens": v}))
+    for v in [[True], [1.0], ["1"], [[1]], [None], [-1], [HASH_ID_MAX + 1], [2**63], [], [1, 2], 5, "1", {}]:
+        out.append((f"hash_ids={str(v)[:20]}", {**BASE, "hash_ids": v}))
+    out.append(("hash_ids with prefix_id", {**BASE, "hash_ids": [1], "prefix_id": "p", "prefix_len": 3}))
+    out.append(("hash_ids with prompt_tokens", {**BASE, "hash_ids": [1], "prompt_tokens": [1] * 8}))
     out.append(("unknown field", {**BASE, "priority": 1}))
     out.append(("missing field", {k: v for k, v in BASE.items() if k != "output_len"}))
     cases = []
@@ -206,7 +215,7 @@ def test_jsonl_nulls_bom_and_strict_types(tmp_path):
 # ---------------------------------------------------------------------------------------------------- CSV grid
 HEADER = ",".join(FIELDS)
 GOOD_ROW = dict(id="7", arrival="1.5", prompt_len="8", output_len="2", tenant="t", prefix_id="", prefix_len="",
-                prompt_tokens="")
+                prompt_tokens="", hash_ids="")
 CELL_INT = ["true", "8.0", "8.5", "nan", "inf", "abc", "1_0", "\u0663", "0x10", "1e3", "8 8", "--1",
             str(2**31), str(2**63), str(2**70), "9" * 5000, "00000000000000000000009999999999"]
 
@@ -226,6 +235,9 @@ def _csv_cell_cases():
               " ".join(["1.0"] * 8), " ".join([str(INT_MAX + 1)] + ["1"] * 7), " ".join(["9" * 40] * 8),
               ",".join(["1"] * 8)]:
         out.append((f"prompt_tokens={v[:16]!r}", {"prompt_tokens": v}))
+    for v in ["1 2", "-1", "x", "1.0", "true", str(HASH_ID_MAX + 1), "9" * 40, "1,2"]:
+        out.append((f"hash_ids={v[:16]!r}", {"hash_ids": v}))
+    out.append(("hash_ids with prompt_tokens", {"hash_ids": "1", "prompt_tokens": " ".join(["1"] * 8)}))
     rows = []
     for cid, change in out:
         cells = {**GOOD_ROW, **change}
@@ -236,27 +248,27 @@ def _csv_cell_cases():
 
 
 CSV_SYNTAX = [
-    ("unterminated quote swallowing the next record", b'7,1.5,8,2,"abc,,,'),
-    ("stray quote in a cell", b'7,1.5,8,2,ab"c,,,'),
-    ("text after a closing quote", b'7,1.5,8,2,"ab"c,,,'),
-    ("escaped quote, never closed", b'7,1.5,8,2,"ab"",,,'),
-    ("too many cells", b"7,1.5,8,2,t,,,,9"),
-    ("latin-1 byte", b"7,1.5,8,2,caf\xe9,,,"),
-    ("bad byte in a number", b"7,1.\xff5,8,2,t,,,"),
-    ("a quoted cell over two lines, then a bad cell", b'7,1.5,8,2,"two\nlines",,x,'),
-    ("NUL in a number", b"7,1.5,8\x00,2,t,,,"),
+    ("unterminated quote swallowing the next record", b'7,1.5,8,2,"abc,,,,'),
+    ("stray quote in a cell", b'7,1.5,8,2,ab"c,,,,'),
+    ("text after a closing quote", b'7,1.5,8,2,"ab"c,,,,'),
+    ("escaped quote, never closed", b'7,1.5,8,2,"ab"",,,,'),
+    ("too many cells", b"7,1.5,8,2,t,,,,,9"),
+    ("latin-1 byte", b"7,1.5,8,2,caf\xe9,,,,"),
+    ("bad byte in a number", b"7,1.\xff5,8,2,t,,,,"),
+    ("a quoted cell over two lines, then a bad cell", b'7,1.5,8,2,"two\nlines",,x,,'),
+    ("NUL in a number", b"7,1.5,8\x00,2,t,,,,"),
 ]
 
 
 def _good_csv(i: int) -> bytes:
-    return f"{i},{float(i)},8,2,t,,,".encode()
+    return f"{i},{float(i)},8,2,t,,,,".encode()
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["lf", "crlf"])
 @pytest.mark.parametrize("where", ["first", "later"])
 @pytest.mark.parametrize("cid, bad", _csv_cell_cases() + CSV_SYNTAX, ids=lambda x: x if isinstance(x, str) else "")
 def test_malformed_csv_names_the_line(tmp_path, cid, bad, where, eol):
-    before = [] if where == "first" else [_good_csv(1), b"", b'2,2.0,8,2,"multi\nline ""tenant""",,,']
+    before = [] if where == "first" else [_good_csv(1), b"", b'2,2.0,8,2,"multi\nline ""tenant""",,,,']
     lines = [HEADER.encode(), *before, bad, _good_csv(3), b'4,"']  # a later error must not be the one reported
     path = tmp_path / "t.csv"
     path.write_bytes(eol.join(lines) + eol)
