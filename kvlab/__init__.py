@@ -34,6 +34,7 @@ from .sequence import CopiedOnWrite, PagedBatch, Sequence, SequenceManager, Swap
 from .spec import KVSpec
 from .sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_block_size, plot_sweep, sweep
 from .storage import KVStorage
+from .traces import load_trace, prefix_hit_bound, prefix_hits, trace_names
 from .workloads import (LengthRange, Request, Scenario, Workload, make_workload, read_trace, write_trace)
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "paged_attention",
     "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
     "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
+    "load_trace", "prefix_hit_bound", "prefix_hits", "trace_names",
     "Allocated", "BlockPool", "FastBlockPool", "PyFastBlockPool", "hotpath_compiled", "BlockStatus", "Cached", "EngineEvent", "ConfigError",
     "DoubleFreeError", "Event", "EventBus",
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",

@@ -53,6 +53,16 @@ field              required  meaning
 The bound 2**31-1 (:data:`INT_MAX`) is the pool's: it keeps owners and token counts as int32. A malformed record
 raises :class:`~kvlab.errors.TraceFormatError` naming the file and the 1-based line, and nothing is loaded;
 :func:`write_trace` then :func:`read_trace` gives back equal requests in either format.
+
+Two production formats are read too (:func:`parse_trace`; :func:`kvlab.traces.load_trace` finds the files,
+unzips and detects them). Records are numbered from 0 in file order, arrivals are seconds since the first
+record and must not go backwards, the tenant is ``"default"``:
+
+* **Azure** (LLM inference trace 2023): CSV with the header ``TIMESTAMP,ContextTokens,GeneratedTokens``;
+  ``TIMESTAMP`` reads ``YYYY-MM-DD HH:MM:SS.fffffff`` and is converted exactly (integer nanoseconds, at most 9
+  fractional digits: more are refused rather than rounded); the counts are the prompt and output lengths.
+* **Mooncake** (FAST'25 release): JSONL objects with exactly ``timestamp`` (milliseconds, a number),
+  ``input_length``, ``output_length`` and ``hash_ids`` (:attr:`Request.hash_ids`).
 """
 from __future__ import annotations
 
@@ -63,8 +73,9 @@ import json
 import math
 import operator
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import date
 from functools import lru_cache
 from pathlib import Path
 from statistics import NormalDist
@@ -80,6 +91,7 @@ REQUIRED = FIELDS[:4]
 INT_MAX = 2**31 - 1  # the largest id, length or token id a request may hold (the pool's int32 fields)
 HASH_BLOCK = 512  # prompt tokens per hash id (Mooncake's trace hashes its prompts in blocks of 512 tokens)
 HASH_ID_MAX = INT_MAX // HASH_BLOCK  # the largest hash id whose tokens (id * 512 + offset) stay <= INT_MAX
+TRACE_KINDS = ("jsonl", "csv", "azure", "mooncake")
 _PHI = NormalDist()
 _inv_cdf = np.vectorize(_PHI.inv_cdf, otypes=[float])
 
@@ -117,7 +129,9 @@ class Request:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise numpy scalars etc. to plain Python values once
         for name in ("id", "prompt_len", "output_len", "prefix_len"):
-            set_(self, name, _bounded_int(getattr(self, name), f"request {_show(self.id)}: {name}"))
+            v = getattr(self, name)
+            if type(v) is not int or not 0 <= v <= INT_MAX:  # the check is cheap; its message is built on need
+                set_(self, name, _bounded_int(v, f"request {_show(self.id)}: {name}"))
         a = self.arrival
         try:
             arrival = float(a) if isinstance(a, (int, float, np.integer, np.floating)) else math.nan
@@ -141,17 +155,17 @@ class Request:
                               f"when a prefix_id is set)")
         if self.prompt_tokens is not None:
             set_(self, "prompt_tokens", _int_tuple(self.prompt_tokens, self.prompt_len, INT_MAX,
-                                                   f"request {self.id}: prompt_tokens must be {self.prompt_len} "
-                                                   f"token ids in 0..{INT_MAX}"))
+                                                   lambda: f"request {self.id}: prompt_tokens must be "
+                                                           f"{self.prompt_len} token ids in 0..{INT_MAX}"))
         if self.hash_ids is not None:
             if self.prefix_id is not None or self.prompt_tokens is not None:
                 raise ConfigError(f"request {self.id}: hash_ids describe the whole prompt, so they exclude "
                                   f"prefix_id and prompt_tokens")
             need = -(-self.prompt_len // HASH_BLOCK)
             set_(self, "hash_ids", _int_tuple(self.hash_ids, need, HASH_ID_MAX,
-                                              f"request {self.id}: hash_ids must be {need} ints in "
-                                              f"0..{HASH_ID_MAX} (one per {HASH_BLOCK} of the {self.prompt_len} "
-                                              f"prompt tokens)"))
+                                              lambda: f"request {self.id}: hash_ids must be {need} ints in "
+                                                      f"0..{HASH_ID_MAX} (one per {HASH_BLOCK} of the "
+                                                      f"{self.prompt_len} prompt tokens)"))
 
     @property
     def total_len(self) -> int:
@@ -190,27 +204,32 @@ def _bounded_int(v: Any, what: str) -> int:
     return n
 
 
-def _int_tuple(toks: Any, n: int, hi: int, what: str) -> tuple[int, ...]:
-    """``toks`` as a tuple of ``n`` plain ints in ``0..hi``; ``what`` says so in the error."""
-    if isinstance(toks, np.ndarray):
-        if toks.dtype.kind not in "iu":
-            raise ConfigError(f"{what}, got an array of {toks.dtype}")
-        toks = toks.tolist()
-    if isinstance(toks, (str, bytes)) or not isinstance(toks, Iterable):
-        raise ConfigError(f"{what}, got {_show(toks)}")
-    out = []
-    for t in toks:
-        if isinstance(t, (bool, np.bool_)):
-            raise ConfigError(f"{what}, got {t!r}")
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            raise ConfigError(f"{what}, got {_show(t)}") from None
+def _int_tuple(toks: Any, n: int, hi: int, what: Callable[[], str]) -> tuple[int, ...]:
+    """``toks`` as a tuple of ``n`` plain ints in ``0..hi``. ``what()`` says so in an error; it is called only
+    then, since a trace builds thousands of requests."""
+    if type(toks) in (tuple, list) and all(type(t) is int for t in toks):
+        out = tuple(toks)  # the common case: plain ints already
+    else:
+        if isinstance(toks, np.ndarray):
+            if toks.dtype.kind not in "iu":
+                raise ConfigError(f"{what()}, got an array of {toks.dtype}")
+            toks = toks.tolist()
+        if isinstance(toks, (str, bytes)) or not isinstance(toks, Iterable):
+            raise ConfigError(f"{what()}, got {_show(toks)}")
+        ints = []
+        for t in toks:
+            if isinstance(t, (bool, np.bool_)):
+                raise ConfigError(f"{what()}, got {t!r}")
+            try:
+                ints.append(operator.index(t))
+            except TypeError:
+                raise ConfigError(f"{what()}, got {_show(t)}") from None
+        out = tuple(ints)
     if len(out) != n:
-        raise ConfigError(f"{what}, got {len(out)} ids")
+        raise ConfigError(f"{what()}, got {len(out)} ids")
     if out and not (0 <= min(out) and max(out) <= hi):
-        raise ConfigError(f"{what}, got {_show(next(t for t in out if not 0 <= t <= hi))}")
-    return tuple(out)
+        raise ConfigError(f"{what()}, got {_show(next(t for t in out if not 0 <= t <= hi))}")
+    return out
 
 
 def _hash_token_ids(hash_ids: tuple[int, ...], n: int, vocab_size: int, rid: int) -> list[int]:
@@ -529,9 +548,16 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
 
 
 def parse_trace(data: bytes, kind: str, where: str, name: str) -> Workload:
-    """The workload in trace text ``data`` of ``kind`` ``"jsonl"`` or ``"csv"`` (what :func:`read_trace` does
-    once it has the bytes); errors name ``where`` as the file."""
+    """The workload named ``name`` in trace bytes ``data`` of ``kind``: kvlab's ``"jsonl"`` or ``"csv"`` (what
+    :func:`read_trace` does once it has the bytes) or a production trace's ``"azure"`` or ``"mooncake"``
+    (module docstring). Errors name ``where`` as the file."""
+    if kind not in TRACE_KINDS:
+        raise ConfigError(f"trace kind must be one of {', '.join(TRACE_KINDS)}, got {_show(kind)}")
     text = _decode(data, where)
+    if kind == "azure":
+        return Workload(name, _azure_requests(text, where))
+    if kind == "mooncake":
+        return Workload(name, _mooncake_requests(text, where))
     records = _jsonl_records(text, where) if kind == "jsonl" else _csv_records(text, where)
     requests: list[Request] = []
     ids: dict[int, int] = {}
@@ -742,3 +768,97 @@ def _json_tokens(value: Any, name: str) -> tuple[int, ...]:
     if type(value) is not list or any(type(t) is not int for t in value):
         raise ConfigError(f"{name} must be a list of integers, got {_show(value)}")
     return tuple(value)
+
+
+# ---------------------------------------------------------------------------------------------------- production traces
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _azure_requests(text: str, where: str) -> list[Request]:
+    rows = _csv_rows(text, where)
+    head = next(rows, None)
+    if head is None:
+        raise TraceFormatError(where, 1, f"empty file: expected the header {','.join(AZURE_COLUMNS)}")
+    line, header = head
+    header = [c.strip() for c in header]
+    if sorted(header) != sorted(AZURE_COLUMNS):
+        raise TraceFormatError(where, line, f"an Azure trace has the header {','.join(AZURE_COLUMNS)}, got "
+                                            f"{_show(','.join(header))}")
+    col = {c: header.index(c) for c in AZURE_COLUMNS}
+    requests: list[Request] = []
+    first = last = 0
+    for line, cells in rows:
+        try:
+            if len(cells) != len(header):
+                raise ConfigError(f"{len(cells)} cells for the {len(header)} columns {','.join(header)}")
+            ns = _azure_time(cells[col["TIMESTAMP"]])
+            if not requests:
+                first = last = ns
+            elif ns < last:
+                raise ConfigError(f"TIMESTAMP {cells[col['TIMESTAMP']].strip()} is earlier than the row before "
+                                  f"(arrivals must not go backwards)")
+            last = ns
+            requests.append(Request(len(requests), (ns - first) / 10**9,
+                                    _cell_int(cells[col["ContextTokens"]], "ContextTokens"),
+                                    _cell_int(cells[col["GeneratedTokens"]], "GeneratedTokens")))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TraceFormatError(where, line, str(e)) from None
+    if not requests:
+        raise TraceFormatError(where, 1, "the trace holds no request")
+    return requests
+
+
+_DATETIME = re.compile(r"\s*([0-9]{4})-([0-9]{2})-([0-9]{2})[ T]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]+))?\s*",
+                       re.ASCII)
+
+
+def _azure_time(cell: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.fraction]`` as integer nanoseconds since 0001-01-01 (exact, so that arrival gaps
+    keep the trace's 100 ns ticks); a fraction finer than 1 ns is refused rather than rounded."""
+    m = _DATETIME.fullmatch(cell)
+    if m is None:
+        raise ConfigError(f"TIMESTAMP must read YYYY-MM-DD HH:MM:SS.fffffff, got {_show(cell)}")
+    y, mo, d, h, mi, s = map(int, m.groups()[:6])
+    frac = m.group(7) or ""
+    if len(frac) > 9:
+        raise ConfigError(f"TIMESTAMP {cell.strip()} has {len(frac)} fractional digits; kvlab keeps time to the "
+                          f"nanosecond (9 digits) and would have to round it")
+    if h > 23 or mi > 59 or s > 59:
+        raise ConfigError(f"TIMESTAMP {cell.strip()} is not a time of day")
+    try:
+        day = date(y, mo, d).toordinal()
+    except ValueError:
+        raise ConfigError(f"TIMESTAMP {cell.strip()} is not a calendar date") from None
+    return ((day * 24 + h) * 60 + mi) * 60 * 10**9 + s * 10**9 + int(frac.ljust(9, "0"))
+
+
+def _mooncake_requests(text: str, where: str) -> list[Request]:
+    requests: list[Request] = []
+    first: int | float = 0
+    last: int | float = 0
+    for line, rec in _jsonl_records(text, where):
+        try:
+            missing = [k for k in MOONCAKE_KEYS if k not in rec]
+            unknown = sorted(set(rec) - set(MOONCAKE_KEYS))
+            if missing or unknown:
+                raise ConfigError(f"a Mooncake record has the keys {', '.join(MOONCAKE_KEYS)}; "
+                                  + (f"this one lacks {missing}" if missing else f"this one also has {unknown}"))
+            t = rec["timestamp"]
+            if type(t) not in (int, float) or not math.isfinite(t):
+                raise ConfigError(f"timestamp must be a finite number of milliseconds, got {_show(t)}")
+            if not requests:
+                first = last = t
+            elif t < last:
+                raise ConfigError(f"timestamp {t} is earlier than the record before ({last}); arrivals must not "
+                                  f"go backwards")
+            last = t
+            requests.append(Request(len(requests), (t - first) / 1000,
+                                    _json_int(rec["input_length"], "input_length"),
+                                    _json_int(rec["output_length"], "output_length"),
+                                    hash_ids=_json_tokens(rec["hash_ids"], "hash_ids")))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TraceFormatError(where, line, str(e)) from None
+    if not requests:
+        raise TraceFormatError(where, 1, "the trace holds no request")
+    return requests

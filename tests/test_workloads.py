@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import ConfigError, Request, TraceFormatError, Workload, make_workload, read_trace, write_trace
-from kvlab.workloads import SCENARIOS, TURN, WORKLOADS, LengthRange, burst_arrivals, poisson_arrivals
+from kvlab.workloads import (HASH_BLOCK, HASH_ID_MAX, INT_MAX, SCENARIOS, TURN, WORKLOADS, LengthRange,
+                             burst_arrivals, poisson_arrivals)
 
 N = 4000
 
@@ -175,6 +176,68 @@ def test_request_normalises_numpy_values():
     assert type(r.id) is int and type(r.arrival) is float and r.total_len == 12
     r = Request(0, 0.0, 3, 1, prompt_tokens=np.array([5, 6, 2**31 - 1], dtype=np.int64))
     assert r.prompt_tokens == (5, 6, 2**31 - 1) and {type(t) for t in r.prompt_tokens} == {int}
+
+
+# ---------------------------------------------------------------------------------------------------- hash ids
+def test_hash_ids_give_one_content_block_per_id():
+    r = Request(0, 0.0, 1100, 5, hash_ids=[7, 0, 3])  # 512 + 512 + 76 tokens
+    toks = r.prompt_token_ids(vocab_size=INT_MAX + 1)
+    assert r.hash_ids == (7, 0, 3) and len(toks) == 1100
+    assert toks == [h * HASH_BLOCK + o for h, n in ((7, 512), (0, 512), (3, 76)) for o in range(n)]
+    assert Request(1, 0.0, 512, 1, hash_ids=(9,)).prompt_token_ids(10 * HASH_BLOCK) == list(range(9 * 512, 4608 + 512))
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.lists(st.integers(0, 6), min_size=1, max_size=5), b=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+       cut_a=st.integers(0, 511), cut_b=st.integers(0, 511))
+def test_equal_ids_share_tokens_and_distinct_ids_none(a, b, cut_a, cut_b):
+    ra = Request(0, 0.0, 512 * len(a) - cut_a, 1, hash_ids=a)
+    rb = Request(1, 0.0, 512 * len(b) - cut_b, 1, hash_ids=b)
+    ta, tb = ra.prompt_token_ids(INT_MAX + 1), rb.prompt_token_ids(INT_MAX + 1)
+    for i, t in enumerate(ta):  # a token names its id and offset, nothing else
+        assert divmod(t, HASH_BLOCK) == (a[i // HASH_BLOCK], i % HASH_BLOCK)
+    assert (set(ta) & set(tb) == set()) == (set(a).isdisjoint(b))
+
+
+def test_a_126k_token_prompt_is_built_whole():
+    ids = list(range(1000, 1000 + 247))
+    r = Request(0, 0.0, 126_195, 1, hash_ids=ids)
+    toks = r.prompt_token_ids(INT_MAX + 1)
+    assert len(toks) == 126_195 and type(toks[0]) is int
+    assert toks[::HASH_BLOCK] == [h * HASH_BLOCK for h in ids] and toks[-1] == ids[-1] * 512 + 126_195 % 512 - 1
+
+
+def test_hash_ids_are_exact_or_refused_by_a_small_vocabulary():
+    r = Request(0, 0.0, 600, 1, hash_ids=(0, 1))
+    assert max(r.prompt_token_ids(vocab_size=600)) == 599  # ids 0..599 fit exactly
+    with pytest.raises(ConfigError, match="token ids up to 599, past vocab_size=599.*collide"):
+        r.prompt_token_ids(vocab_size=599)
+    top = Request(0, 0.0, 512, 1, hash_ids=(HASH_ID_MAX,))
+    assert top.prompt_token_ids(INT_MAX + 1)[-1] == INT_MAX  # the largest id still fits the pool's int32
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(hash_ids=(1,)), "hash_ids must be 2 ints"), (dict(hash_ids=(1, 2, 3)), "got 3 ids"),
+    (dict(hash_ids=()), "got 0 ids"), (dict(hash_ids=(1, -1)), "got -1"),
+    (dict(hash_ids=(1, HASH_ID_MAX + 1)), f"got {HASH_ID_MAX + 1}"), (dict(hash_ids=(True, 1)), "got True"),
+    (dict(hash_ids=(1.0, 2)), "got 1.0"), (dict(hash_ids="12"), "got '12'"), (dict(hash_ids=5), "got 5"),
+    (dict(hash_ids=((1,), 2)), r"got \(1,\)"), (dict(hash_ids=np.zeros(2)), "array of float64"),
+    (dict(hash_ids=(1, 2), prefix_id="p", prefix_len=3), "exclude prefix_id"),
+    (dict(hash_ids=(1, 2), prompt_tokens=tuple(range(600))), "exclude prefix_id and prompt_tokens"),
+])
+def test_request_rejects_bad_hash_ids(kwargs, word):
+    with pytest.raises(ConfigError, match=f"request 4: .*{word}"):
+        Request(**{"id": 4, "arrival": 0.0, "prompt_len": 600, "output_len": 1, **kwargs})
+
+
+def test_hash_ids_normalise_and_round_trip(tmp_path):
+    r = Request(0, 0.0, 600, 1, hash_ids=np.array([3, 4], dtype=np.int32))
+    assert r.hash_ids == (3, 4) and {type(h) for h in r.hash_ids} == {int}
+    w = Workload("m", [r, Request(1, 0.5, 2, 0, hash_ids=[3]), Request(2, 1.0, 8, 1)])
+    for suffix in (".jsonl", ".csv"):
+        assert read_trace(write_trace(w, tmp_path / f"m{suffix}")).requests == w.requests
+    assert '"hash_ids":[3,4]' in (tmp_path / "m.jsonl").read_text()
+    assert b",3 4\r\n" in (tmp_path / "m.csv").read_bytes()
 
 
 def test_workload_sorts_and_checks_consistency():
