@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvlab-installed
 
 .PHONY: install lab demo test test-long bench html clean
 
-$(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c
+$(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c kvlab/_paged_attention.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"

@@ -15,11 +15,23 @@ Queries are packed: ``q`` is ``[num_tokens, q_heads, dim]`` with ``query_lens[i]
 are its *last* ``query_lens[i]`` positions. Decode is ``query_lens == 1``; prefill is ``query_lens == seq_lens``; a
 prompt that hit the prefix cache is in between (causal with an offset). :func:`contiguous_attention` is the
 reference on plain tensors, written with explicit matmuls and softmax so it shares no code path with SDPA.
+
+Speed trick, kept apart at the end of this file: for decode on CPU in fp32 the gather is most of the cost (it
+reads and writes every byte of K/V once more before SDPA reads it). There ``paged_attention`` calls a compiled
+kernel instead (``kvlab/_paged_attention.c``: an online softmax that reads each block where it lies, through the
+block table, on ``torch.get_num_threads()`` threads). It computes what the gather + SDPA path above computes, and
+``tests/test_attention.py`` holds the two equal; ``impl="torch"`` forces the reference path.
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +41,7 @@ from .pool import BlockPool
 from .storage import KVStorage
 
 TableLike = torch.Tensor | Sequence[Sequence[int]]
+Impl = Literal["auto", "torch", "compiled"]
 
 
 class AttentionWorkspace:
@@ -78,7 +91,8 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor 
 
 def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
                     seq_lens: Sequence[int] | torch.Tensor, query_lens: Sequence[int] | torch.Tensor | None = None,
-                    *, scale: float | None = None, workspace: AttentionWorkspace | None = None) -> torch.Tensor:
+                    *, scale: float | None = None, workspace: AttentionWorkspace | None = None,
+                    impl: Impl = "auto") -> torch.Tensor:
     """Causal attention of packed queries ``q`` ``[num_tokens, q_heads, dim]`` over the paged K/V of ``layer``.
 
     Args:
@@ -88,8 +102,13 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
         seq_lens: tokens of each sequence in the cache.
         query_lens: query rows per sequence (default 1 each: decode); they are the sequence's last positions.
         workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise.
+        impl: ``"torch"``: the gather + SDPA path below; ``"compiled"``: the compiled decode kernel (a
+            :class:`ConfigError` where it does not apply, see :func:`compiled_decode_refusal`); ``"auto"``: the
+            kernel where it applies, else torch.
     Returns ``[num_tokens, q_heads, dim]`` in ``q``'s dtype.
     """
+    if impl not in ("auto", "torch", "compiled"):
+        raise ConfigError(f"impl must be 'auto', 'torch' or 'compiled', got {impl!r}")
     storage = kv.storage_of() if isinstance(kv, BlockPool) else kv
     s = storage.spec
     if not 0 <= layer < s.num_layers:
@@ -113,6 +132,12 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
                               f"blocks of {B} (queries must be <= tokens <= table capacity)")
     if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
         raise ConfigError(f"block tables name blocks outside 0..{storage.num_blocks - 1}")
+    if impl != "torch":
+        refusal = compiled_decode_refusal(q, storage, qlens)
+        if refusal is None:
+            return _compiled_decode(q, storage, layer, tables, lens, scale)
+        if impl == "compiled":
+            raise ConfigError(f"impl='compiled', but the compiled decode kernel does not apply: {refusal}")
 
     ws = (workspace or AttentionWorkspace()).get(-(-max(lens, default=0) // B), storage.kv[0, layer, 0])
     # Gather rows of ``sub`` tokens (a block is ``per`` rows): index_select's CPU speed depends on the row size
@@ -143,16 +168,75 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
 def contiguous_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                          query_lens: Sequence[int] | None = None, *, scale: float | None = None) -> torch.Tensor:
     """Reference: the same causal attention on plain per-sequence tensors ``keys[i]``/``values[i]``
-    ``[len_i, kv_heads, dim]``, computed in fp32 with explicit matmuls (GQA by grouping query heads)."""
+    ``[len_i, kv_heads, dim]``, computed in float64 with explicit matmuls (GQA by grouping query heads)."""
     qlens = [1] * len(keys) if query_lens is None else list(query_lens)
     out = torch.empty_like(q)
     row = 0
     for k, v, m in zip(keys, values, qlens):
         n, hkv, d = k.shape
-        qi = q[row:row + m].float().reshape(m, hkv, -1, d)  # [m, kv_heads, group, dim]
-        scores = torch.einsum("ihgd,jhd->hgij", qi, k.float()) * (scale if scale is not None else d ** -0.5)
+        qi = q[row:row + m].double().reshape(m, hkv, -1, d)  # [m, kv_heads, group, dim]
+        scores = torch.einsum("ihgd,jhd->hgij", qi, k.double()) * (scale if scale is not None else d ** -0.5)
         allowed = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out[row:row + m] = torch.einsum("hgij,jhd->ihgd", probs, v.float()).reshape(m, -1, d).to(q.dtype)
+        out[row:row + m] = torch.einsum("hgij,jhd->ihgd", probs, v.double()).reshape(m, -1, d).to(q.dtype)
         row += m
+    return out
+
+
+# --- Speed trick: the compiled decode kernel (kvlab/_paged_attention.c) -------------------------------------------
+
+def _load_decode_kernel(source: Path = Path(__file__).with_name("_paged_attention.c")) -> Callable[..., None] | None:
+    """The compiled ``decode`` function, or None: switched off (``KVLAB_PURE_PYTHON=1``), or not built -- with
+    one warning when it should have been (a binary older than its source, or a compiler but no binary)."""
+    if os.environ.get("KVLAB_PURE_PYTHON"):
+        return None
+    try:
+        from ._paged_attention import SOURCE_SHA256, decode  # type: ignore[import-untyped,import-not-found]
+    except ImportError:
+        if source.exists() and shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc"):
+            warnings.warn("kvlab/_paged_attention.c is not compiled although a C compiler is at hand; reinstall "
+                          "kvlab (`make install`). paged_attention gathers blocks for SDPA meanwhile.", stacklevel=3)
+        return None
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != SOURCE_SHA256:
+        warnings.warn(f"{source} changed after it was compiled; reinstall kvlab (`make install`) to rebuild it. "
+                      "paged_attention gathers blocks for SDPA meanwhile.", stacklevel=3)
+        return None
+    return decode  # type: ignore[no-any-return]
+
+
+_decode = _load_decode_kernel()
+DECODE_KERNEL_COMPILED = _decode is not None
+_THREAD_FLOATS = 1 << 19  # K/V floats (2 MB, ~0.1 ms of work) per extra kernel thread: starting one costs 20-50 us
+
+
+def compiled_decode_refusal(q: torch.Tensor, storage: KVStorage, query_lens: Sequence[int]) -> str | None:
+    """Why the compiled decode kernel cannot serve this (already validated) call, or None when it can: it
+    handles one query per sequence, fp32, on the CPU."""
+    if _decode is None:
+        return "it is not built (KVLAB_PURE_PYTHON is set, or kvlab was installed without a C compiler)"
+    if q.device.type != "cpu":
+        return f"q is on {q.device}, not the CPU"
+    if q.dtype != torch.float32:
+        return f"q is {q.dtype}, not torch.float32"
+    if any(m != 1 for m in query_lens):
+        return f"query_lens are {list(query_lens)}; it decodes one query per sequence"
+    if not storage.kv.is_contiguous():
+        return "the pool's K/V tensor is not contiguous"
+    return None
+
+
+def _compiled_decode(q: torch.Tensor, storage: KVStorage, layer: int, tables: torch.Tensor, lens: list[int],
+                     scale: float | None) -> torch.Tensor:
+    """Decode attention by the compiled kernel, on the arguments :func:`paged_attention` validated; it reads
+    K/V in place (no workspace) and splits the work over ``torch.get_num_threads()`` threads."""
+    s = storage.spec
+    assert _decode is not None
+    q = q.contiguous()
+    tables = tables.contiguous()
+    seq_lens = torch.tensor(lens, dtype=torch.long)
+    out = torch.empty_like(q)
+    _decode(out.data_ptr(), q.data_ptr(), storage.kv[0, layer].data_ptr(), storage.kv[1, layer].data_ptr(),
+            tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), len(lens), q.shape[1], s.num_kv_heads,
+            s.head_dim, s.block_size, storage.num_blocks, s.head_dim ** -0.5 if scale is None else scale,
+            torch.get_num_threads(), _THREAD_FLOATS)
     return out

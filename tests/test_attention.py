@@ -1,24 +1,39 @@
 """paged_attention against the contiguous reference: block sizes, dtypes, GQA, mixed batches, shuffled blocks,
-stale tail slots, and after fork / copy-on-write, swap round trips and prefix-cache hits."""
+stale tail slots, and after fork / copy-on-write, swap round trips and prefix-cache hits. The compiled CPU decode
+kernel (kvlab/_paged_attention.c) is held equal to the float64 reference and to the torch gather + SDPA path."""
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import kvlab
+import kvlab.attention as attention
 from kvlab import BlockPool, ConfigError, KVDataError, KVSpec
-from kvlab.attention import AttentionWorkspace, contiguous_attention, paged_attention
+from kvlab.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
 from kvlab.sequence import SequenceManager
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def scattered_cache(lens, block_size, kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", seed=0):
-    """A pool whose blocks are handed out in a shuffled order; every slot starts as NaN so that any read past a
-    sequence's length poisons the result. Returns the pool, the tables and the K/V written for each sequence."""
+def scattered_cache(lens, block_size, kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", seed=0,
+                    layers=1, layer=0, stale=float("nan")):
+    """A pool whose blocks are handed out in a shuffled order; every slot (of every layer) starts as ``stale``
+    (NaN: any read past a sequence's length, or of another layer, poisons the result). Returns the pool, the
+    tables and the K/V written to ``layer`` for each sequence."""
     g = torch.Generator().manual_seed(seed)
     nb = [-(-n // block_size) for n in lens]
-    pool = BlockPool(sum(nb) + 3, spec=KVSpec(1, kv_heads, head_dim, block_size, dtype, torch.device(device)))
-    pool.storage.kv.fill_(float("nan"))
+    pool = BlockPool(sum(nb) + 3, spec=KVSpec(layers, kv_heads, head_dim, block_size, dtype, torch.device(device)))
+    pool.storage.kv.fill_(stale)
     perm = torch.randperm(pool.num_blocks, generator=g).tolist()
     tables, keys, values = [], [], []
     for n, k in zip(lens, nb):
@@ -26,7 +41,7 @@ def scattered_cache(lens, block_size, kv_heads=2, head_dim=16, dtype=torch.float
         tables.append(table)
         kv = torch.randn(2, n, kv_heads, head_dim, generator=g).to(device, dtype)
         slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-        pool.storage.write_slots(0, slots, kv[0], kv[1])
+        pool.storage.write_slots(layer, slots, kv[0], kv[1])
         keys.append(kv[0])
         values.append(kv[1])
     return pool, tables, keys, values
@@ -74,9 +89,9 @@ def test_workspace_is_reused():
     pool, tables, keys, values = scattered_cache(lens, 16)
     ws = AttentionWorkspace()
     q = torch.randn(2, 2, 16)
-    first = paged_attention(q, pool, 0, tables, lens, workspace=ws)
+    first = paged_attention(q, pool, 0, tables, lens, workspace=ws, impl="torch")
     ptr = ws.buf.data_ptr()
-    second = paged_attention(q.flip(0), pool, 0, [tables[1], tables[0]], [20, 100], workspace=ws)
+    second = paged_attention(q.flip(0), pool, 0, [tables[1], tables[0]], [20, 100], workspace=ws, impl="torch")
     assert ws.buf.data_ptr() == ptr
     assert torch.equal(first, second.flip(0))
 
@@ -96,6 +111,8 @@ def test_bad_input_raises_typed_errors():
         paged_attention(q, pool, 1, tables, [10])
     with pytest.raises(KVDataError, match="query_lens sum"):
         paged_attention(q, pool, 0, tables, [10], [2])
+    with pytest.raises(ConfigError, match="'fast'"):
+        paged_attention(q, pool, 0, tables, [10], impl="fast")
 
 
 def _shadow_attention(mgr, seqs, shadow, q):
@@ -169,3 +186,142 @@ def test_cuda_matches_reference(dtype):
     ref = contiguous_attention(q, keys, values, qlens)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --- The compiled decode kernel (a speed trick: the torch path above is the reference) ----------------------------
+
+needs_kernel = pytest.mark.skipif(not DECODE_KERNEL_COMPILED, reason="kvlab/_paged_attention.c is not compiled")
+
+
+@contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def float64_reference(q, keys, values, scale=None):
+    """Decode attention in float64 on the contiguous K/V (contiguous_attention computes in float64)."""
+    return contiguous_attention(q.double(), [k.double() for k in keys], [v.double() for v in values], scale=scale)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=5),
+       block_size=st.sampled_from([1, 2, 3, 8, 16, 24, 64, 256]), kv_heads=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2, 3, 4]), head_dim=st.sampled_from([1, 5, 8, 16, 20, 64]),
+       sharpness=st.sampled_from([0.1, 1.0, 10.0]), scale=st.sampled_from([None, 0.05]),
+       stale=st.sampled_from([float("nan"), 1e4]), threads=st.sampled_from([1, 2]),
+       layer=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
+def test_kernel_matches_float64_reference_and_torch_path(lens, block_size, kv_heads, group, head_dim, sharpness,
+                                                         scale, stale, threads, layer, seed):
+    """Any lengths, block sizes, (grouped) heads, head sizes (also not a multiple of 8), shuffled tables, stale
+    data in the tail slots and the other layer (NaN, or large enough to win a softmax if it were read), scores
+    from flat to sharp (the online softmax rescales often), on 1 or 2 threads with sequences split into spans."""
+    pool, tables, keys, values = scattered_cache(lens, block_size, kv_heads, head_dim, seed=seed, layers=2,
+                                                 layer=layer, stale=stale)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g) * sharpness
+    with pytest.MonkeyPatch.context() as mp, torch_threads(threads):
+        mp.setattr(attention, "_THREAD_FLOATS", 1)  # start threads and split spans even for tiny inputs
+        out = paged_attention(q, pool, layer, tables, lens, scale=scale, impl="compiled")
+    ref = float64_reference(q, keys, values, scale)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, paged_attention(q, pool, layer, tables, lens, scale=scale, impl="torch"),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_is_the_cpu_fp32_decode_default_and_splits_long_sequences():
+    """At the default thread threshold: 2 threads over 8 sequences up to 3000 tokens (some split into spans),
+    a padded tensor table, and the rows of q not contiguous."""
+    lens = [3000, 1, 257, 1500, 64, 999, 2048, 5]
+    pool, tables, keys, values = scattered_cache(lens, 16, kv_heads=8, head_dim=64, seed=3)
+    padded = torch.zeros(len(lens), max(map(len, tables)), dtype=torch.long)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = torch.tensor(t)
+    q = torch.randn(8, len(lens), 64).transpose(0, 1)  # [seqs, heads, dim], not contiguous
+    with torch_threads(2):
+        out = paged_attention(q, pool, 0, padded, torch.tensor(lens))
+    torch.testing.assert_close(out.double(), float64_reference(q, keys, values), atol=2e-6, rtol=2e-5)
+
+
+@needs_kernel
+def test_kernel_from_several_python_threads_at_once():
+    """The kernel releases the GIL; concurrent calls on one pool each get their own answer."""
+    lens = [700, 90, 1200]
+    pool, tables, keys, values = scattered_cache(lens, 16, kv_heads=2, head_dim=32, seed=4)
+    qs = [torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    outs: list = [None] * len(qs)
+
+    def work(i):
+        for _ in range(20):
+            outs[i] = paged_attention(qs[i], pool, 0, tables, lens, impl="compiled")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(qs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for q, out in zip(qs, outs):
+        torch.testing.assert_close(out.double(), float64_reference(q, keys, values), atol=2e-6, rtol=2e-5)
+
+
+@needs_kernel
+def test_compiled_refuses_what_it_does_not_serve():
+    lens = [10, 20]
+    pool, tables, _, _ = scattered_cache(lens, 8)
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(ConfigError, match="one query per sequence"):
+        paged_attention(torch.randn(3, 2, 16), pool, 0, tables, lens, [2, 1], impl="compiled")
+    bf16, tables16, _, _ = scattered_cache(lens, 8, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        paged_attention(q.bfloat16(), bf16, 0, tables16, lens, impl="compiled")
+    assert paged_attention(q.bfloat16(), bf16, 0, tables16, lens).dtype == torch.bfloat16  # auto: torch path
+
+
+@needs_kernel
+def test_the_c_entry_point_checks_what_it_reads():
+    """Even called directly, the kernel refuses block ids outside the pool and lengths its table cannot hold."""
+    pool, tables, _, _ = scattered_cache([10], 4)
+    s, kv = pool.storage.spec, pool.storage.kv
+    q, out = torch.randn(1, 2, 16), torch.empty(1, 2, 16)
+    lens = torch.tensor([10])
+    for table, match in ((torch.tensor([[0, 1, pool.num_blocks]]), "outside"), (torch.tensor([[0, 1]]), "holds")):
+        with pytest.raises(ValueError, match=match):
+            attention._decode(out.data_ptr(), q.data_ptr(), kv[0, 0].data_ptr(), kv[1, 0].data_ptr(),
+                              table.data_ptr(), table.shape[1], lens.data_ptr(), 1, 2, s.num_kv_heads, s.head_dim,
+                              s.block_size, pool.num_blocks, 0.25, 1, 1)
+
+
+def test_pure_python_switch_keeps_the_torch_path():
+    code = ("import torch, kvlab.attention as a; from kvlab import BlockPool, KVSpec\n"
+            "p = BlockPool(4, spec=KVSpec(1, 1, 8, 4, device='cpu')); print(a.DECODE_KERNEL_COMPILED, "
+            "a.paged_attention(torch.ones(1, 1, 8), p, 0, [[2]], [3]).shape)")
+    env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split()[0] == "False", out.stdout
+
+
+@needs_kernel
+def test_a_kernel_older_than_its_source_is_refused_with_one_warning(tmp_path):
+    src = Path(kvlab.__file__).parent
+    pkg = tmp_path / "kvlab"
+    shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "_paged_attention.c").write_text((src / "_paged_attention.c").read_text() + "\n/* edited */\n")
+    code = ("import warnings; warnings.simplefilter('always'); import kvlab.attention as a; "
+            "print(a.DECODE_KERNEL_COMPILED)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert out.stdout.strip() == "False"
+    assert out.stderr.count("_paged_attention.c changed after it was compiled") == 1, out.stderr
+
+
+def test_the_wheel_ships_the_decode_kernel(wheel):
+    names = set(wheel.namelist())
+    assert "kvlab/_paged_attention.c" in names
+    if DECODE_KERNEL_COMPILED:
+        assert any(n.startswith("kvlab/_paged_attention") and n.endswith(".so") for n in names), sorted(names)
