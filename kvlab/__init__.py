@@ -18,7 +18,8 @@ from .events import (Allocated, Cached, EngineEvent, Event, EventBus, EventRecor
                      Migrated, RefChanged, Split, StatusChanged)
 from . import exercises
 from .exercises import fast_mode, sized
-from .eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, RandomPolicy, make_policy
+from .eviction import (ClockPolicy, EvictionPolicy, FIFOPolicy, FutureUses, LFUPolicy, LRUPolicy, OPTPolicy,
+                       RandomPolicy, make_policy)
 from .engine import (Admitted, CostModel, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed,
                      run_workload)
 from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, FragmentationDetector
@@ -59,6 +60,7 @@ __all__ = [
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",
     "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy",
+    "ClockPolicy", "FutureUses", "OPTPolicy",
 ]
 
 

@@ -5,15 +5,19 @@ A policy orders the pool's *evictable* blocks: ALLOCATED blocks with refcount 0 
 candidate (a prefix-cache head whose child is still cached) it simply takes the next one. Every policy can rank
 its candidates with scores (lower score = evicted sooner), which is what a widget shows to explain a choice.
 
-Cost per operation: LRU is O(1) (an insertion-ordered dict); FIFO (by creation), LFU and random use a heap
-with lazy deletion, O(log n). The text's version scanned every
-active block with ``min`` on each eviction, O(n).
+Cost per operation: LRU is O(1) (an insertion-ordered dict), CLOCK O(1) amortised (a ring with a hand); FIFO
+(by creation), LFU, random and Belady's OPT use a heap with lazy deletion, O(log n). The text's version scanned
+every active block with ``min`` on each eviction, O(n). ``docs/eviction.md`` compares them all and shows how to
+write a policy of your own.
 """
 from __future__ import annotations
 
 import heapq
+import math
 import random
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
@@ -24,7 +28,8 @@ if TYPE_CHECKING:
 
 class EvictionPolicy:
     """Interface: the pool calls ``add`` when a block becomes evictable, ``discard`` when it stops being
-    evictable (referenced again, freed or evicted), and ``order`` to walk candidates, best victim first."""
+    evictable (referenced again, freed or evicted), and ``order`` to walk candidates, best victim first. Walking
+    ``order`` (or ``rank``) changes no later choice: the pool says which candidate it took with ``evicting``."""
 
     name = "base"
 
@@ -47,6 +52,10 @@ class EvictionPolicy:
     def order(self) -> Iterator[tuple[int, float]]:
         """Evictable blocks as ``(block_id, score)``, the block to evict first coming first."""
         raise NotImplementedError
+
+    def evicting(self, block_id: int) -> None:
+        """The pool evicts ``block_id``, a candidate of the ``order`` just walked (``discard`` follows). Only a
+        policy whose state moves with its choice needs this (CLOCK's hand); the others keep no such state."""
 
     def touched(self, block_id: int) -> None:
         """Evictable ``block_id`` was read (its last access and hits changed): re-rank it."""
@@ -98,18 +107,100 @@ class LRUPolicy(EvictionPolicy):
         return ((b, float(last[b])) for b in self._set)
 
 
+class ClockPolicy(EvictionPolicy):
+    """CLOCK (second chance), as OS page caches use it: the evictable blocks on a ring with a hand and a reference
+    bit each. A new block enters just behind the hand with its bit clear; a read (``touched``) sets the bit. To
+    evict, the hand sweeps: a block with its bit set loses the bit and is passed (its second chance), the first
+    block without it is the victim, and the hand stops just after it.
+
+    The ring is kept as an ordered dict read from the hand on (block -> bit), so passing the hand over a block is
+    moving it to the end. ``order`` only reads: the blocks without a bit in ring order, then those with one (the
+    sweep clears their bits and comes round to them). The pool may pass candidates over (a guard veto), so the
+    hand moves when the pool names its victim (``evicting``): every block before it is passed, losing its bit.
+    A failed eviction (every candidate vetoed) moves nothing. Score = position in the sweep (0 goes first).
+
+    Cost: O(1) amortised; a sweep passes a block with its bit set once per read that set it, plus the candidates
+    the pool itself passed over. Without reads of cached blocks the order is LRU's (a referenced block leaves the
+    ring and comes back behind the hand); with them, a read block keeps its place instead of moving to the end.
+    """
+
+    name = "clock"
+
+    def __init__(self) -> None:
+        self._ring: OrderedDict[int, bool] = OrderedDict()  # from the hand on: block -> reference bit
+
+    def add(self, block_id: int) -> None:
+        self._ring.setdefault(block_id, False)  # behind the hand, unreferenced
+
+    def discard(self, block_id: int) -> None:
+        self._ring.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._ring
+
+    def touched(self, block_id: int) -> None:
+        """A read sets the reference bit; the block keeps its place on the ring."""
+        self._ring[block_id] = True
+
+    def relabel(self, moved: dict[int, int]) -> None:
+        """Moved blocks keep their place and bit."""
+        self._ring = OrderedDict((moved.get(b, b), bit) for b, bit in self._ring.items())
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        pos = 0
+        for wanted in (False, True):  # first round: the unreferenced; second: the rest, their bits now cleared
+            for b, bit in self._ring.items():
+                if bit == wanted:
+                    yield b, float(pos)
+                    pos += 1
+
+    def evicting(self, block_id: int) -> None:
+        """The hand sweeps to ``block_id``: each block before it is passed (bit cleared, moved behind the hand).
+        If ``block_id`` still has its bit, the hand went round once already and cleared every bit."""
+        ring = self._ring
+        if ring[block_id]:
+            self._ring = ring = OrderedDict.fromkeys(ring, False)
+        while (b := next(iter(ring))) != block_id:
+            ring.move_to_end(b)
+            ring[b] = False
+
+
+def _in_key_order(heap: list[tuple[tuple[float, ...], int]],
+                  live: dict[int, tuple[float, ...]]) -> Iterator[tuple[tuple[float, ...], int]]:
+    """The live entries of ``heap`` (those whose key ``live`` still holds) in key order, each block once, without
+    changing the heap: a best-first walk of its tree, whose children are never smaller than their parent. The
+    k-th entry costs O(log k) (plus the stale entries on the way), not the O(n) of sorting the whole heap."""
+    seen: set[int] = set()
+    frontier = [(heap[0], 0)] if heap else []
+    while frontier:
+        (key, b), i = heapq.heappop(frontier)
+        if b not in seen and live.get(b) == key:
+            seen.add(b)
+            yield key, b
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < len(heap):
+                heapq.heappush(frontier, (heap[child], child))
+
+
 class _HeapPolicy(EvictionPolicy):
     """Evictable blocks in a heap keyed by ``key(block_id)``, with lazy deletion of stale entries."""
 
     def __init__(self) -> None:
         self._keys: dict[int, tuple[float, ...]] = {}
         self._heap: list[tuple[tuple[float, ...], int]] = []
+        self._changes = 0  # a walk of the heap is void once the heap or the set changed under it
 
     def key(self, block_id: int) -> tuple[float, ...]:
         raise NotImplementedError
 
     def add(self, block_id: int) -> None:
-        k = self.key(block_id)
+        self._set_key(block_id, self.key(block_id))
+
+    def _set_key(self, block_id: int, k: tuple[float, ...]) -> None:
+        self._changes += 1
         self._keys[block_id] = k
         heapq.heappush(self._heap, (k, block_id))
         if len(self._heap) > 2 * len(self._keys) + 64:  # drop stale entries so the heap stays O(live)
@@ -117,6 +208,7 @@ class _HeapPolicy(EvictionPolicy):
             heapq.heapify(self._heap)
 
     def discard(self, block_id: int) -> None:
+        self._changes += 1
         self._keys.pop(block_id, None)
 
     def __len__(self) -> int:
@@ -127,19 +219,19 @@ class _HeapPolicy(EvictionPolicy):
 
     def order(self) -> Iterator[tuple[int, float]]:
         heap, keys = self._heap, self._keys
-        while heap and keys.get(heap[0][1]) != heap[0][0]:
+        while heap and keys.get(heap[0][1]) != heap[0][0]:  # stale entries on top go: the victim is O(1)
             heapq.heappop(heap)
-        if not heap:
-            return
-        yield heap[0][1], float(heap[0][0][0])  # the common case wants only the victim: O(1) after cleaning
-        k = 8  # then widen lazily: each round is one O(n) partial selection, not a full sort
-        while True:
-            top = heapq.nsmallest(k, ((key, b) for b, key in keys.items()))
-            for key, b in top[k // 2 if k > 8 else 1:]:  # the heap top is the smallest live key
-                yield b, float(key[0])
-            if len(top) < k:
-                return
-            k *= 2
+            self._changes += 1
+        changes = self._changes
+        for key, b in _in_key_order(heap, keys):
+            yield b, float(key[0])
+            if self._changes != changes:
+                raise RuntimeError(f"the {self.name} policy changed while its order was walked")
+
+    def _carry(self, moved: dict[int, int]) -> None:
+        """Moved blocks keep their keys (the block id in a key, its tie-break, becomes the new id)."""
+        for old, new in moved.items():
+            self._set_key(new, (*self._keys.pop(old)[:-1], new))
 
 
 class FIFOPolicy(_HeapPolicy):
@@ -180,24 +272,176 @@ class RandomPolicy(_HeapPolicy):
 
     def relabel(self, moved: dict[int, int]) -> None:
         """Moved blocks keep their draws."""
-        for old, new in moved.items():
-            k = (self._keys.pop(old)[0], new)
-            self._keys[new] = k
-            heapq.heappush(self._heap, (k, new))
+        self._carry(moved)
+
+
+class OPTPolicy(_HeapPolicy):
+    """Belady's OPT (MIN), offline: evict the cached block whose next use lies farthest in the future, a block
+    never used again first. No online policy gets more hits from the same capacity, which makes it the ceiling
+    to race the others against. It cannot know the future itself: ``next_use(block_id)`` says when the block's
+    data will next be needed (a logical time, ``math.inf`` if never; :class:`FutureUses` answers it for content
+    keys, the caller maps a block to its key). Score = minus the next use (lower goes sooner, as for every
+    policy; ``-inf`` for never again); ties go to the lower block id. A read changes nothing: it is no future use.
+
+    The future moves on, so next uses are asked again, but not of every block at every eviction. The oracle's
+    contract: a block's answer changes only once the time it named has passed (a use happened, the next one is
+    later). Then a stored answer that has not passed yet is still right, and it suffices to check the *soonest*
+    stored answer: if the oracle still gives it, it lies ahead, so every later one does too. Answers found passed
+    are re-asked and re-filed; each eviction costs O(log n) plus O(log n) per answer the future overtook.
+    """
+
+    name = "opt"
+
+    def __init__(self, next_use: Callable[[int], float]) -> None:
+        if not callable(next_use):
+            raise ConfigError(f"OPTPolicy needs next_use(block_id) -> time of its next use, got {next_use!r}")
+        super().__init__()
+        self.next_use = next_use
+        self._soon: list[tuple[float, int]] = []  # (stored next use, block), soonest first: finds passed answers
+
+    def _ask(self, block_id: int) -> float:
+        """The oracle's next use of ``block_id``, checked to be a time (a number, not NaN)."""
+        t = self.next_use(block_id)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t):
+            raise ConfigError(f"next_use({block_id}) must be a time (a number, inf if never), got {t!r}")
+        return float(t)
+
+    def key(self, block_id: int) -> tuple[float, ...]:
+        return (-self._ask(block_id), block_id)
+
+    def _set_key(self, block_id: int, k: tuple[float, ...]) -> None:
+        super()._set_key(block_id, k)
+        heapq.heappush(self._soon, (-k[0], block_id))
+        if len(self._soon) > 2 * len(self._keys) + 64:  # as for the main heap: O(live)
+            self._soon = [(-k[0], b) for b, k in self._keys.items()]
+            heapq.heapify(self._soon)
+
+    def touched(self, block_id: int) -> None:
+        """A read is no future use: nothing to re-rank."""
+
+    def relabel(self, moved: dict[int, int]) -> None:
+        """Moved blocks keep their stored next uses (the pool moves blocks before its hooks tell who holds what,
+        so the oracle may not know the new ids yet; a stored use is re-asked once it has passed)."""
+        self._carry(moved)
+
+    def order(self) -> Iterator[tuple[int, float]]:
+        self._refresh()
+        return super().order()
+
+    def _refresh(self) -> None:
+        """Re-ask the oracle, soonest stored next use first, until one is still what the oracle says."""
+        while self._soon:  # (re-filing may rebuild the list: read it afresh each time)
+            t, b = self._soon[0]
+            k = self._keys.get(b)
+            if k is None or -k[0] != t:  # a stale entry: the block left or was re-filed
+                heapq.heappop(self._soon)
+                continue
+            now = self._ask(b)
+            if now == t:
+                return
+            heapq.heappop(self._soon)
+            self._set_key(b, (-now, b))
+
+
+class FutureUses:
+    """Every future use of every content key, the oracle behind :class:`OPTPolicy`. ``keys_per_request[i]`` are
+    the keys request ``i`` will look up, requests in arrival order (for prefix caching: its chained block hashes,
+    see :meth:`of_prompts`). Time runs over the uses one by one (request 0's keys, then request 1's, ...), so
+    that within a request the earlier blocks of a prompt are needed sooner. ``advance(i)`` says request ``i`` is
+    being admitted: now = its first use. ``next_use(key)`` = the time of the first use of ``key`` at or after
+    now, ``math.inf`` if none; it changes only once now passes it, as :class:`OPTPolicy` requires.
+
+    Example, given ``key_of(block_id)`` (the engine's map from a cached block to its hash)::
+
+        future = FutureUses.of_prompts(prompts, block_size)
+        policy = OPTPolicy(lambda b: future.next_use(key_of(b)))
+        ...  # future.advance(i) before admitting request i
+    """
+
+    def __init__(self, keys_per_request: Sequence[Sequence[Hashable]]) -> None:
+        if isinstance(keys_per_request, (str, bytes)) or not isinstance(keys_per_request, Sequence):
+            raise ConfigError(f"keys_per_request must be a list of key lists, one per request, got "
+                              f"{keys_per_request!r:.80}")
+        uses: dict[Hashable, list[int]] = {}  # key -> its use times, ascending
+        starts = [0]  # starts[i]: the time of request i's first use; the last entry: the end of time
+        t = 0
+        for i, keys in enumerate(keys_per_request):
+            if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+                raise ConfigError(f"request {i}: its keys must be a list, got {keys!r:.80}")
+            for key in keys:
+                if not isinstance(key, Hashable):
+                    raise ConfigError(f"request {i}: key {key!r:.80} is not hashable")
+                uses.setdefault(key, []).append(t)
+                t += 1
+            starts.append(t)
+        self._uses, self._starts = uses, starts
+        self.request = 0  # the request being admitted
+        self.now = 0  # its first use
+
+    def __len__(self) -> int:
+        """The number of requests."""
+        return len(self._starts) - 1
+
+    @classmethod
+    def of_prompts(cls, prompts: Sequence[Sequence[int]], block_size: int,
+                   tenants: Sequence[str | None] | None = None) -> "FutureUses":
+        """The uses a :class:`~kvlab.PrefixCache` will look up: for each prompt, the chained hashes
+        (:meth:`PrefixCache.block_hash`, salted by its tenant) of its first ``(len - 1) // block_size`` full
+        blocks, as a sequence looks its prompt up (the last token is always computed)."""
+        from .prefix import PrefixCache  # the cache's module imports the pool, which imports this one
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        if tenants is not None and len(tenants) != len(prompts):
+            raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
+        keys = []
+        for i, tokens in enumerate(prompts):
+            tenant = None if tenants is None else tenants[i]
+            chain, parent = [], None
+            for j in range(max(0, (len(tokens) - 1) // block_size)):
+                parent = PrefixCache.block_hash(parent, tokens[j * block_size:(j + 1) * block_size], tenant)
+                chain.append(parent)
+            keys.append(chain)
+        return cls(keys)
+
+    def advance(self, request: int) -> None:
+        """Request ``request`` is being admitted: now = its first use. Time only moves forward; ``len(self)``
+        is the end, where every use lies in the past."""
+        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request <= len(self):
+            raise ConfigError(f"request must be an int in 0..{len(self)}, got {request!r}")
+        if request < self.request:
+            raise ConfigError(f"the future only moves forward: request {request} comes before request "
+                              f"{self.request}, already admitted")
+        self.request, self.now = request, self._starts[request]
+
+    def next_use(self, key: Hashable) -> float:
+        """The time of the first use of ``key`` at or after now; ``math.inf`` if it is never used again."""
+        times = self._uses.get(key, ())
+        i = bisect_left(times, self.now)
+        return float(times[i]) if i < len(times) else math.inf
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "random": RandomPolicy,
+    "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "random": RandomPolicy, "clock": ClockPolicy,
 }
 
 
-def make_policy(policy: "str | EvictionPolicy", seed: int = 0) -> EvictionPolicy:
-    """A policy from its name (``lru``, ``fifo``, ``lfu``, ``random``) or an :class:`EvictionPolicy` instance."""
+def make_policy(policy: "str | EvictionPolicy", seed: int = 0,
+                next_use: Callable[[int], float] | None = None) -> EvictionPolicy:
+    """A policy from its name (``lru``, ``fifo``, ``lfu``, ``random``, ``clock``; ``opt`` with its
+    ``next_use`` oracle) or an :class:`EvictionPolicy` instance."""
     if isinstance(policy, EvictionPolicy):
         return policy
     if policy == "random":
         return RandomPolicy(seed)
+    if policy == "opt":
+        if next_use is None:
+            raise ConfigError("the 'opt' policy (Belady) must know the future: pass OPTPolicy(next_use) as the "
+                              "policy, where next_use(block_id) is the time the block is needed next (inf if "
+                              "never), e.g. lambda b: future.next_use(key_of(b)) with future = "
+                              "FutureUses(keys_per_request) or FutureUses.of_prompts(prompts, block_size)")
+        return OPTPolicy(next_use)
     try:
         return POLICIES[policy]()
     except (KeyError, TypeError):
-        raise ConfigError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}") from None
+        raise ConfigError(f"unknown eviction policy {policy!r}; choose one of {sorted([*POLICIES, 'opt'])}") \
+            from None

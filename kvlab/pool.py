@@ -503,6 +503,7 @@ class BlockPool(TextbookNames):
             return None
         if self.events:  # the victim first, then the candidates it was preferred to (passed over or next)
             ranked = [ranked[-1], *ranked[:-1], *islice(order, max(0, 8 - len(ranked)))]
+        self.policy.evicting(victim)  # a policy whose state moves with its choice (CLOCK's hand) commits it
         self._uncache(victim)
         self.counts["evictions"] += 1
         if self.events:

@@ -1,14 +1,21 @@
 """Exact eviction orders: every policy on scenarios whose creation, last-access and hit stamps all differ, so each
-policy's victim list is unique to its key (LRU: last access; FIFO: creation; LFU: hits, then last access).
-Also: touch re-ranks under LRU and LFU but not FIFO, random replays with its seed, sequences release tail first."""
+policy's victim list is unique to its key (LRU: last access; FIFO: creation; LFU: hits, then last access; CLOCK:
+ring order with second chances; OPT: the farthest next use).
+Also: touch re-ranks under LRU and LFU but not FIFO, random replays with its seed, sequences release tail first,
+CLOCK against a textbook ring with a hand, OPT against a brute-force Belady and every other policy."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _util import small_spec
-from kvlab import BlockPool, EventRecorder, Evicted, FastBlockPool, OutOfBlocksError, perf
+from kvlab import (BlockPool, ConfigError, EventRecorder, Evicted, FastBlockPool, OutOfBlocksError, PrefixCache,
+                   perf)
+from kvlab.eviction import ClockPolicy, FutureUses, OPTPolicy, make_policy
 from kvlab.sequence import SequenceManager
 
 SPEC = small_spec()
@@ -16,6 +23,13 @@ POOLS = {"reference": BlockPool, "fast": FastBlockPool}
 if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:  # compiled: test its Python paths too
     POOLS["fast-python"] = perf.PyFastBlockPool
 each_pool = pytest.mark.parametrize("cls", list(POOLS.values()), ids=list(POOLS))
+INF = math.inf
+FAR = {2: 5.0, 0: INF, 4: 1.0, 1: 3.0, 3: INF}  # the scenario's next uses, for OPT: 0 and 3 are never used again
+
+
+def named(policy: str):
+    """The pool's eviction_policy argument for ``policy``: OPT needs its oracle (here the fixed ``FAR``)."""
+    return OPTPolicy(FAR.__getitem__) if policy == "opt" else policy
 
 
 def scenario(policy: str, cls=BlockPool, touch: bool = False, seed: int = 0) -> BlockPool:
@@ -31,8 +45,9 @@ def scenario(policy: str, cls=BlockPool, touch: bool = False, seed: int = 0) -> 
     3      5       10          2
     ====== ======= =========== ====
 
-    ``touch`` then reads block 1 three times at step 14 (last access 14, hits 5)."""
-    pool = cls(6, spec=SPEC, eviction_policy=policy, seed=seed)
+    ``touch`` then reads block 1 three times at step 14 (last access 14, hits 5). CLOCK's ring is the order
+    they were cached in: 1, 3, 0, 4, 2."""
+    pool = cls(6, spec=SPEC, eviction_policy=named(policy), seed=seed)
     for b in (2, 0, 4, 1, 3):  # steps 1..5
         pool.allocate(1, block_id=b)
     pool.incref([0, 0])  # 6
@@ -53,6 +68,10 @@ EXPECTED = {  # (policy, touched) -> victims
     ("fifo", True): [2, 0, 4, 1, 3],  # reading does not make a block younger
     ("lfu", False): [4, 2, 1, 3, 0],
     ("lfu", True): [4, 2, 3, 0, 1],  # three reads: 1 is now the most used
+    ("clock", False): [1, 3, 0, 4, 2],  # the ring from the hand
+    ("clock", True): [3, 0, 4, 2, 1],  # 1 is read: the hand passes it once (second chance), then it is last
+    ("opt", False): [0, 3, 2, 1, 4],  # never used again (ties: lower id), then the farthest next use
+    ("opt", True): [0, 3, 2, 1, 4],  # a read is no future use
 }
 
 
@@ -83,6 +102,8 @@ def test_allocation_pressure_evicts_in_exact_order(cls, policy, touch):
     ("lru", [9.0, 10.0, 11.0, 12.0, 13.0]),  # last access
     ("fifo", [1.0, 2.0, 3.0, 4.0, 5.0]),  # creation
     ("lfu", [1.0, 1.0, 2.0, 2.0, 3.0]),  # hits
+    ("clock", [0.0, 1.0, 2.0, 3.0, 4.0]),  # place in the sweep
+    ("opt", [-INF, -INF, -5.0, -3.0, -1.0]),  # minus the next use
 ])
 def test_rank_scores_are_the_policy_keys(policy, scores):
     pool = scenario(policy)
@@ -230,3 +251,392 @@ def test_allocation_refused_by_the_guard_changes_nothing():
     with pytest.raises(OutOfBlocksError):
         pool.allocate(4)
     assert (pool.clock.now(), pool.status_counts(), pool.num_cached_blocks) == before
+
+
+# ---------------------------------------------------------------------------------------------------- CLOCK
+def clock_pool(cached: list[int], referenced: tuple[int, ...] = (), n: int = 8, cls=BlockPool) -> BlockPool:
+    """``cached`` go onto CLOCK's ring in that order (the hand at the first); ``referenced`` are then read."""
+    pool = cls(n, spec=SPEC, eviction_policy="clock")
+    pool.allocate(n)
+    for b in cached:
+        pool.decref([b])
+    if referenced:
+        pool.touch(list(referenced))
+    return pool
+
+
+def ranked(pool: BlockPool) -> list[int]:
+    return [b for b, _ in pool.policy.rank(pool.num_blocks)]
+
+
+@each_pool
+def test_clock_gives_a_read_block_a_second_chance_in_its_place(cls):
+    pool = clock_pool([0, 1, 2], referenced=(0,), cls=cls)
+    pool.decref([3])  # enters behind the hand, after 2: ring 0* 1 2 3
+    assert ranked(pool) == [1, 2, 3, 0]
+    assert pool.evict() == 1  # the hand passes 0 (clearing its bit) and stops after 1: ring 2 3 0
+    assert ranked(pool) == [2, 3, 0]
+    assert [pool.evict() for _ in range(3)] == [2, 3, 0]
+    lru = BlockPool(8, spec=SPEC)  # LRU moves the read block to the end instead: 3 outlives it
+    lru.allocate(8)
+    for b in (0, 1, 2):
+        lru.decref([b])
+    lru.touch([0])
+    lru.decref([3])
+    assert [lru.evict() for _ in range(4)] == [1, 2, 0, 3]
+
+
+def test_clock_hand_clears_bits_only_on_its_way():
+    pool = clock_pool([0, 1, 2, 3], referenced=(0, 2))  # ring 0* 1 2* 3
+    assert pool.evict() == 1  # 0 passed (bit cleared); 2 keeps its bit: ring 2* 3 0
+    assert pool.evict() == 3  # 2 passed: ring 0 2
+    pool.touch([0])  # ring 0* 2
+    assert [pool.evict() for _ in range(2)] == [2, 0]
+
+
+def test_clock_goes_round_once_when_every_block_was_read():
+    pool = clock_pool([0, 1, 2], referenced=(0, 1, 2))
+    assert [s for _, s in pool.policy.rank(8)] == [0.0, 1.0, 2.0]
+    assert pool.evict() == 0  # one full round clears every bit, then the hand is back at 0
+    pool.touch([1])  # ring 1* 2
+    assert [pool.evict() for _ in range(2)] == [2, 1]
+
+
+@each_pool
+def test_clock_hand_passes_vetoed_blocks(cls):
+    pool = clock_pool([0, 1, 2, 3], cls=cls)
+    rec = EventRecorder(pool.events)
+    pool.evict_guard = lambda b: b != 0
+    assert pool.evict() == 1
+    assert rec.of(Evicted)[0].candidates == ((1, 1.0), (0, 0.0), (2, 2.0), (3, 3.0))  # victim, passed over, next
+    pool.evict_guard = None
+    assert [pool.evict() for _ in range(3)] == [2, 3, 0]  # the hand went past 0: it is last now (LRU: 0, 2, 3)
+    pool.check_invariants()
+
+
+def test_clock_failed_eviction_moves_nothing():
+    pool = clock_pool([0, 1, 2], referenced=(0,))
+    pool.evict_guard = lambda b: False
+    assert pool.evict() is None
+    pool.evict_guard = None
+    assert ranked(pool) == [1, 2, 0]
+    assert [pool.evict() for _ in range(3)] == [1, 2, 0]
+
+
+def test_clock_migration_keeps_place_and_bit():
+    pool = clock_pool([0, 1, 2], referenced=(0,), n=8)
+    pool.free([7])
+    pool.migrate([0], [7])  # 0 moves to the block just freed: same place on the ring, bit still set
+    assert ranked(pool) == [1, 2, 7]
+    assert [pool.evict() for _ in range(3)] == [1, 2, 7]
+
+
+def test_clock_under_allocation_pressure_evicts_in_sweep_order():
+    pool = clock_pool([0, 1, 2, 3], referenced=(1,), n=4)
+    assert pool.allocate(3) == [0, 2, 3]
+    assert ranked(pool) == [1]
+
+
+class TextbookClock:
+    """CLOCK as a textbook draws it: a ring (a list), a hand (an index), one reference bit per block."""
+
+    def __init__(self) -> None:
+        self.ring: list[int] = []
+        self.hand = 0
+        self.bit: dict[int, bool] = {}
+
+    def insert(self, b: int) -> None:
+        """Just behind the hand, bit clear."""
+        self.ring.insert(self.hand, b)
+        self.bit[b] = False
+        self.hand = self.hand + 1 if len(self.ring) > 1 else 0
+
+    def remove(self, b: int) -> None:
+        j = self.ring.index(b)
+        del self.ring[j], self.bit[b]
+        if j < self.hand:
+            self.hand -= 1
+        if self.hand == len(self.ring):
+            self.hand = 0
+
+    def evict(self, allowed=lambda b: True) -> int | None:
+        """The hand clears set bits on its way and stops at the first allowed block without one. Two rounds
+        without a victim: nothing is evicted and nothing moves."""
+        bit, h = dict(self.bit), self.hand
+        for _ in range(2 * len(self.ring)):
+            b = self.ring[h]
+            if bit[b]:
+                bit[b] = False
+            elif allowed(b):
+                self.bit, self.hand = bit, h
+                self.remove(b)
+                return b
+            h = (h + 1) % len(self.ring)
+        return None
+
+    def sweep(self) -> list[int]:
+        """The victims of evicting everything from here, each allowed."""
+        copy = TextbookClock()
+        copy.ring, copy.hand, copy.bit = list(self.ring), self.hand, dict(self.bit)
+        return [copy.evict() for _ in self.ring]
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["cache", "use", "touch", "evict", "release"]), st.integers(0, 2**16)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, listen=st.booleans())
+def test_clock_matches_a_textbook_ring_with_a_hand(ops, listen):
+    n = 8
+    pool = BlockPool(n, spec=SPEC, eviction_policy="clock")
+    if listen:  # the pool then walks past its victim for the event's candidates
+        EventRecorder(pool.events)
+    held = pool.allocate(n)
+    model = TextbookClock()
+    for op, x in ops:
+        cached = list(model.ring)
+        if op == "cache" and held:
+            b = held.pop(x % len(held))
+            pool.decref([b])
+            model.insert(b)
+        elif op in ("use", "touch", "release") and cached:
+            b = sorted(cached)[x % len(cached)]
+            if op == "use":
+                pool.incref([b])
+                model.remove(b)
+                held.append(b)
+            elif op == "touch":
+                pool.touch([b])
+                model.bit[b] = True
+            else:
+                pool.release_cached(b)
+                model.remove(b)
+        elif op == "evict":
+            veto = {b for b in range(n) if x >> b & 1}
+            pool.evict_guard = lambda b: b not in veto
+            assert pool.evict() == model.evict(lambda b: b not in veto)
+            pool.evict_guard = None
+        assert ranked(pool) == model.sweep()
+        assert [s for _, s in pool.policy.rank(n)] == [float(i) for i in range(len(model.ring))]
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------------- OPT
+def test_opt_re_asks_next_uses_the_future_has_passed():
+    uses = {0: [20], 1: [8, 30], 2: [12], 3: []}
+    pool = BlockPool(5, spec=SPEC)
+    pool.policy = OPTPolicy(lambda b: min((t for t in uses[b] if t >= pool.clock.now()), default=INF)).bind(pool)
+    pool.allocate(5)
+    pool.decref([0, 1, 2, 3])  # step 2; block 4 stays held, and reading it moves the clock
+    assert pool.policy.rank(4) == [(3, -INF), (0, -20.0), (2, -12.0), (1, -8.0)]
+    while pool.clock.now() < 9:
+        pool.touch([4])
+    assert pool.policy.rank(4) == [(3, -INF), (1, -30.0), (0, -20.0), (2, -12.0)]  # 1 was used at 8: next at 30
+    while pool.clock.now() < 13:
+        pool.touch([4])
+    assert pool.policy.rank(4) == [(2, -INF), (3, -INF), (1, -30.0), (0, -20.0)]  # 2's last use has passed
+    assert [pool.evict() for _ in range(4)] == [2, 3, 1, 0]
+
+
+def test_opt_evicts_dead_chains_tail_first_under_the_prefix_guard():
+    a, b = list(range(13)), list(range(100, 109))  # 3 and 2 full blocks looked up ((len - 1) // 4)
+    future = FutureUses.of_prompts([a, b, b], SPEC.block_size)  # a is never asked for again, b once more
+    digest: dict[int, bytes] = {}
+    pool = BlockPool(8, spec=SPEC, eviction_policy=OPTPolicy(lambda blk: future.next_use(digest[blk])))
+    cache = PrefixCache(pool)
+    for prompt in (a, b):
+        ids, parent = pool.allocate(len(prompt) // 4), None
+        for i, blk in enumerate(ids):
+            parent = digest[blk] = cache.store(blk, prompt[4 * i:4 * i + 4], parent)
+        pool.free(ids)
+    future.advance(2)  # now = 5: b's blocks are used at 5 and 6
+    assert pool.policy.rank(8) == [(0, -INF), (1, -INF), (2, -INF), (4, -6.0), (3, -5.0)]
+    rec = EventRecorder(pool.events)
+    assert [pool.evict() for _ in range(5)] == [2, 1, 0, 4, 3]  # a vetoed head waits for its tail
+    assert rec.of(Evicted)[0].candidates == ((2, -INF), (0, -INF), (1, -INF), (4, -6.0), (3, -5.0))
+
+
+def test_opt_migration_keeps_the_next_use():
+    pool = BlockPool(8, spec=SPEC, eviction_policy=OPTPolicy({0: 5.0, 1: INF, 2: 3.0}.__getitem__))
+    pool.allocate(3)
+    pool.decref([0, 1, 2])
+    pool.migrate([1], [7])  # the oracle knows nothing of block 7: the stored next use moves with the block
+    assert pool.policy.rank(8) == [(7, -INF), (0, -5.0), (2, -3.0)]
+
+
+def paging_hits(accesses: list[int], capacity: int, policy: str) -> int:
+    """Hits of ``policy`` on a cache of ``capacity`` blocks over the access string: a hit reads the cached block
+    (``touch``), a miss allocates one (evicting the victim once the pool is full) and caches it."""
+    future = FutureUses([[k] for k in accesses])
+    key_of: dict[int, int] = {}
+    block_of: dict[int, int] = {}
+    chosen = OPTPolicy(lambda b: future.next_use(key_of[b])) if policy == "opt" else policy
+    pool = BlockPool(capacity, spec=SPEC, eviction_policy=chosen, seed=5, with_storage=False)
+    pool.evict_hooks.append(lambda b: block_of.pop(key_of.pop(b)))
+    hits = 0
+    for t, k in enumerate(accesses):
+        future.advance(t)
+        if k in block_of:
+            hits += 1
+            pool.touch([block_of[k]])
+        else:
+            (b,) = pool.allocate(1)
+            key_of[b], block_of[k] = k, b
+            pool.mark_reusable([b])
+            pool.free([b])
+    return hits
+
+
+def belady_hits(accesses: list[int], capacity: int) -> int:
+    """Belady's MIN by brute force: on a miss with a full cache, drop the key whose next access is farthest."""
+    cache: set[int] = set()
+    hits = 0
+    for t, k in enumerate(accesses):
+        if k in cache:
+            hits += 1
+            continue
+        if len(cache) == capacity:
+            rest = accesses[t + 1:]
+            cache.remove(max(cache, key=lambda c: rest.index(c) if c in rest else len(rest)))
+        cache.add(k)
+    return hits
+
+
+@settings(max_examples=200, deadline=None)
+@given(accesses=st.lists(st.integers(0, 9), max_size=80), capacity=st.integers(1, 6))
+def test_opt_is_belady_and_no_policy_beats_it(accesses, capacity):
+    best = paging_hits(accesses, capacity, "opt")
+    assert best == belady_hits(accesses, capacity)
+    for policy in ("lru", "fifo", "lfu", "clock", "random"):
+        assert paging_hits(accesses, capacity, policy) <= best, policy
+
+
+def test_opt_beats_lru_on_a_loop_one_block_too_long():
+    loop = list(range(5)) * 6  # LRU always evicts the block needed next: no hit at all
+    assert paging_hits(loop, 4, "lru") == 0
+    assert paging_hits(loop, 4, "opt") == belady_hits(loop, 4) > 0
+
+
+def test_future_uses_time_runs_over_uses_and_only_forward():
+    future = FutureUses([["a", "b"], [], ["b", "c"], ["a"]])  # times: a 0, b 1, b 2, c 3, a 4
+    assert len(future) == 4
+    assert [future.next_use(k) for k in "abcz"] == [0.0, 1.0, 3.0, INF]
+    future.advance(2)
+    assert [future.next_use(k) for k in "abc"] == [4.0, 2.0, 3.0]
+    future.advance(2)  # again: no move
+    future.advance(4)  # the end: every use is past
+    assert [future.next_use(k) for k in "abc"] == [INF] * 3
+    for bad in (3, 5, -1, True, 2.0, "1"):
+        with pytest.raises(ConfigError, match="request"):
+            future.advance(bad)
+    assert future.request == 4
+
+
+@pytest.mark.parametrize("bad, what", [("abc", "list of key lists"), (5, "list of key lists"),
+                                       ([["a"], "bc"], "request 1"), ([[["unhashable"]]], "not hashable")])
+def test_future_uses_rejects_what_is_not_keys_per_request(bad, what):
+    with pytest.raises(ConfigError, match=what):
+        FutureUses(bad)
+
+
+def test_future_uses_of_prompts_are_the_chains_the_cache_looks_up():
+    h0 = PrefixCache.block_hash(None, [0, 1, 2, 3])
+    h1 = PrefixCache.block_hash(h0, [4, 5, 6, 7])
+    t0 = PrefixCache.block_hash(None, [0, 1, 2, 3], "t")
+    future = FutureUses.of_prompts([list(range(8)), list(range(9)), list(range(9))], 4, tenants=[None, None, "t"])
+    assert [future.next_use(h) for h in (h0, h1, t0)] == [0.0, 2.0, 3.0]  # 8 tokens: one block looked up
+    with pytest.raises(ConfigError, match="tenants"):
+        FutureUses.of_prompts([[1, 2]], 4, tenants=[])
+    with pytest.raises(ConfigError, match="block_size"):
+        FutureUses.of_prompts([[1, 2]], 0)
+
+
+def test_opt_needs_its_oracle():
+    with pytest.raises(ConfigError, match=r"OPTPolicy\(next_use\).*FutureUses"):
+        make_policy("opt")
+    with pytest.raises(ConfigError, match="OPTPolicy"):
+        BlockPool(4, spec=SPEC, eviction_policy="opt")
+    with pytest.raises(ConfigError, match="next_use"):
+        OPTPolicy(5)  # type: ignore[arg-type]
+    assert isinstance(make_policy("opt", next_use=lambda b: 0.0), OPTPolicy)
+    assert isinstance(make_policy("clock"), ClockPolicy)
+    with pytest.raises(ConfigError, match="'clock'.*'opt'"):
+        make_policy("belady")
+
+
+@pytest.mark.parametrize("answer", ["soon", float("nan"), None, True])
+def test_opt_rejects_an_oracle_that_gives_no_time(answer):
+    pool = BlockPool(4, spec=SPEC, eviction_policy=OPTPolicy(lambda b: answer))
+    (b,) = pool.allocate(1)
+    with pytest.raises(ConfigError, match=rf"next_use\({b}\)"):
+        pool.decref([b])
+
+
+# ---------------------------------------------------------------------------------------------------- all of them
+ALL = ("lru", "fifo", "lfu", "random", "clock", "opt")
+
+
+def churn(policy: str, look=None, seed: int = 0) -> list[int | None]:
+    """The victims of a seeded mix of caching, reuse, reads, vetoed evictions and allocation pressure;
+    ``look(pool)`` runs before every step. OPT's oracle: block b is next used at the first t >= now with
+    t = 7b (mod 11)."""
+    rng = random.Random(seed)
+    box: list[BlockPool] = []
+    chosen = OPTPolicy(lambda b: (now := box[0].clock.now()) + (7 * b - now) % 11) if policy == "opt" else policy
+    pool = BlockPool(12, spec=SPEC, eviction_policy=chosen, seed=3)
+    box.append(pool)
+    held = pool.allocate(12)
+    pool.mark_reusable(held)
+    victims: list[int | None] = []
+    for _ in range(300):
+        if look is not None:
+            look(pool)
+        cached = [b for b in range(12) if pool.is_cached(b)]
+        r = rng.random()
+        if r < 0.35 and held:
+            pool.free([held.pop(rng.randrange(len(held)))])
+        elif r < 0.5 and cached:
+            b = rng.choice(cached)
+            pool.incref([b])
+            held.append(b)
+        elif r < 0.65 and cached:
+            pool.touch(rng.sample(cached, min(2, len(cached))))
+        elif r < 0.85:
+            veto = set(rng.sample(range(12), 3))
+            pool.evict_guard = lambda b: b not in veto
+            victims.append(pool.evict())
+            pool.evict_guard = None
+        elif pool.num_free_blocks + len(cached):
+            got = pool.allocate(1)
+            victims.append(got[0])
+            pool.mark_reusable(got)
+            held += got
+    return victims
+
+
+@pytest.mark.parametrize("policy", ALL)
+@pytest.mark.parametrize("look", [lambda p: p.policy.rank(12), lambda p: p.get_memory_usage(),
+                                  lambda p: p.check_invariants(), lambda p: p.events.subscribe(lambda e: None)],
+                         ids=["rank", "memory_usage", "invariants", "listening"])
+def test_looking_never_changes_a_victim(policy, look):
+    assert churn(policy, look) == churn(policy)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_rank_then_evict_takes_the_first_ranked(policy):
+    def check(pool):
+        first = pool.policy.rank(1)
+        if first and pool.evict_guard is None:
+            assert pool.evict() == first[0][0]
+    churn(policy, check)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_walking_a_changed_heap_or_ring_is_refused(policy):
+    pool = scenario(policy)
+    walk = pool.policy.order()
+    next(walk)
+    pool.evict()
+    with pytest.raises(RuntimeError):
+        list(walk)

@@ -3,8 +3,11 @@ hammering one pool: tests/test_reliability.py.)
 
 The model keeps its own clock (one tick per accepted public mutation), every block's stamps (created, last
 access, hits), the free stack and the evictable set, so it predicts the exact ids of every allocation and the
-victim of every eviction under LRU, FIFO and LFU, for the reference pool and the fast one."""
+victim of every eviction under LRU, FIFO, LFU, CLOCK (a textbook ring with a hand, kept alongside) and OPT (a
+fixed periodic future, asked at the model's own clock), for the reference pool and the fast one."""
 from __future__ import annotations
+
+import math
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,9 +17,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from _util import small_spec
 from kvlab import (BlockPool, BlockStatus, DoubleFreeError, FastBlockPool, KVLabError, OutOfBlocksError,
                    RefcountUnderflowError, perf)
+from kvlab.eviction import OPTPolicy
+from test_eviction import TextbookClock
 
 N = 12
 STATUS = {int(s): s.name for s in BlockStatus}
+
+
+def next_use(b: int, now: int) -> float:
+    """OPT's future in this model: blocks 3, 7, 11 are never used again, block b at every t = 5b + 1 (mod 7), so
+    answers pass as the clock moves and blocks b and b + 7 tie (the lower id goes first)."""
+    return math.inf if b % 4 == 3 else float(now + (5 * b + 1 - now) % 7)
 
 
 def multiplicity(ids: list[int]) -> dict[int, int]:
@@ -35,7 +46,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = self.POOL(N, spec=small_spec(), eviction_policy=self.POLICY)
+        policy = OPTPolicy(lambda b: next_use(b, self.pool.clock.now())) if self.POLICY == "opt" else self.POLICY
+        self.pool = self.POOL(N, spec=small_spec(), eviction_policy=policy)
         self.status = {b: "FREE" for b in range(N)}
         self.refs = {b: 0 for b in range(N)}
         self.reusable = {b: False for b in range(N)}
@@ -44,6 +56,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.hits = {b: 0 for b in range(N)}
         self.free_stack = list(range(N - 1, -1, -1))  # a fresh pool hands out the lowest ids first
         self.cached: dict[int, int] = {}  # cached block -> when it (re)entered the policy, for LRU ties
+        self.ring = TextbookClock()  # the cached blocks as CLOCK keeps them (its hand matters under CLOCK only)
         self.entered = 0
         self.clock = 0
         self.data: dict[int, torch.Tensor] = {}
@@ -59,17 +72,37 @@ class PoolMachine(RuleBasedStateMachine):
                 and (referenced is None or (self.refs[b] > 0) == referenced)]
 
     def _cache(self, b: int) -> None:
+        """``b`` becomes evictable, or is re-ranked if it already is (LRU: newest; CLOCK: it keeps its place)."""
+        if b not in self.cached:
+            self.ring.insert(b)
         self.entered += 1
         self.cached[b] = self.entered
 
-    def _victim(self) -> int | None:
-        """The block the policy must evict next, from the model's own stamps."""
+    def _leave(self, b: int) -> None:
+        """``b`` stops being evictable (if it was)."""
+        if self.cached.pop(b, None) is not None and b in self.ring.bit:
+            self.ring.remove(b)
+
+    def _victim(self, now: int) -> int | None:
+        """The block the policy must evict next at step ``now``, from the model's own stamps."""
         if not self.cached:
             return None
+        if self.POLICY == "clock":
+            return self.ring.sweep()[0]
         key = {"lru": lambda b: (self.last[b], self.cached[b]),  # least recent; same step: first released
                "fifo": lambda b: (self.created[b], b),
-               "lfu": lambda b: (self.hits[b], self.last[b], b)}[self.POLICY]
+               "lfu": lambda b: (self.hits[b], self.last[b], b),
+               "opt": lambda b: (-next_use(b, now), b)}[self.POLICY]
         return min(self.cached, key=key)
+
+    def _evict(self, now: int) -> int | None:
+        """Evict the policy's victim at step ``now`` (under CLOCK the hand moves on); returns it."""
+        victim = self._victim(now)
+        if victim is not None:
+            if self.POLICY == "clock":
+                assert self.ring.evict() == victim
+            self._to_free(victim)
+        return victim
 
     def _write(self, b: int) -> None:
         self.pattern += 1
@@ -80,7 +113,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _to_free(self, b: int) -> None:
         """``b`` goes FREE and onto the top of the free stack; its stamps stay."""
         self.status[b], self.refs[b], self.reusable[b] = "FREE", 0, False
-        self.cached.pop(b, None)
+        self._leave(b)
         self.data.pop(b, None)
         self.free_stack.append(b)
 
@@ -89,7 +122,7 @@ class PoolMachine(RuleBasedStateMachine):
         out = []
         for _ in range(n):
             if not self.free_stack:
-                self._to_free(self._victim())
+                self._evict(t)
             b = self.free_stack.pop()
             self.status[b], self.refs[b], self.reusable[b] = status, 1, False
             self.created[b] = self.last[b] = t
@@ -163,7 +196,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.incref(ids)
             t = self._tick()
             for b, c in multiplicity(ids).items():
-                self.cached.pop(b, None)
+                self._leave(b)
                 self.refs[b] += c
                 self.hits[b] += c
                 self.last[b] = t
@@ -199,7 +232,8 @@ class PoolMachine(RuleBasedStateMachine):
             for b, c in multiplicity(ids).items():
                 self.last[b] = t
                 self.hits[b] += c
-                if b in self.cached:  # re-ranked: LRU moves it last, LFU counts the reads, FIFO ignores them
+                if b in self.cached:  # LRU moves it last, LFU counts the reads, FIFO and OPT ignore them
+                    self.ring.bit[b] = True  # CLOCK sets its reference bit
                     self._cache(b)
 
     @rule(data=st.data(), reusable=st.booleans())
@@ -217,12 +251,11 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self) -> None:
-        victim = self._victim()
+        victim = self._evict(self.clock + 1)  # the pool's clock ticks before it evicts
         got = self.pool.evict()
         assert got == victim, f"{self.POLICY} evicted {got}, the model's stamps say {victim}"
         if victim is not None:
             self._tick()
-            self._to_free(victim)
 
     @rule(data=st.data())
     def release_cached(self, data) -> None:
@@ -240,7 +273,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.begin_eviction([b])
             self.last[b] = self._tick()
             self.status[b] = "EVICTING"
-            self.cached.pop(b, None)
+            self._leave(b)
             assert torch.equal(self.pool.block(b).kv_data, self.data[b])
 
     @rule(data=st.data())
@@ -292,7 +325,7 @@ class PoolMachine(RuleBasedStateMachine):
                 (self.created[b], self.last[b], self.hits[b]), b
         assert p.free_ids() == self.free_stack[::-1]
         assert {b for b, _ in p.policy.order()} == set(self.cached)
-        assert (p.policy.rank(1) or [(None, 0)])[0][0] == self._victim()
+        assert (p.policy.rank(1) or [(None, 0)])[0][0] == self._victim(self.clock)
         for b, expect in self.data.items():  # K/V written through kv_data reads back bitwise until freed
             assert torch.equal(p.block(b).kv_data, expect), b
 
@@ -311,10 +344,16 @@ def machine(policy: str, pool_cls: type) -> type:
 TestPoolMachineLRU = machine("lru", BlockPool)
 TestPoolMachineFIFO = machine("fifo", BlockPool)
 TestPoolMachineLFU = machine("lfu", BlockPool)
+TestPoolMachineCLOCK = machine("clock", BlockPool)
+TestPoolMachineOPT = machine("opt", BlockPool)
 TestFastPoolMachineLRU = machine("lru", FastBlockPool)
 TestFastPoolMachineFIFO = machine("fifo", FastBlockPool)
 TestFastPoolMachineLFU = machine("lfu", FastBlockPool)
+TestFastPoolMachineCLOCK = machine("clock", FastBlockPool)
+TestFastPoolMachineOPT = machine("opt", FastBlockPool)
 if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:  # compiled: its Python paths too
     TestPyFastPoolMachineLRU = machine("lru", perf.PyFastBlockPool)
     TestPyFastPoolMachineFIFO = machine("fifo", perf.PyFastBlockPool)
     TestPyFastPoolMachineLFU = machine("lfu", perf.PyFastBlockPool)
+    TestPyFastPoolMachineCLOCK = machine("clock", perf.PyFastBlockPool)
+    TestPyFastPoolMachineOPT = machine("opt", perf.PyFastBlockPool)
