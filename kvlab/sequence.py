@@ -355,14 +355,16 @@ class SequenceManager:
         cache = self.prefix_cache
         if cache is None or seq.token_ids is None or not seq.cacheable:
             return 0
-        B, added = self.block_size, 0
-        for i in range(seq.cached_blocks, seq.num_tokens // B):
-            digest = cache.store(seq.block_table[i], seq.token_ids[i * B:(i + 1) * B], seq.prefix_hash, seq.tenant)
-            if digest is None:
-                seq.cacheable = False
-                break
-            seq.cached_blocks, seq.prefix_hash, added = i + 1, digest, added + 1
-        return added
+        B, first, stop = self.block_size, seq.cached_blocks, seq.num_tokens // self.block_size
+        if stop <= first:
+            return 0
+        digests = cache.store_blocks(seq.block_table[first:stop], seq.token_ids[first * B:stop * B],
+                                     seq.prefix_hash, seq.tenant)
+        if len(digests) < stop - first:  # another block caches one of these prefixes: stop registering
+            seq.cacheable = False
+        if digests:
+            seq.cached_blocks, seq.prefix_hash = first + len(digests), digests[-1]
+        return len(digests)
 
     # ------------------------------------------------------------------ swap
     def swappable(self, seq: Sequence) -> list[int]:
@@ -426,6 +428,8 @@ class SequenceManager:
         if not isinstance(exclusive, (bool, np.bool_)):
             raise ConfigError(f"exclusive must be True or False, got {exclusive!r}")
         self.pool.check_invariants()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
         named = Counter(b for s in self.seqs.values() for b in s.block_table if b >= 0)
         refs = self.pool.arrays.refcount
         held = np.flatnonzero(refs) if exclusive else np.fromiter(named, dtype=np.int64, count=len(named))

@@ -153,7 +153,7 @@ def _seq_state(s: Sequence) -> tuple:
 
 
 def _cache_state(c: PrefixCache) -> tuple:
-    return (dict(c._block), dict(c._entry), {k: frozenset(v) for k, v in c._children.items()}, c.get_stats())
+    return (c.entries(), c.get_stats())
 
 
 def _alloc_state(d: DynamicAllocator) -> tuple:
@@ -731,6 +731,22 @@ def _prefix_specs() -> list[Spec]:
               "parent": parent + [bad("unknown", b"\0" * 16, None, "0" * 32),
                                   ok("A's chain", W(lambda w: w.A.prefix_hash))],
               "tenant": TENANT}),
+        Spec("PrefixCache.store_blocks", method(C, "store_blocks", ("block_ids", "token_ids", "parent", "tenant")),
+             {"block_ids": W(lambda w: [w.ids["held"]]), "token_ids": [50, 51, 52, 53], "parent": None,
+              "tenant": None},
+             {"block_ids": without(ids_values("held", bad_states=("FREE", "cached", "PENDING", "EVICTING",
+                                                                  "EVICTING rc0"), ok_states=("held x3",)), "empty"),
+              "token_ids": tokens_values([50, 51, 52, 53]) + [bad("2 ids", [50, 51]), bad("5 ids", [50] * 5)],
+              "parent": parent + [bad("unknown", b"\0" * 16, None, "0" * 32),
+                                  ok("A's chain", W(lambda w: w.A.prefix_hash))],
+              "tenant": TENANT},
+             extra=[("no blocks", {"block_ids": [], "token_ids": []}, ok("", None)),
+                    ("a chain of two", {"block_ids": W(lambda w: [w.ids["held"], w.ids["held x3"]]),
+                                        "token_ids": list(range(50, 58))}, ok("", None)),
+                    ("one block twice", {"block_ids": W(lambda w: [w.ids["held"]] * 2),
+                                         "token_ids": list(range(50, 58))}, bad("", None, wid("held")))]),
+        Spec("PrefixCache.entries", method(C, "entries"), {}, {}, reader=True),
+        Spec("PrefixCache.check_invariants", method(C, "check_invariants"), {}, {}, reader=True),
         Spec("PrefixCache.holds", method(C, "holds", ("block_id",)), {"block_id": wid("cached")},
              {"block_id": id_values("cached", ok_states=KVBLOCK)}, reader=True),
         Spec("PrefixCache.block_hash", method(C, "block_hash", ("parent", "token_ids", "tenant")),

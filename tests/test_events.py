@@ -366,9 +366,9 @@ def test_prefix_store_hit_and_evict_events(cls):
     h1 = PrefixCache.block_hash(h0, prompt[4:8])
     s = check(pool, rec, lambda: mgr.create(prompt), [], ticks=0)  # an empty cache: no hit, nothing changes
     check(pool, rec, lambda: s.append(prompt), lambda t: [Allocated(t, (0, 1, 2), 0, -1, "ALLOCATED", "free")])
-    # registering marks each block reusable (a tick) and publishes the hash at that step
+    # registering marks the chain's blocks reusable in one call (one tick) and publishes each hash at that step
     check(pool, rec, lambda: mgr.cache_full_blocks(s),
-          lambda t: [PrefixStored(t - 1, 0, h0.hex()), PrefixStored(t, 1, h1.hex())], ticks=2)
+          lambda t: [PrefixStored(t, 0, h0.hex()), PrefixStored(t, 1, h1.hex())])
     check(pool, rec, s.free, lambda t: [Cached(t, (1, 0)), Freed(t, (2,))])
     s2 = check(pool, rec, lambda: mgr.create(prompt, tenant=None),
                lambda t: [RefChanged(t, (0, 1), (1, 1), (1, 1)), PrefixHit(t, (0, 1), 8, None)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -86,12 +87,13 @@ def test_tenants_do_not_share():
 
 def route_hashes(monkeypatch, fake):
     """Make every hash the prefix cache computes ``fake(parent, token_ids, tenant)``: the public
-    ``PrefixCache.block_hash`` and the module's inner-loop helper, if it has one. Each test then checks, through
+    ``PrefixCache.block_hash`` and the module's inner-loop helper. Each test then checks, through
     the PrefixStored events, that the cache really stored under the fake hashes."""
     monkeypatch.setattr(PrefixCache, "block_hash",
                         staticmethod(lambda parent, toks, tenant=None: fake(parent, list(toks), tenant)))
-    if hasattr(prefix_mod, "_hash"):
-        monkeypatch.setattr(prefix_mod, "_hash", lambda parent, toks, tenant: fake(parent, list(toks), tenant))
+    monkeypatch.setattr(prefix_mod, "_hash",  # the inner loop's: token ids as int64 bytes, a tenant as its salt
+                        lambda parent, chunk, salt: fake(parent, np.frombuffer(chunk, dtype=np.int64).tolist(),
+                                                         salt or None))
 
 
 def blind_to_last_token(parent, toks, tenant):
@@ -205,11 +207,11 @@ def test_swap_keeps_prefix_blocks_resident():
 def test_store_rejects_bad_blocks():
     pool, mgr = make()
     cache = mgr.prefix_cache
-    with pytest.raises(KVDataError, match="full blocks"):
-        cache.store(0, [1, 2], None)
     with pytest.raises(IllegalTransitionError, match="FREE"):
         cache.store(0, [1, 2, 3, 4], None)
     b = pool.allocate()[0]
+    with pytest.raises(KVDataError, match="full blocks"):
+        cache.store(b, [1, 2], None)
     with pytest.raises(IllegalTransitionError, match="parent hash"):
         cache.store(b, [1, 2, 3, 4], b"y" * 16)
     assert len(cache) == 0 and not pool.fields.reusable[b]
@@ -245,7 +247,8 @@ def test_no_cached_child_is_ever_orphaned(ops, tenant):
         cached = pool.storage.read_slots(0, s.slots())[0][:, 0, 0]
         assert torch.equal(cached, torch.tensor(prompt, dtype=torch.float32))
         (s.free() if finish else live.append(s))
-        cache = mgr.prefix_cache
-        for b, e in cache._entry.items():
-            assert e.parent is None or e.parent in cache._block, f"block {b} orphaned"
+        entries = mgr.prefix_cache.entries()
+        digests = {d for d, _, _ in entries.values()}
+        for b, (_, parent, _) in entries.items():
+            assert parent is None or parent in digests, f"block {b} orphaned"
         mgr.check_invariants()
