@@ -15,11 +15,11 @@
  *
  * Threads: the caller passes torch.get_num_threads(); spans go, longest first, to up to that many threads (the
  * calling thread included; at most one per thread_floats floats of K/V, as starting a thread costs ~20-50 us)
- * through one atomic counter. The GIL is released
- * for the whole computation.
+ * through one atomic counter. The GIL is released for the whole computation.
  *
- * Vectorisation: the build uses only portable flags (-O3); the per-span function is compiled once per x86-64
- * level (AVX-512, AVX2+FMA, baseline SSE2) and the loader picks the best the CPU has (GCC/Clang target_clones).
+ * Vectorisation: the build uses only portable flags (-O3); with GCC and glibc the per-span function is compiled
+ * once per x86-64 level (AVX-512, AVX2+FMA, baseline SSE2) and the dynamic loader picks the best the CPU has
+ * (target_clones, an ifunc); elsewhere it is compiled for the baseline.
  * Its inner loops are written so the compiler can vectorise them: 8 independent accumulators for dot products
  * (a float sum is not reassociated without -ffast-math), and a branch-free exp2.
  */
@@ -36,10 +36,10 @@
 #define KVLAB_SOURCE_SHA256 "unknown"
 #endif
 
-#define CHUNK 32      /* positions scored together: one max and rescale per chunk; their K rows stay in L1 */
+#define CHUNK 32      /* positions scored together: one max and one rescale per chunk, not per position */
 #define MIN_SPAN 256  /* shortest split of a sequence: each split costs a partial and a merge */
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 14 : __GNUC__ >= 11)
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 11
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
@@ -104,7 +104,7 @@ static inline float sum(const float *a, int64_t n) {
 /* One span: its partial (m, l, acc) for every query head. scratch holds heads * (dim + CHUNK) floats. */
 VECTOR_CLONES
 static void attend_span(const Job *j, const Span *sp, float *scratch) {
-    const int64_t H = j->heads, D = j->dim, B = j->block_size, row = j->kv_heads * D, G = H / j->kv_heads;
+    const int64_t H = j->heads, D = j->dim, B = j->block_size, KH = j->kv_heads, row = KH * D, G = H / KH;
     float *m = j->partials + sp->slot * H * (D + 2), *l = m + H, *acc = l + H;
     float *qs = scratch, *s = scratch + H * D; /* scaled queries; s[h * CHUNK + t]: scores, then weights */
     const float *krow[CHUNK], *vrow[CHUNK];
@@ -124,8 +124,9 @@ static void attend_span(const Job *j, const Span *sp, float *scratch) {
             vrow[t] = j->v + at;
             if (++off == B) off = 0, blk++;
         }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < H; h++) s[h * CHUNK + t] = dot(qs + h * D, krow[t] + h / G * D, D);
+        for (int64_t t = 0; t < n; t++) /* query head h = kh * G + g reads kv head kh */
+            for (int64_t kh = 0; kh < KH; kh++)
+                for (int64_t h = kh * G; h < (kh + 1) * G; h++) s[h * CHUNK + t] = dot(qs + h * D, krow[t] + kh * D, D);
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * CHUNK, top = sh[0];
             for (int64_t t = 1; t < n; t++) top = sh[t] > top ? sh[t] : top;
@@ -140,11 +141,12 @@ static void attend_span(const Job *j, const Span *sp, float *scratch) {
             l[h] += sum(sh, n);
         }
         for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < H; h++) {
-                const float p = s[h * CHUNK + t], *vh = vrow[t] + h / G * D;
-                float *ah = acc + h * D;
-                for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
-            }
+            for (int64_t kh = 0; kh < KH; kh++)
+                for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+                    const float p = s[h * CHUNK + t], *vh = vrow[t] + kh * D;
+                    float *ah = acc + h * D;
+                    for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
+                }
     }
 }
 
@@ -191,7 +193,8 @@ static int longest_first(const void *a, const void *b) {
 }
 
 /* Split each sequence into spans: whole sequences on one thread; else about 8 spans per thread over the batch
- * (longest first, they balance), none shorter than MIN_SPAN. Returns the span count; fills spans and first. */
+ * (longest first, they balance), each MIN_SPAN long or more but for a sequence's last. Returns the span count
+ * and fills first (a sequence's first slot); fills spans too unless it is NULL. */
 static int64_t plan(const int64_t *lens, int64_t batch, int64_t threads, Span *spans, int64_t *first) {
     int64_t total = 0, longest = 0, count = 0;
     for (int64_t i = 0; i < batch; i++) total += lens[i], longest = lens[i] > longest ? lens[i] : longest;
