@@ -101,7 +101,8 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
             ``seq_lens[i]`` tokens whose K/V are already written (including this step's tokens).
         seq_lens: tokens of each sequence in the cache.
         query_lens: query rows per sequence (default 1 each: decode); they are the sequence's last positions.
-        workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise.
+        workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise. The
+            compiled kernel gathers nothing and leaves it alone.
         impl: ``"torch"``: the gather + SDPA path below; ``"compiled"``: the compiled decode kernel (a
             :class:`ConfigError` where it does not apply, see :func:`compiled_decode_refusal`); ``"auto"``: the
             kernel where it applies, else torch.
