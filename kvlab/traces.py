@@ -21,10 +21,10 @@ name                        requests  what
 * ``"kvlab"``: what :func:`~kvlab.workloads.write_trace` writes, JSONL or CSV.
 
 Left to ``None``, the format is taken from the first record: the Azure header, a JSON object holding
-``input_length`` or ``hash_ids``, else kvlab's (JSONL if it starts with ``{``, CSV otherwise). Arrival times are
-seconds since the first request; request ids number the records from 0 in file order; the tenant is
-``"default"``. A malformed record raises :class:`~kvlab.errors.TraceFormatError` naming the file and the 1-based
-line, and nothing is returned.
+``input_length`` or ``hash_ids`` but no ``prompt_len``, else kvlab's (JSONL if it starts with ``{`` or ``[``,
+CSV otherwise). Arrival times are seconds since the first request; request ids number the records from 0 in file
+order; the tenant is ``"default"``. A malformed record raises :class:`~kvlab.errors.TraceFormatError` naming the
+file and the 1-based line, and nothing is returned.
 
 :func:`prefix_hits` and :func:`prefix_hit_bound` say how much prompt an *unbounded* prefix cache could serve: each
 request reuses the longest prompt prefix it shares with an earlier request, in whole blocks, leaving one token
@@ -88,7 +88,7 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
     if format in ("azure", "mooncake"):
         kind = format
     elif format == "kvlab":
-        kind = "jsonl" if first.startswith("{") else "csv"
+        kind = "jsonl" if first.startswith(("{", "[")) else "csv"
     else:
         kind = _detect(first)
     return parse_trace(data, kind, where, name)
@@ -134,13 +134,14 @@ def _detect(first: str) -> str:
     """The reader (:data:`kvlab.workloads.TRACE_KINDS`) for a file whose first record is ``first``."""
     if [c.strip() for c in first.split(",")] == list(AZURE_COLUMNS):
         return "azure"
-    if not first.startswith("{"):
+    if not first.startswith(("{", "[")):  # a CSV header starts with a column name
         return "csv"
     try:
         rec = json.loads(first)
     except ValueError:
         return "jsonl"  # whichever JSON it was meant to be, kvlab's reader reports the broken line
-    return "mooncake" if isinstance(rec, dict) and ("input_length" in rec or "hash_ids" in rec) else "jsonl"
+    mooncake = isinstance(rec, dict) and "prompt_len" not in rec and ("input_length" in rec or "hash_ids" in rec)
+    return "mooncake" if mooncake else "jsonl"  # kvlab's own records name prompt_len and may hold hash_ids too
 
 
 # ---------------------------------------------------------------------------------------------------- hit bound

@@ -775,6 +775,13 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
+def _length(n: int, name: str, least: int) -> int:
+    """A token count of a production trace, checked under the trace's own column name."""
+    if not least <= n <= INT_MAX:
+        raise ConfigError(f"{name} must be an int in {least}..{INT_MAX}, got {_show(n)}")
+    return n
+
+
 def _azure_requests(text: str, where: str) -> list[Request]:
     rows = _csv_rows(text, where)
     head = next(rows, None)
@@ -800,8 +807,10 @@ def _azure_requests(text: str, where: str) -> list[Request]:
                                   f"(arrivals must not go backwards)")
             last = ns
             requests.append(Request(len(requests), (ns - first) / 10**9,
-                                    _cell_int(cells[col["ContextTokens"]], "ContextTokens"),
-                                    _cell_int(cells[col["GeneratedTokens"]], "GeneratedTokens")))
+                                    _length(_cell_int(cells[col["ContextTokens"]], "ContextTokens"),
+                                            "ContextTokens", 1),
+                                    _length(_cell_int(cells[col["GeneratedTokens"]], "GeneratedTokens"),
+                                            "GeneratedTokens", 0)))
         except (ValueError, TypeError, OverflowError) as e:
             raise TraceFormatError(where, line, str(e)) from None
     if not requests:
@@ -854,8 +863,8 @@ def _mooncake_requests(text: str, where: str) -> list[Request]:
                                   f"go backwards")
             last = t
             requests.append(Request(len(requests), (t - first) / 1000,
-                                    _json_int(rec["input_length"], "input_length"),
-                                    _json_int(rec["output_length"], "output_length"),
+                                    _length(_json_int(rec["input_length"], "input_length"), "input_length", 1),
+                                    _length(_json_int(rec["output_length"], "output_length"), "output_length", 0),
                                     hash_ids=_json_tokens(rec["hash_ids"], "hash_ids")))
         except (ValueError, TypeError, OverflowError) as e:
             raise TraceFormatError(where, line, str(e)) from None

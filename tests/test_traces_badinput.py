@@ -3,8 +3,10 @@ raises TraceFormatError naming the file and the 1-based line of the first bad re
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvlab import ConfigError, Request, TraceFormatError, Workload, read_trace, write_trace
+from kvlab import ConfigError, Request, TraceFormatError, Workload, load_trace, read_trace, write_trace
+from kvlab.traces import DATA, TRACES
 from kvlab.workloads import FIELDS, HASH_ID_MAX, INT_MAX, _csv_rows
 
 BIG = tuple(np.random.default_rng(7).integers(0, INT_MAX + 1, 30_000).tolist())  # a 180 KiB CSV cell
@@ -339,3 +342,157 @@ def test_errors_are_trace_format_errors_never_others(tmp_path):
                 read_trace(path)
             except TraceFormatError as e:
                 assert 1 <= e.line <= b.count(b"\n") + b.count(b"\r") + 1 and str(Path(e.path)) == str(path)
+
+
+# ---------------------------------------------------------------------------------------------------- production
+MOON = {"timestamp": 20, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}
+
+
+def _mooncake_cases():
+    """(case id, raw JSON text of one bad Mooncake record)."""
+    out = []
+    for v in [[True, 1], [0, 1.0], ["0", 1], [[0], 1], [None, 1], [0, -1], [0, HASH_ID_MAX + 1], [0, 2**64],
+              [0, 10**400], [0], [0, 1, 2], [], "0 1", 5, None, {}, True]:
+        out.append((f"hash_ids={str(v)[:20]}", {**MOON, "hash_ids": v}))
+    for name in ("input_length", "output_length"):
+        for v in [-1, 1.5, 600.0, "600", True, None, [600], 2**31, 2**70, *([0] if name == "input_length" else [])]:
+            out.append((f"{name}={v!r}", {**MOON, name: v}))
+    for v in ["NaN", "Infinity", "-Infinity", "1e999", "20", True, None, [20], {"ms": 20}]:
+        out.append((f"timestamp={v!r}", {**MOON, "timestamp": v}))
+    for key in MOON:
+        out.append((f"no {key}", {k: v for k, v in MOON.items() if k != key}))
+    out.append(("unknown key", {**MOON, "session": 1}))
+    cases = []
+    for cid, rec in out:
+        text = json.dumps(rec)
+        for token in ("NaN", "Infinity", "-Infinity", "1e999"):  # JSON spellings json.dumps would quote
+            text = text.replace(f'"{token}"', token)
+        cases.append((cid, text.encode()))
+    return cases + [
+        ("truncated", b'{"timestamp": 20, "input_length": 600,'),
+        ("not an object", b"[20, 600, 3, [0, 1]]"),
+        ("key twice", b'{"timestamp": 20, "timestamp": 21, "input_length": 600, "output_length": 3, '
+                      b'"hash_ids": [0, 1]}'),
+        ("latin-1 byte", b'{"timestamp": 20, "input_length": 600, "output_length": 3, "hash_ids": [0, 1], "\xe9": 1}'),
+    ]
+
+
+def _moon_line(t: int, ids: list[int] | None = None) -> bytes:
+    return json.dumps({"timestamp": t, "input_length": 600, "output_length": 3, "hash_ids": ids or [0, 1]}).encode()
+
+
+def _write(path: Path, data: bytes, compress: bool) -> Path:
+    path.write_bytes(gzip.compress(data) if compress else data)
+    return path
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("where", ["first", "later"])
+@pytest.mark.parametrize("cid, bad", _mooncake_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_malformed_mooncake_names_the_line(tmp_path, cid, bad, where, compress):
+    before = [] if where == "first" else [_moon_line(0), b"", _moon_line(10, [0, 2])]
+    lines = [*before, bad, _moon_line(30), b'{"broken']  # a later error must not be the one reported
+    path = _write(tmp_path / ("t.jsonl.gz" if compress else "t.jsonl"), b"\n".join(lines) + b"\n", compress)
+    for fmt in ("mooncake", None):  # detected from the first record, or else kvlab's reader names the line
+        with pytest.raises(TraceFormatError) as e:
+            load_trace(path, format=fmt)
+        line = len(before) + 1
+        assert e.value.line == line and e.value.path == str(path), (fmt, str(e.value))
+
+
+AZ_HEAD = b"TIMESTAMP,ContextTokens,GeneratedTokens"
+AZ_GOOD = "2023-11-16 18:15:46.6805900"
+
+
+def _azure_cases():
+    out = []
+    for v in ["2023-11-16", "18:15:46.6805900", "2023-13-16 18:15:46.6805900", "2023-02-30 18:15:46.68",
+              "2023-11-16 24:00:00.0", "2023-11-16 18:60:46.0", "2023-11-16 18:15:60.0", "2023/11/16 18:15:46.68",
+              "2023-11-16 18:15:46.", "2023-11-16 18:15:46.1234567890", "2023-11-16 18:15:46.68+01:00",
+              "2023-11-16 18:15:46.68Z", "nan", "", "1700158546.68", "true", "\u0662023-11-16 18:15:46.68"]:
+        out.append((f"TIMESTAMP={v!r}", f"{v},374,44"))
+    for col, fmt in (("ContextTokens", "{},374,44"), ("GeneratedTokens", "{},44")):
+        for v in ["0", "-1", "1.5", "", "abc", "nan", "inf", "true", "1e3", "0x10", "1_0", str(2**31), "9" * 5000]:
+            if col == "GeneratedTokens" and v == "0":
+                continue  # no output is a valid record
+            row = f"{AZ_GOOD},{v},44" if col == "ContextTokens" else f"{AZ_GOOD},374,{v}"
+            out.append((f"{col}={v[:12]!r}", row))
+    out += [("two cells", f"{AZ_GOOD},374"), ("four cells", f"{AZ_GOOD},374,44,1"),
+            ("stray quote", f'{AZ_GOOD},3"74,44')]
+    return [(cid, row.encode()) for cid, row in out]
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("where", ["first", "later"])
+@pytest.mark.parametrize("cid, bad", _azure_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_malformed_azure_names_the_line(tmp_path, cid, bad, where, compress):
+    before = [] if where == "first" else [b"2023-11-16 18:15:40.0000000,10,5", b"", b"2023-11-16 18:15:41.5,10,0"]
+    lines = [AZ_HEAD, *before, bad, b"2023-11-16 18:15:50.0,1,1", b'x,"']
+    path = _write(tmp_path / "t.csv", b"\r\n".join(lines), compress)
+    for fmt in ("azure", None):
+        with pytest.raises(TraceFormatError) as e:
+            load_trace(path, format=fmt)
+        line = 2 + len(before)
+        assert e.value.line == line and e.value.path == str(path), (fmt, str(e.value))
+
+
+@pytest.mark.parametrize("fmt, lines, line, word", [
+    ("mooncake", [_moon_line(10), _moon_line(10), _moon_line(9)], 3, "earlier than the record before"),
+    ("mooncake", [b"", b"# only a comment"], 1, "no request"),
+    ("azure", [AZ_HEAD, b"2023-11-16 18:15:41.0000001,1,1", b"2023-11-16 18:15:41.0000000,1,1"], 3,
+     "earlier than the row before"),
+    ("azure", [AZ_HEAD], 1, "no request"),
+    ("azure", [], 1, "empty file: expected the header"),
+    ("azure", [b"TIMESTAMP,ContextTokens"], 1, "an Azure trace has the header"),
+    ("azure", [b"TIMESTAMP,ContextTokens,GeneratedTokens,Extra"], 1, "an Azure trace has the header"),
+    ("azure", [b"id,arrival,prompt_len,output_len", b"1,0,8,2"], 1, "an Azure trace has the header"),
+    ("mooncake", [b'{"id": 1, "arrival": 0, "prompt_len": 8, "output_len": 2}'], 1, "lacks"),
+    ("kvlab", [_moon_line(0)], 1, "unknown fields"),
+])
+def test_production_file_level_errors(tmp_path, fmt, lines, line, word):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TraceFormatError, match=word) as e:
+        load_trace(path, format=fmt)
+    assert e.value.line == line, str(e.value)
+
+
+def test_bad_gzip_names_the_line_where_the_text_stops(tmp_path):
+    text = b"\n".join(_moon_line(t) for t in range(2000)) + b"\n"
+    whole = gzip.compress(text)
+    cut = _write(tmp_path / "cut.jsonl.gz", whole[:len(whole) // 2], False)
+    with pytest.raises(TraceFormatError, match="ends early") as e:
+        load_trace(cut)
+    assert 1 < e.value.line < 2000
+    # what decompresses before the cut really ends on that line
+    partial = zlib.decompressobj(wbits=31).decompress(whole[:len(whole) // 2])
+    assert e.value.line == 1 + partial.count(b"\n")
+    broken = bytearray(whole)
+    broken[len(broken) // 2] ^= 0xFF
+    with pytest.raises(TraceFormatError, match="not valid gzip data|ends early") as e:
+        load_trace(_write(tmp_path / "bad.gz", bytes(broken), False))
+    assert e.value.path == str(tmp_path / "bad.gz")
+    for name, data in (("not.gz", text), ("trailing.gz", whole + b"junk"), ("header.gz", whole[:5])):
+        with pytest.raises(TraceFormatError, match="gzip") as e:
+            load_trace(_write(tmp_path / name, data, False))
+        assert e.value.path == str(tmp_path / name)
+    two = _write(tmp_path / "two.gz", gzip.compress(text[:len(_moon_line(0)) + 1]) + gzip.compress(
+        text[len(_moon_line(0)) + 1:]), False)
+    assert len(load_trace(two)) == 2000  # a file of several gzip members reads as one
+
+
+def test_random_damage_gives_a_workload_or_a_trace_format_error(tmp_path):
+    """Bytes flipped in real trace heads: load_trace returns or raises TraceFormatError, never another error."""
+    rng = np.random.default_rng(1)
+    heads = {name: b"\n".join(gzip.decompress((DATA / TRACES[name]).read_bytes()).split(b"\n")[:30])
+             for name in ("azure-code-2023", "mooncake-conversation")}
+    for name, data in heads.items():
+        for k in range(200):
+            b = bytearray(data)
+            for _ in range(rng.integers(1, 4)):
+                b[rng.integers(len(b))] = rng.choice(list(b'",\n\r\x00\xff 0-9.e[]{}:-'))
+            path = _write(tmp_path / f"m{k}", bytes(b), bool(k % 2))
+            try:
+                load_trace(path)
+            except TraceFormatError as e:
+                assert 1 <= e.line <= b.count(b"\n") + b.count(b"\r") + 1 and e.path == str(path)
