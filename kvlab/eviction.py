@@ -85,7 +85,9 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     def __init__(self) -> None:
-        self._set: dict[int, None] = {}
+        # An OrderedDict, not a dict: a dict leaves a hole where its oldest key was popped, and finding the first
+        # key again steps over every hole since the last resize (~100 us per eviction at a million cached blocks).
+        self._set: OrderedDict[int, None] = OrderedDict()
 
     def add(self, block_id: int) -> None:
         self._set[block_id] = None
@@ -100,7 +102,7 @@ class LRUPolicy(EvictionPolicy):
         return block_id in self._set
 
     def relabel(self, moved: dict[int, int]) -> None:
-        self._set = {moved.get(b, b): None for b in self._set}
+        self._set = OrderedDict((moved.get(b, b), None) for b in self._set)
 
     def order(self) -> Iterator[tuple[int, float]]:
         last = self.pool.fields.last_access
