@@ -69,16 +69,17 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
         raise ConfigError(f"trace format must be one of {', '.join(FORMATS)} or None, got {format!r:.60}")
     if isinstance(name_or_path, str) and name_or_path in TRACES:
         path, name = DATA / TRACES[name_or_path], name_or_path
-    elif isinstance(name_or_path, (str, Path)) and Path(name_or_path).is_file():
+    elif isinstance(name_or_path, (str, Path)):
         path = Path(name_or_path)
         name = path.name.removesuffix(".gz").rsplit(".", 1)[0] or path.name
     else:
-        raise ConfigError(f"no bundled trace or file named {str(name_or_path)[:200]!r}; bundled traces: "
+        raise ConfigError(f"a trace is a bundled name or a path, got {name_or_path!r:.60}; bundled traces: "
                           f"{', '.join(TRACES)}")
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read trace {path}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {e.strerror or e}; it is no bundled trace "
+                          f"either ({', '.join(TRACES)})") from None
     where = str(path)
     if data.startswith(b"\x1f\x8b"):
         data = _gunzip(data, where)

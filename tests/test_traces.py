@@ -104,11 +104,16 @@ def test_mooncake_records_are_the_files_exactly(mooncake):
 
 
 def test_unknown_names_and_formats_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"no bundled trace or file named 'azure-2023'; bundled traces: "
-                                          r"azure-conv-2023, azure-code-2023, mooncake-conversation"):
+    with pytest.raises(ConfigError, match=r"cannot read trace 'azure-2023': No such file or directory; it is no "
+                                          r"bundled trace either \(azure-conv-2023, azure-code-2023, "
+                                          r"mooncake-conversation\)"):
         load_trace("azure-2023")
-    with pytest.raises(ConfigError, match="no bundled trace or file named"):
+    with pytest.raises(ConfigError, match="cannot read trace .*missing.jsonl"):
         load_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="cannot read trace .*: Is a directory"):
+        load_trace(tmp_path)
+    with pytest.raises(ConfigError, match="a trace is a bundled name or a path, got 7"):
+        load_trace(7)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="format must be one of azure, mooncake, kvlab or None, got 'json'"):
         load_trace("azure-conv-2023", format="json")
 
