@@ -85,14 +85,7 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
         data = _gunzip(data, where)
     elif path.suffix.lower() == ".gz":
         raise TraceFormatError(where, 1, "the name ends in .gz but the file is not gzip data")
-    first = _first_record(data)
-    if format in ("azure", "mooncake"):
-        kind = format
-    elif format == "kvlab":
-        kind = "jsonl" if first.startswith(("{", "[")) else "csv"
-    else:
-        kind = _detect(first)
-    return parse_trace(data, kind, where, name)
+    return parse_trace(data, _reader(format, data), where, name)
 
 
 def _gunzip(data: bytes, where: str) -> bytes:
@@ -102,16 +95,16 @@ def _gunzip(data: bytes, where: str) -> bytes:
     rest = data
     while rest:
         unzip = zlib.decompressobj(wbits=31)  # 31: gzip header and trailer
+        at, step = 0, 1 << 16  # in pieces, so that what precedes a fault is kept for its line number
         try:
-            for at in range(0, len(rest), 1 << 16):  # in pieces, so that what precedes a fault is kept
-                out.append(unzip.decompress(rest[at:at + (1 << 16)]))
-                if unzip.eof:
-                    break
+            while at < len(rest) and not unzip.eof:
+                out.append(unzip.decompress(rest[at:at + step]))
+                at += step
         except zlib.error as e:
             raise TraceFormatError(where, _lines_in(out), f"not valid gzip data ({e})") from None
         if not unzip.eof:
             raise TraceFormatError(where, _lines_in(out), "the gzip data ends early (a truncated file?)")
-        rest = unzip.unused_data
+        rest = unzip.unused_data + rest[at:]  # the next member, if any
     return b"".join(out)
 
 
@@ -131,12 +124,18 @@ def _first_record(data: bytes) -> str:
     return ""
 
 
-def _detect(first: str) -> str:
-    """The reader (:data:`kvlab.workloads.TRACE_KINDS`) for a file whose first record is ``first``."""
-    if [c.strip() for c in first.split(",")] == list(AZURE_COLUMNS):
+def _reader(format: str | None, data: bytes) -> str:
+    """The reader (:data:`kvlab.workloads.TRACE_KINDS`) for ``data`` in ``format``, detected from the first
+    record where the format leaves it open."""
+    if format in ("azure", "mooncake"):
+        return format
+    first = _first_record(data)
+    if format is None and [c.strip() for c in first.split(",")] == list(AZURE_COLUMNS):
         return "azure"
     if not first.startswith(("{", "[")):  # a CSV header starts with a column name
         return "csv"
+    if format == "kvlab":
+        return "jsonl"
     try:
         rec = json.loads(first)
     except ValueError:

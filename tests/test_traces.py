@@ -202,13 +202,13 @@ def token_brute_hits(reqs: list[Request], B: int) -> list[int]:
     return out
 
 
-def cache_hits(reqs: list[Request], B: int) -> list[int]:
+def cache_hits(reqs: list[Request], B: int, vocab_size: int = INT_MAX + 1) -> list[int]:
     """kvlab's prefix cache, big enough never to evict, replaying the requests one at a time in arrival order."""
     pool = BlockPool(sum(-(-r.prompt_len // B) for r in reqs), spec=KVSpec(block_size=B), with_storage=False)
     mgr = SequenceManager(pool, prefix_cache=True)
     hits = []
     for r in reqs:
-        toks = r.prompt_token_ids(INT_MAX + 1)
+        toks = r.prompt_token_ids(vocab_size)
         s = mgr.create(toks, tenant=r.tenant)  # the cached prefix is matched here
         hits.append(s.num_cached_tokens)
         s.append(toks[s.num_tokens:])
@@ -300,25 +300,11 @@ def test_generated_workloads_are_bounded_by_their_tokens():
     """Without hash ids, requests are compared by their token ids (prefix and per-request tokens)."""
     w = make_workload("mixed", 80, seed=3, tenants=2)
     hits = prefix_hits(w, 16)
-    assert hits.sum() > 0 and hits.tolist() == cache_hits_vocab(w.requests, 16)
+    assert hits.sum() > 0 and hits.tolist() == cache_hits(w.requests, 16, vocab_size=32000)  # prefix_hits' vocab
     given = Workload("g", [Request(0, 0.0, 6, 1, prompt_tokens=(1, 2, 3, 4, 5, 6)),
                            Request(1, 1.0, 5, 1, prompt_tokens=(1, 2, 3, 4, 9)),
                            Request(2, 2.0, 3, 1, prompt_tokens=(1, 2, 3))])
     assert prefix_hits(given, 2).tolist() == [0, 4, 2]
-
-
-def cache_hits_vocab(reqs: list[Request], B: int) -> list[int]:
-    pool = BlockPool(sum(-(-r.prompt_len // B) for r in reqs), spec=KVSpec(block_size=B), with_storage=False)
-    mgr = SequenceManager(pool, prefix_cache=True)
-    hits = []
-    for r in reqs:
-        toks = r.prompt_token_ids()  # the engine's default vocabulary, as prefix_hits uses
-        s = mgr.create(toks, tenant=r.tenant)
-        hits.append(s.num_cached_tokens)
-        s.append(toks[s.num_tokens:])
-        mgr.cache_full_blocks(s)
-        s.free()
-    return hits
 
 
 def test_bad_arguments_are_refused():
