@@ -783,6 +783,7 @@ def _length(n: int, name: str, least: int) -> int:
 
 
 def _azure_requests(text: str, where: str) -> list[Request]:
+    """The requests of an Azure LLM inference trace (module docstring), or the first bad line's error."""
     rows = _csv_rows(text, where)
     head = next(rows, None)
     if head is None:
@@ -843,6 +844,7 @@ def _azure_time(cell: str) -> int:
 
 
 def _mooncake_requests(text: str, where: str) -> list[Request]:
+    """The requests of a Mooncake trace (module docstring), or the first bad line's error."""
     requests: list[Request] = []
     first: int | float = 0
     last: int | float = 0
