@@ -201,7 +201,7 @@ class PagedMemory:
         self.events, self.clock = self.pool.events, self.pool.clock
         self.model, self.bs = model, cfg.block_size
         self.track_ids = self.cache is not None or model is not None  # else only counts matter
-        self.vocab = model.cfg.vocab_size if model is not None else 32000
+        self.vocab = model.cfg.vocab_size if model is not None else None  # metadata mode: ids are labels
         self.capacity_slots = cfg.num_blocks * cfg.block_size
         self.promised = 0
 

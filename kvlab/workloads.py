@@ -88,6 +88,7 @@ from .errors import ConfigError, TraceFormatError
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
           "hash_ids")
 REQUIRED = FIELDS[:4]
+DEFAULT_VOCAB = 32000  # derived token ids are drawn from this many ids when no model says otherwise
 INT_MAX = 2**31 - 1  # the largest id, length or token id a request may hold (the pool's int32 fields)
 HASH_BLOCK = 512  # prompt tokens per hash id (Mooncake's trace hashes its prompts in blocks of 512 tokens)
 HASH_ID_MAX = INT_MAX // HASH_BLOCK  # the largest hash id whose tokens (id * 512 + offset) stay <= INT_MAX
@@ -172,10 +173,11 @@ class Request:
         """Tokens in the cache when the request finishes: prompt plus output."""
         return self.prompt_len + self.output_len
 
-    def prompt_token_ids(self, vocab_size: int = 32000) -> list[int]:
+    def prompt_token_ids(self, vocab_size: int | None = None) -> list[int]:
         """The prompt's token ids: :attr:`prompt_tokens` when given, else derived deterministically (a stable
         hash seeds a generator) so that every request naming the same prefix starts with the same ids, and a
-        prefix cache that hashes token ids finds the sharing the trace describes.
+        prefix cache that hashes token ids finds the sharing the trace describes. ``vocab_size`` is the model's
+        vocabulary; None (no model, metadata mode) draws derived ids from :data:`DEFAULT_VOCAB` ids.
 
         With :attr:`hash_ids` the token at offset ``o`` of hash id ``h`` is ``h * 512 + o``: equal ids give equal
         tokens and distinct ids never share one. These ids are exact, not taken modulo ``vocab_size`` (that
@@ -183,10 +185,12 @@ class Request:
         :class:`~kvlab.errors.ConfigError`: such traces run without a model (metadata mode)."""
         if self.prompt_tokens is not None:
             return list(self.prompt_tokens)
-        if vocab_size < 1:
+        if vocab_size is not None and vocab_size < 1:
             raise ConfigError(f"vocab_size must be >= 1, got {vocab_size}")
         if self.hash_ids is not None:
-            return _hash_token_ids(self.hash_ids, self.prompt_len, vocab_size, self.id)
+            return _hash_token_ids(self.hash_ids, self.prompt_len, INT_MAX + 1 if vocab_size is None else vocab_size,
+                                   self.id)
+        vocab_size = DEFAULT_VOCAB if vocab_size is None else vocab_size
         head = _token_ids(f"prefix:{self.prefix_id}", self.prefix_len, vocab_size) if self.prefix_id else []
         return head + _token_ids(f"request:{self.id}", self.prompt_len - self.prefix_len, vocab_size)
 
