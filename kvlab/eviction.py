@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 import random
 from bisect import bisect_left
 from collections import OrderedDict
@@ -122,8 +123,9 @@ class ClockPolicy(EvictionPolicy):
     A failed eviction (every candidate vetoed) moves nothing. Score = position in the sweep (0 goes first).
 
     Cost: O(1) amortised; a sweep passes a block with its bit set once per read that set it, plus the candidates
-    the pool itself passed over. Without reads of cached blocks the order is LRU's (a referenced block leaves the
-    ring and comes back behind the hand); with them, a read block keeps its place instead of moving to the end.
+    the pool itself passed over. Without reads of cached blocks and without vetoes the order is LRU's (a
+    referenced block leaves the ring and comes back behind the hand); a read block keeps its place instead of
+    moving to the end, and a vetoed one is passed: it goes behind the hand, where LRU would keep it first.
     """
 
     name = "clock"
@@ -145,7 +147,8 @@ class ClockPolicy(EvictionPolicy):
 
     def touched(self, block_id: int) -> None:
         """A read sets the reference bit; the block keeps its place on the ring."""
-        self._ring[block_id] = True
+        if block_id in self._ring:
+            self._ring[block_id] = True
 
     def relabel(self, moved: dict[int, int]) -> None:
         """Moved blocks keep their place and bit."""
@@ -164,7 +167,7 @@ class ClockPolicy(EvictionPolicy):
         If ``block_id`` still has its bit, the hand went round once already and cleared every bit."""
         ring = self._ring
         if ring[block_id]:
-            self._ring = ring = OrderedDict.fromkeys(ring, False)
+            ring.update(dict.fromkeys(ring, False))
         while (b := next(iter(ring))) != block_id:
             ring.move_to_end(b)
             ring[b] = False
@@ -302,9 +305,9 @@ class OPTPolicy(_HeapPolicy):
         self._soon: list[tuple[float, int]] = []  # (stored next use, block), soonest first: finds passed answers
 
     def _ask(self, block_id: int) -> float:
-        """The oracle's next use of ``block_id``, checked to be a time (a number, not NaN)."""
+        """The oracle's next use of ``block_id``, checked to be a time (a real number, numpy's too; not NaN)."""
         t = self.next_use(block_id)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or math.isnan(t):
             raise ConfigError(f"next_use({block_id}) must be a time (a number, inf if never), got {t!r}")
         return float(t)
 
@@ -341,8 +344,8 @@ class OPTPolicy(_HeapPolicy):
             now = self._ask(b)
             if now == t:
                 return
-            heapq.heappop(self._soon)
-            self._set_key(b, (-now, b))
+            super()._set_key(b, (-now, b))  # the victim heap; this heap's top is replaced in one sift
+            heapq.heapreplace(self._soon, (now, b))
 
 
 class FutureUses:
@@ -390,8 +393,9 @@ class FutureUses:
         """The uses a :class:`~kvlab.PrefixCache` will look up: for each prompt, the chained hashes
         (:meth:`PrefixCache.block_hash`, salted by its tenant) of its first ``(len - 1) // block_size`` full
         blocks, as a sequence looks its prompt up (the last token is always computed)."""
-        from .prefix import PrefixCache  # the cache's module imports the pool, which imports this one
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        from .prefix import PrefixCache
+        if not is_int(block_size) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         if tenants is not None and len(tenants) != len(prompts):
             raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
@@ -408,12 +412,13 @@ class FutureUses:
     def advance(self, request: int) -> None:
         """Request ``request`` is being admitted: now = its first use. Time only moves forward; ``len(self)``
         is the end, where every use lies in the past."""
-        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request <= len(self):
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        if not is_int(request) or not 0 <= request <= len(self):
             raise ConfigError(f"request must be an int in 0..{len(self)}, got {request!r}")
         if request < self.request:
             raise ConfigError(f"the future only moves forward: request {request} comes before request "
                               f"{self.request}, already admitted")
-        self.request, self.now = request, self._starts[request]
+        self.request, self.now = int(request), self._starts[request]
 
     def next_use(self, key: Hashable) -> float:
         """The time of the first use of ``key`` at or after now; ``math.inf`` if it is never used again."""

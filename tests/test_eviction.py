@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -458,7 +459,8 @@ def test_opt_evicts_dead_chains_tail_first_under_the_prefix_guard():
 
 
 def test_opt_migration_keeps_the_next_use():
-    pool = BlockPool(8, spec=SPEC, eviction_policy=OPTPolicy({0: 5.0, 1: INF, 2: 3.0}.__getitem__))
+    uses = {0: np.int64(5), 1: INF, 2: np.float32(3)}  # any real number is a time
+    pool = BlockPool(8, spec=SPEC, eviction_policy=OPTPolicy(uses.__getitem__))
     pool.allocate(3)
     pool.decref([0, 1, 2])
     pool.migrate([1], [7])  # the oracle knows nothing of block 7: the stored next use moves with the block
@@ -524,7 +526,7 @@ def test_future_uses_time_runs_over_uses_and_only_forward():
     assert [future.next_use(k) for k in "abcz"] == [0.0, 1.0, 3.0, INF]
     future.advance(2)
     assert [future.next_use(k) for k in "abc"] == [4.0, 2.0, 3.0]
-    future.advance(2)  # again: no move
+    future.advance(np.int64(2))  # again (any integer type): no move
     future.advance(4)  # the end: every use is past
     assert [future.next_use(k) for k in "abc"] == [INF] * 3
     for bad in (3, 5, -1, True, 2.0, "1"):
@@ -565,7 +567,7 @@ def test_opt_needs_its_oracle():
         make_policy("belady")
 
 
-@pytest.mark.parametrize("answer", ["soon", float("nan"), None, True])
+@pytest.mark.parametrize("answer", ["soon", float("nan"), None, True, np.bool_(True), 1j])
 def test_opt_rejects_an_oracle_that_gives_no_time(answer):
     pool = BlockPool(4, spec=SPEC, eviction_policy=OPTPolicy(lambda b: answer))
     (b,) = pool.allocate(1)
