@@ -375,7 +375,7 @@ class TextbookClock:
             h = (h + 1) % len(self.ring)
         return None
 
-    def sweep(self) -> list[int]:
+    def sweep(self) -> list[int | None]:
         """The victims of evicting everything from here, each allowed."""
         copy = TextbookClock()
         copy.ring, copy.hand, copy.bit = list(self.ring), self.hand, dict(self.bit)
@@ -475,7 +475,11 @@ def paging_hits(accesses: list[int], capacity: int, policy: str) -> int:
     block_of: dict[int, int] = {}
     chosen = OPTPolicy(lambda b: future.next_use(key_of[b])) if policy == "opt" else policy
     pool = BlockPool(capacity, spec=SPEC, eviction_policy=chosen, seed=5, with_storage=False)
-    pool.evict_hooks.append(lambda b: block_of.pop(key_of.pop(b)))
+
+    def forget(b: int) -> None:
+        del block_of[key_of.pop(b)]
+
+    pool.evict_hooks.append(forget)
     hits = 0
     for t, k in enumerate(accesses):
         future.advance(t)
