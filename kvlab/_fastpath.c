@@ -8,6 +8,11 @@
  * reference. Any other call (other arguments, size classes, shared or cached blocks, errors) goes unchanged to
  * the Python method, which serves it or words the error. tests/test_perf.py holds all three pools equal.
  *
+ * set_token_counts(ids, counts) of a one-size pool runs here too (the engine calls it every step for every
+ * sequence), and two module functions, plan_append and apply_append, are FastSequenceManager.append_tokens's
+ * loop over the batch: they read and write the sequences' fields exactly as SequenceManager.append_tokens does
+ * for its common batch, while the pool calls in between stay the pool's.
+ *
  * Why: in CPython a one-block allocate+free spends most of its time in bytecode dispatch and method calls
  * (docs/benchmarks.md); here it is a few C calls.
  */
@@ -129,6 +134,8 @@ typedef struct {
     int uniform;                          /* one size class: free() of base blocks may run here */
     Py_ssize_t num_blocks;
     PyObject *py_allocate, *py_free;      /* the Python methods every other call goes to */
+    PyObject *py_set_token_counts;
+    long long capacity;                   /* tokens per base block (one-size pools only come here) */
     PyObject *acquire, *release;          /* the pool lock's bound methods */
     PoolLock *plock;                      /* the pool lock itself when it is a PoolLock: taken directly */
     PyObject *stack, *frombytes;          /* free stack 0 (array('i')) and its frombytes */
@@ -146,7 +153,8 @@ static PyObject *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
 #define F(h, f, T) ((T *)(h)->buf[f].buf)
 
 static int traverse(FastPath *h, visitproc visit, void *arg) {
-    Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->acquire); Py_VISIT(h->release); Py_VISIT(h->plock);
+    Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->py_set_token_counts); Py_VISIT(h->acquire);
+    Py_VISIT(h->release); Py_VISIT(h->plock);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
@@ -155,7 +163,8 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
 
 static int clear(FastPath *h) {
     h->bound = 0;
-    Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->acquire); Py_CLEAR(h->release); Py_CLEAR(h->plock);
+    Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->py_set_token_counts); Py_CLEAR(h->acquire);
+    Py_CLEAR(h->release); Py_CLEAR(h->plock);
     Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
     Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
     while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
@@ -173,21 +182,22 @@ static void dealloc(FastPath *h) {
 
 /* _bind_fastpath(...): called once by FastBlockPool.__init__ with the pool's own parts. */
 static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
-    static char *names[] = {"allocate", "free", "lock", "stack", "clock", "step_slot", "events", "allocated",
-                            "freed", "status", "refcount", "hits", "last_access", "created", "owner",
-                            "tokens", "reusable", "uniform", NULL};
-    PyObject *py_allocate, *py_free, *lock, *stack, *clock, *step_slot, *events, *allocated, *freed;
-    PyObject *fields[NFIELDS];
+    static char *names[] = {"allocate", "free", "set_token_counts", "lock", "stack", "clock", "step_slot", "events",
+                            "allocated", "freed", "status", "refcount", "hits", "last_access", "created", "owner",
+                            "tokens", "reusable", "uniform", "capacity", NULL};
+    PyObject *py_allocate, *py_free, *py_set_token_counts, *lock, *stack, *clock, *step_slot, *events, *allocated;
+    PyObject *freed, *fields[NFIELDS];
     int uniform;
+    long long capacity;
     if (h->bound || h->nbuf) {
         PyErr_SetString(PyExc_RuntimeError, "the fast path is already bound");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO!OOOOOOOOOOp:_bind_fastpath", names, &py_allocate,
-                                     &py_free, &lock, &stack, &clock, &step_slot, &PyList_Type, &events, &allocated,
-                                     &freed, &fields[STATUS], &fields[REFCOUNT],
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO!OOOOOOOOOOpL:_bind_fastpath", names, &py_allocate,
+                                     &py_free, &py_set_token_counts, &lock, &stack, &clock, &step_slot,
+                                     &PyList_Type, &events, &allocated, &freed, &fields[STATUS], &fields[REFCOUNT],
                                      &fields[HITS], &fields[LAST_ACCESS], &fields[CREATED], &fields[OWNER],
-                                     &fields[TOKENS], &fields[REUSABLE], &uniform))
+                                     &fields[TOKENS], &fields[REUSABLE], &uniform, &capacity))
         return NULL;
     if (step_slot != Py_None) {  /* LogicalClock.step, a __slots__ member: tick it in place, as `step += 1` */
         PyMemberDef *m = Py_IS_TYPE(step_slot, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)step_slot)->d_member
@@ -202,6 +212,8 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     if (Py_IS_TYPE(lock, &PoolLockType)) h->plock = (PoolLock *)Py_NewRef(lock);
     h->py_allocate = Py_NewRef(py_allocate);
     h->py_free = Py_NewRef(py_free);
+    h->py_set_token_counts = Py_NewRef(py_set_token_counts);
+    h->capacity = capacity;
     h->stack = Py_NewRef(stack);
     h->clock = Py_NewRef(clock);
     h->events = Py_NewRef(events);
@@ -467,11 +479,218 @@ done:
     return out;
 }
 
+/* An exact int in 0..hi-1 as a long long, else -1 (a bool, a numpy int, a negative or too large one). */
+static long long exact_index(PyObject *o, long long hi) {
+    int overflow = 0;
+    long long v = PyLong_CheckExact(o) ? PyLong_AsLongLongAndOverflow(o, &overflow) : -1;
+    return overflow || v < 0 || v >= hi ? -1 : v;
+}
+
+/* set_token_counts(ids, counts): lists of exact ints, each id a block that is not FREE, each count in
+ * 0..capacity, written under the lock. Anything else goes to the Python method. */
+static PyObject *fast_set_token_counts(FastPath *h, PyObject *const *args, Py_ssize_t nargs) {
+    if (!h->bound || !h->uniform || nargs != 2 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]))
+        return delegate((PyObject *)h, h->py_set_token_counts, args, nargs, NULL);
+    PyObject *ids = args[0], *counts = args[1];
+    if (lock(h) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids), i = 0;
+    for (; i < n; i++) {
+        long long b = exact_index(PyList_GET_ITEM(ids, i), h->num_blocks);
+        long long c = exact_index(PyList_GET_ITEM(counts, i), h->capacity + 1);
+        if (b < 0 || c < 0 || F(h, STATUS, uint8_t)[b] == FREE) break;
+    }
+    if (i == n) {
+        for (i = 0; i < n; i++)
+            F(h, TOKENS, int32_t)[PyLong_AsLongLong(PyList_GET_ITEM(ids, i))] =
+                (int32_t)PyLong_AsLongLong(PyList_GET_ITEM(counts, i));
+    }
+    if (unlock(h) < 0) return NULL;
+    if (i == n) Py_RETURN_NONE;
+    return delegate((PyObject *)h, h->py_set_token_counts, args, nargs, NULL);  /* it words the error */
+}
+
+/* ---------------------------------------------------------------- FastSequenceManager.append_tokens's loop */
+static PyObject *s_seq_id, *s_swapped, *s_num_tokens, *s_token_ids, *s_block_table;
+
+/* A sequence's fields as append_tokens reads them (new references), or -1 with an exception set. */
+typedef struct {
+    PyObject *seq_id, *swapped, *num_tokens, *token_ids, *table;
+} SeqFields;
+
+static void release_fields(SeqFields *f) {
+    Py_CLEAR(f->seq_id); Py_CLEAR(f->swapped); Py_CLEAR(f->num_tokens); Py_CLEAR(f->token_ids); Py_CLEAR(f->table);
+}
+
+static int read_fields(PyObject *seq, SeqFields *f) {
+    memset(f, 0, sizeof(*f));
+    if (!(f->seq_id = PyObject_GetAttr(seq, s_seq_id)) || !(f->swapped = PyObject_GetAttr(seq, s_swapped)) ||
+        !(f->num_tokens = PyObject_GetAttr(seq, s_num_tokens)) ||
+        !(f->token_ids = PyObject_GetAttr(seq, s_token_ids)) || !(f->table = PyObject_GetAttr(seq, s_block_table))) {
+        release_fields(f);
+        return -1;
+    }
+    return 0;
+}
+
+/* How many tokens `x` brings to a sequence (token ids, a list of exact ints in 0..2**63-1, for one that tracks
+ * them; a count for one that does not), or -1 when it is anything else. */
+static long long tokens_brought(PyObject *x, int tracks, long long num) {
+    int overflow = 0;
+    if (PyList_CheckExact(x) && tracks) {
+        Py_ssize_t n = PyList_GET_SIZE(x);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *t = PyList_GET_ITEM(x, i);
+            if (!PyLong_CheckExact(t) || PyLong_AsLongLongAndOverflow(t, &overflow) < 0 || overflow) return -1;
+        }
+        return n <= LLONG_MAX - num ? n : -1;
+    }
+    if (PyLong_CheckExact(x) && !tracks) {
+        long long n = PyLong_AsLongLongAndOverflow(x, &overflow);
+        return overflow || n < 0 || n > LLONG_MAX - num ? -1 : n;
+    }
+    return -1;
+}
+
+static long long blocks_for(long long tokens, long long B) { return tokens / B + (tokens % B != 0); }
+
+/* plan_append(seqs, new, live, seq_type, block_size, refcount) -> the new blocks the batch needs, or None when
+ * it is not the common batch: lists of equal length; every sequence of type seq_type, live (live[seq_id] is it)
+ * and resident, named once; each new entry as tokens_brought accepts; no append into a shared, partly filled
+ * last block (refcount, the pool's field, > 1: copy-on-write). Reads only. */
+static PyObject *plan_append(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyDict_CheckExact(args[2]) || !PyType_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "plan_append(seqs, new, live, seq_type, block_size, refcount)");
+        return NULL;
+    }
+    PyObject *seqs = args[0], *new = args[1], *live = args[2];
+    long long B = PyLong_AsLongLong(args[4]);
+    if (B < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "block_size must be >= 1");
+        return NULL;
+    }
+    if (!PyList_CheckExact(seqs) || !PyList_CheckExact(new) || PyList_GET_SIZE(seqs) != PyList_GET_SIZE(new))
+        Py_RETURN_NONE;
+    Py_buffer rb;
+    if (PyObject_GetBuffer(args[5], &rb, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *named = PySet_New(NULL), *out = NULL;
+    if (!named || rb.itemsize != 4) {
+        if (named) PyErr_SetString(PyExc_ValueError, "refcount must have 4-byte items");
+        goto done;
+    }
+    const int32_t *refs = rb.buf;
+    long long nref = rb.len / 4, need = 0;
+    Py_ssize_t n = PyList_GET_SIZE(seqs);
+    int common = 1;
+    for (Py_ssize_t i = 0; i < n && common; i++) {
+        PyObject *seq = PyList_GET_ITEM(seqs, i);
+        SeqFields f;
+        if ((PyObject *)Py_TYPE(seq) != args[3]) {
+            common = 0;
+            break;
+        }
+        if (read_fields(seq, &f) < 0) goto done;
+        PyObject *alive = PyDict_GetItemWithError(live, f.seq_id);  /* borrowed */
+        long long num = PyLong_CheckExact(f.num_tokens) ? PyLong_AsLongLong(f.num_tokens) : -1;
+        long long k = tokens_brought(PyList_GET_ITEM(new, i), f.token_ids != Py_None, num);
+        Py_ssize_t len = PyList_CheckExact(f.table) ? PyList_GET_SIZE(f.table) : -1;
+        common = alive == seq && f.swapped == Py_None && num >= 0 && k >= 0 && len >= 0 &&
+                 PySet_Add(named, f.seq_id) == 0;
+        if (common && k && num % B) {  /* appending into the last block: it must not be shared */
+            long long last = len ? exact_index(PyList_GET_ITEM(f.table, len - 1), nref) : -1;
+            common = last >= 0 && refs[last] <= 1;
+        }
+        if (common) need += blocks_for(num + k, B) - len;
+        release_fields(&f);
+        if (PyErr_Occurred()) goto done;
+    }
+    out = common && PySet_GET_SIZE(named) == n ? PyLong_FromLongLong(need) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(named);
+    PyBuffer_Release(&rb);
+    return out;
+}
+
+static int append_long(PyObject *list, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    int r = o ? PyList_Append(list, o) : -1;
+    Py_XDECREF(o);
+    return r;
+}
+
+/* apply_append(seqs, new, fresh, block_size) -> (starts, filled, counts, owned): after plan_append said yes and
+ * the pool gave the `fresh` blocks it asked for, each sequence in turn takes its new blocks off the front of
+ * `fresh` (extending its table; owned gets (blocks, seq_id) for the pool's set_owner), records where it started,
+ * counts its tokens, extends its token ids; filled/counts name every block it wrote and the tokens it now holds
+ * (for the pool's set_token_counts). */
+static PyObject *apply_append(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "apply_append(seqs: list, new: list, fresh: list, block_size)");
+        return NULL;
+    }
+    PyObject *seqs = args[0], *new = args[1], *fresh = args[2];
+    long long B = PyLong_AsLongLong(args[3]);
+    if (B < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "block_size must be >= 1");
+        return NULL;
+    }
+    PyObject *starts = PyList_New(0), *filled = PyList_New(0), *counts = PyList_New(0), *owned = PyList_New(0);
+    PyObject *out = NULL;
+    Py_ssize_t at = 0, n = PyList_GET_SIZE(seqs);
+    if (!starts || !filled || !counts || !owned) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *seq = PyList_GET_ITEM(seqs, i), *x = PyList_GET_ITEM(new, i), *end_o = NULL;
+        SeqFields f;
+        if (read_fields(seq, &f) < 0) goto done;
+        long long num = PyLong_AsLongLong(f.num_tokens);
+        long long k = PyList_CheckExact(x) ? PyList_GET_SIZE(x) : PyLong_AsLongLong(x), end = num + k;
+        Py_ssize_t len = PyList_GET_SIZE(f.table), more = (Py_ssize_t)(blocks_for(end, B) - len);
+        int ok = more <= PyList_GET_SIZE(fresh) - at;
+        if (ok && more) {
+            PyObject *got = PyList_GetSlice(fresh, at, at + more), *pair = NULL;
+            ok = got && PyList_SetSlice(f.table, len, len, got) == 0 && (pair = PyTuple_Pack(2, got, f.seq_id)) &&
+                 PyList_Append(owned, pair) == 0;
+            Py_XDECREF(got);
+            Py_XDECREF(pair);
+            at += more;
+        } else if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "apply_append: fewer fresh blocks than the plan needs");
+        }
+        ok = ok && append_long(starts, num) == 0 && (end_o = PyLong_FromLongLong(end)) &&
+             PyObject_SetAttr(seq, s_num_tokens, end_o) == 0;
+        Py_XDECREF(end_o);
+        for (long long b = num / B; ok && b < blocks_for(end, B); b++)
+            ok = PyList_Append(filled, PyList_GET_ITEM(f.table, b)) == 0 &&
+                 append_long(counts, end - b * B < B ? end - b * B : B) == 0;
+        if (ok && k && PyList_CheckExact(x)) {
+            Py_ssize_t have = PyList_GET_SIZE(f.token_ids);
+            ok = PyList_SetSlice(f.token_ids, have, have, x) == 0;
+        }
+        release_fields(&f);
+        if (!ok) goto done;
+    }
+    out = PyTuple_Pack(4, starts, filled, counts, owned);
+done:
+    Py_XDECREF(starts); Py_XDECREF(filled); Py_XDECREF(counts); Py_XDECREF(owned);
+    return out;
+}
+
+static PyMethodDef module_functions[] = {
+    {"plan_append", (PyCFunction)(void (*)(void))plan_append, METH_FASTCALL,
+     "plan_append(seqs, new, live, seq_type, block_size, refcount) -> blocks needed, or None (not the common "
+     "batch)."},
+    {"apply_append", (PyCFunction)(void (*)(void))apply_append, METH_FASTCALL,
+     "apply_append(seqs, new, fresh, block_size) -> (starts, filled, counts, owned)."},
+    {NULL},
+};
+
 static PyMethodDef methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))fast_allocate, METH_FASTCALL | METH_KEYWORDS,
      "BlockPool.allocate; allocate(n[, owner=o]) of base blocks the free stack holds runs in C."},
     {"free", (PyCFunction)fast_free, METH_O,
      "BlockPool.free; a list of distinct blocks that each hold their only reference runs in C."},
+    {"set_token_counts", (PyCFunction)(void (*)(void))fast_set_token_counts, METH_FASTCALL,
+     "BlockPool.set_token_counts; lists of exact ints run in C."},
     {"_take_counts", (PyCFunction)take_counts, METH_NOARGS,
      "(blocks allocated, blocks freed) here since the last call, which FastBlockPool adds to pool.counts."},
     {"_bind_fastpath", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS,
@@ -500,13 +719,19 @@ static PyTypeObject FastPathType = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_fastpath",
-                                    .m_doc = "The compiled allocate/free of kvlab.perf.FastBlockPool.", .m_size = -1};
+                                    .m_doc = "The compiled paths of kvlab.perf: FastBlockPool's allocate, free and "
+                                             "set_token_counts, FastSequenceManager's append loop.",
+                                    .m_size = -1, .m_methods = module_functions};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&FastPathType) < 0 || PyType_Ready(&PoolLockType) < 0) return NULL;
     if (!(s_owner = PyUnicode_InternFromString("owner")) ||
         !(s_ALLOCATED = PyUnicode_InternFromString("ALLOCATED")) || !(s_free = PyUnicode_InternFromString("free")) ||
-        !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)))
+        !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)) ||
+        !(s_seq_id = PyUnicode_InternFromString("seq_id")) || !(s_swapped = PyUnicode_InternFromString("swapped")) ||
+        !(s_num_tokens = PyUnicode_InternFromString("num_tokens")) ||
+        !(s_token_ids = PyUnicode_InternFromString("token_ids")) ||
+        !(s_block_table = PyUnicode_InternFromString("block_table")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -54,7 +54,7 @@ from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import EngineEvent, Event
 from .metrics import MetricsLog, RequestRecord, StepMetrics, format_table
-from .perf import FastBlockPool
+from .perf import FastBlockPool, FastSequenceManager
 from .prefix import PrefixCache
 from .sequence import Sequence, SequenceManager
 from .spec import KVSpec
@@ -196,7 +196,7 @@ class PagedMemory:
                 else KVSpec(block_size=cfg.block_size))
         self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy,
                                   with_storage=model is not None)
-        self.manager = SequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
+        self.manager = FastSequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
         self.cache: PrefixCache | None = self.manager.prefix_cache
         self.events, self.clock = self.pool.events, self.pool.clock
         self.model, self.bs = model, cfg.block_size

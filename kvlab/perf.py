@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import warnings
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,14 @@ import numpy as np
 from . import events as ev
 from .block import BlockStatus
 from .clock import LogicalClock
-from .pool import ALLOCATED, FREE, INT32_MAX, BlockPool, Ids
+from .errors import OutOfBlocksError
+from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, BlockPool, Ids
+from .prefix import TOKEN_MAX
+from .sequence import NewTokens, Sequence, SequenceManager
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on
+_HOLDS_DATA = (ALLOCATED, PENDING)
+_INT = {int}
 _ALLOCATED = bytes([ALLOCATED])
 _ONE_REF = np.ones(1, dtype=np.int32).tobytes()
 
@@ -58,9 +64,10 @@ class PyFastBlockPool(BlockPool):
 
     def allocate(self, n: int = 1, *, size_class: int = 0, owner: int = -1,
                  status: BlockStatus = BlockStatus.ALLOCATED, block_id: int | None = None) -> list[int]:
-        """:meth:`BlockPool.allocate`, fast for base blocks the free stack already holds."""
+        """:meth:`BlockPool.allocate`, fast for base blocks of a one-size pool: off the free stack, then by
+        evicting."""
         stack = self._stack
-        if (type(n) is int and 0 < n <= len(stack) and type(size_class) is int and not size_class
+        if (type(n) is int and n > 0 and type(size_class) is int and not size_class
                 and block_id is None and status == ALLOCATED and type(status) in (int, BlockStatus)
                 and type(owner) is int and -1 <= owner <= INT32_MAX):
             with self.lock:
@@ -82,7 +89,67 @@ class PyFastBlockPool(BlockPool):
                     if self.events:
                         self.events.publish(ev.Allocated(t, tuple(out), 0, owner, "ALLOCATED", "free"))
                     return out
+                if not self.max_order and n <= len(stack) + len(self.policy):  # the capacity check passes
+                    return self._allocate_evicting(n, owner)
         return super().allocate(n, size_class=size_class, owner=owner, status=status, block_id=block_id)
+
+    def _allocate_evicting(self, n: int, owner: int) -> list[int]:
+        """More blocks than the free stack holds: all of it, then the policy's victims one by one (evicted by the
+        reference's own ``_evict_one``, so guards, hooks and events are the reference's), stamped together."""
+        stack = self._stack
+        self.lock_acquisitions += 1
+        t = self.clock.tick()
+        out = stack.tolist()[::-1]  # popped one by one: the top first
+        free = len(out)
+        del stack[:]
+        try:
+            if self.events:  # the reference's own eviction publishes each victim with its ranked candidates
+                while len(out) < n:
+                    if self._evict_one("allocation pressure", t) is None:
+                        raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
+                    out.append(stack.pop())
+            else:
+                self._evict_quietly(out, n)
+        except OutOfBlocksError:  # hand back what was taken, as the reference does
+            stack.extend(reversed(out))
+            raise
+        for b in out:
+            self.meta.stamp(b, t, owner, ALLOCATED)
+        c = self.counts
+        c["allocations"] += n
+        c["served_free"] += free
+        c["served_evict"] += n - free
+        if self.events:  # the strategy that served most of the blocks (ties go to "free")
+            self.events.publish(ev.Allocated(t, tuple(out), 0, owner, "ALLOCATED",
+                                             "evict" if n - free > free else "free"))
+        return out
+
+    def _evict_quietly(self, out: list[int], n: int) -> None:
+        """``BlockPool._evict_one`` until ``out`` holds ``n`` blocks, with nobody listening, inlined: the
+        policy's first candidate the guard accepts each time, its fields reset to FREE as ``meta.reset`` does,
+        the evict hooks told. Each victim goes straight to ``out`` (the reference pushes it on the free stack and
+        pops it back)."""
+        policy, guard, hooks = self.policy, self.evict_guard, self.evict_hooks
+        status, refs, tokens, reusable, owner = self._status, self._refs, self._tokens, self._reusable, self._owner
+        evicted = 0
+        try:
+            while len(out) < n:
+                for b, _score in policy.order():
+                    if guard is None or guard(b):
+                        break
+                else:  # every candidate was vetoed
+                    raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
+                policy.evicting(b)
+                policy.discard(b)
+                status[b] = FREE
+                refs[b] = tokens[b] = reusable[b] = 0
+                owner[b] = -1
+                for hook in hooks:
+                    hook(b)
+                out.append(b)
+                evicted += 1
+        finally:
+            self.counts["evictions"] += evicted
 
     def _pop_many(self, n: int, t: int, owner: int) -> list[int]:
         """The top ``n`` blocks of the free stack, stamped with vectorised writes (slices for a run)."""
@@ -126,7 +193,139 @@ class PyFastBlockPool(BlockPool):
                         return
                 elif len(ids) >= BATCH_MIN and self._free_many(ids):
                     return
+                if self._release_held(ids):
+                    return
         super().free(ids)
+
+    def _free_not_plain(self, ids: Ids) -> None:
+        """What the compiled ``free`` hands back: any list but distinct single-reference blocks without reusable
+        data (which it served itself), so only the general path or the reference is left to try."""
+        if type(ids) is list and ids and not self.max_order:
+            with self.lock:
+                if self._release_held(ids):
+                    return
+        BlockPool.free(self, ids)
+
+    def check_ids(self, ids: Any) -> list[int]:
+        """:meth:`BlockPool.check_ids`, fast for a list of exact ints on a one-size pool (every id is a block)."""
+        if type(ids) is list and not self.max_order:
+            n = self.num_blocks
+            for b in ids:
+                if type(b) is not int or not 0 <= b < n:
+                    break
+            else:
+                return list(ids)
+        return super().check_ids(ids)
+
+    def _release_held(self, ids: list) -> bool:
+        """Free distinct ALLOCATED blocks that each hold a reference (shared, registered in a prefix cache or
+        not): one reference dropped each; at 0 a reusable block becomes cached, any other FREE. False (nothing
+        changed) for any other list."""
+        n, status, refs = self.num_blocks, self._status, self._refs
+        for b in ids:
+            if type(b) is not int or not 0 <= b < n or status[b] != ALLOCATED or not refs[b]:
+                return False
+        if len(set(ids)) != len(ids):
+            return False
+        self.lock_acquisitions += 1
+        t = self.clock.tick()
+        left, kept, gone = [], [], []
+        last, reusable, policy = self._last, self._reusable, self.policy
+        for b in ids:
+            r = refs[b] = refs[b] - 1
+            if r:
+                left.append(b)
+                last[b] = t
+            elif reusable[b]:
+                kept.append(b)
+                last[b] = t
+                policy.add(b)
+            else:
+                gone.append(b)
+        for b in reversed(gone):  # pushed so that the first id comes out first again
+            self._push_free(b)
+        self.counts["frees"] += len(ids)
+        if self.events:
+            if left:
+                self.events.publish(ev.RefChanged(t, tuple(left), (-1,) * len(left), tuple(refs[b] for b in left)))
+            if kept:
+                self.events.publish(ev.Cached(t, tuple(kept)))
+            if gone:
+                self.events.publish(ev.Freed(t, tuple(gone)))
+        return True
+
+    def incref(self, ids: Ids) -> None:
+        """:meth:`BlockPool.incref`, fast for distinct ALLOCATED base blocks (a prefix-cache hit)."""
+        if type(ids) is list and ids and not self.max_order:
+            with self.lock:
+                n, status, refs = self.num_blocks, self._status, self._refs
+                for b in ids:
+                    if type(b) is not int or not 0 <= b < n or status[b] != ALLOCATED:
+                        break
+                else:
+                    if len(set(ids)) == len(ids):  # (a repeat adds a reference per occurrence: the reference's)
+                        self.lock_acquisitions += 1
+                        t = self.clock.tick()
+                        hits, last, policy = self._hits, self._last, self.policy
+                        for b in ids:
+                            if not refs[b]:
+                                policy.discard(b)
+                            refs[b] += 1
+                            hits[b] += 1
+                            last[b] = t
+                        if self.events:
+                            self.events.publish(ev.RefChanged(t, tuple(ids), (1,) * len(ids),
+                                                              tuple(refs[b] for b in ids)))
+                        return
+        super().incref(ids)
+
+    def mark_reusable(self, ids: Ids, reusable: bool = True) -> None:
+        """:meth:`BlockPool.mark_reusable`, fast for marking (not unmarking) base blocks that hold data."""
+        if reusable is True and type(ids) is list and ids and not self.max_order:
+            with self.lock:
+                n, status = self.num_blocks, self._status
+                for b in ids:
+                    if type(b) is not int or not 0 <= b < n or status[b] not in _HOLDS_DATA:
+                        break
+                else:
+                    self.lock_acquisitions += 1
+                    self.clock.tick()
+                    flag = self._reusable
+                    for b in ids:
+                        flag[b] = 1
+                    return
+        super().mark_reusable(ids, reusable)
+
+    def set_token_counts(self, ids: Ids, counts: Seq[int]) -> None:
+        """:meth:`BlockPool.set_token_counts`, fast for lists of exact ints on a one-size pool."""
+        if type(ids) is list and type(counts) is list and len(ids) == len(counts) and not self.max_order:
+            with self.lock:
+                n, cap, status = self.num_blocks, self.block_size, self._status
+                for b, c in zip(ids, counts):
+                    if type(b) is not int or not 0 <= b < n or type(c) is not int or not 0 <= c <= cap \
+                            or status[b] == FREE:
+                        break
+                else:
+                    tokens = self._tokens
+                    for b, c in zip(ids, counts):
+                        tokens[b] = c
+                    return
+        super().set_token_counts(ids, counts)
+
+    def set_owner(self, ids: Ids, owner: int) -> None:
+        """:meth:`BlockPool.set_owner`, fast for lists of exact ints on a one-size pool."""
+        if type(ids) is list and type(owner) is int and -1 <= owner <= INT32_MAX and not self.max_order:
+            with self.lock:
+                n, status = self.num_blocks, self._status
+                for b in ids:
+                    if type(b) is not int or not 0 <= b < n or status[b] == FREE:
+                        break
+                else:
+                    field = self._owner
+                    for b in ids:
+                        field[b] = owner
+                    return
+        super().set_owner(ids, owner)
 
     def _free_many(self, ids: list) -> bool:
         """Free many distinct single-reference, non-reusable blocks with numpy; False (nothing changed) for
@@ -160,6 +359,78 @@ class PyFastBlockPool(BlockPool):
         return self._scratch[a].tobytes() == pos.tobytes()
 
 
+class PyFastSequenceManager(SequenceManager):
+    """A :class:`SequenceManager` whose ``append_tokens`` (the engine's call every step) takes one lean pass for
+    the common batch: live resident sequences of this manager, named once, each given a list of exact-int token
+    ids (or a count, for a sequence without ids), none appending into a shared partly filled block. It plans
+    (reads only), takes the blocks in one ``pool.allocate``, then applies, as the reference does; every other
+    batch, and every error, is the reference method's."""
+
+    def append_tokens(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> list[int]:
+        """:meth:`SequenceManager.append_tokens`, lean for the common batch."""
+        need = self._plan_append(seqs, new)
+        if need is None:
+            return super().append_tokens(seqs, new)
+        fresh = self.pool.allocate(need) if need else []
+        starts, filled, counts, owned = self._apply_append(seqs, new, fresh)
+        for got, seq_id in owned:
+            self.pool.set_owner(got, seq_id)
+        if filled:
+            self.pool.set_token_counts(filled, counts)
+        return starts
+
+    def _plan_append(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> int | None:
+        """The new blocks the batch needs, or None when it is not the common batch. Reads only."""
+        if type(seqs) is not list or type(new) is not list or len(seqs) != len(new):
+            return None
+        B, live, refs = self.block_size, self.seqs, self.pool.fields.refcount
+        need = 0
+        for seq, x in zip(seqs, new):
+            if type(seq) is not Sequence or live.get(seq.seq_id) is not seq or seq.swapped is not None:
+                return None
+            num = seq.num_tokens
+            if type(x) is list and seq.token_ids is not None:
+                n = len(x)
+                if n and (set(map(type, x)) != _INT or min(x) < 0 or max(x) > TOKEN_MAX):
+                    return None
+            elif type(x) is int and seq.token_ids is None and 0 <= x <= TOKEN_MAX - num:
+                n = x
+            else:
+                return None
+            if n and num % B and refs[seq.block_table[-1]] > 1:  # copy-on-write: the reference plans it
+                return None
+            need += -(-(num + n) // B) - len(seq.block_table)
+        return need if len({s.seq_id for s in seqs}) == len(seqs) else None
+
+    def _apply_append(self, seqs: Seq[Sequence], new: Seq[NewTokens],
+                      fresh: list[int]) -> tuple[list[int], list[int], list[int], list[tuple[list[int], int]]]:
+        """Each sequence takes its new blocks off the front of ``fresh`` and its tokens: (where each started,
+        the blocks written and the tokens they now hold, the new blocks of each sequence with its id)."""
+        B = self.block_size
+        starts: list[int] = []
+        filled: list[int] = []
+        counts: list[int] = []
+        owned: list[tuple[list[int], int]] = []
+        at = 0
+        for seq, x in zip(seqs, new):
+            table, start = seq.block_table, seq.num_tokens
+            end = start + (len(x) if isinstance(x, list) else x)  # type: ignore[operator]  # a count otherwise
+            more = -(-end // B) - len(table)
+            if more:
+                got = fresh[at:at + more]
+                at += more
+                table.extend(got)
+                owned.append((got, seq.seq_id))
+            starts.append(start)
+            seq.num_tokens = end
+            for i in range(start // B, -(-end // B)):
+                filled.append(table[i])
+                counts.append(min(B, end - i * B))
+            if type(x) is list and x:
+                seq.token_ids += x  # type: ignore[operator]  # lists only for sequences that track ids
+        return starts, filled, counts, owned
+
+
 def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> type | None:
     """The compiled base type, or None: switched off (``KVLAB_PURE_PYTHON=1``), or not built — with one warning
     when it should have been (a binary older than its source, or a source checkout with a compiler but no
@@ -167,7 +438,7 @@ def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> ty
     if os.environ.get("KVLAB_PURE_PYTHON"):
         return None
     try:
-        from ._fastpath import SOURCE_SHA256, FastPath
+        from ._fastpath import SOURCE_SHA256, FastPath  # type: ignore[import-untyped,import-not-found]
     except ImportError:
         if source.exists() and shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc"):
             warnings.warn("kvlab/_fastpath.c is not compiled although a C compiler is at hand; reinstall kvlab "
@@ -185,6 +456,8 @@ COMPILED = _FastPath is not None
 
 if _FastPath is not None:
     from ._fastpath import PoolLock as _PoolLock
+    from ._fastpath import apply_append as _apply_append
+    from ._fastpath import plan_append as _plan_append
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
         """:class:`PyFastBlockPool` with ``allocate`` and ``free`` compiled (``kvlab/_fastpath.c``): the C
@@ -195,11 +468,13 @@ if _FastPath is not None:
             self.lock = _PoolLock()  # reentrant like threading.RLock; the C takes it without a method call
             m = self.meta
             self._bind_fastpath(
-                allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.free, lock=self.lock, stack=self._stack,
+                allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.__dict__["_free_not_plain"],
+                set_token_counts=PyFastBlockPool.set_token_counts, lock=self.lock, stack=self._stack,
                 clock=self.clock, step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
                 events=self.events, allocated=ev.Allocated, freed=ev.Freed,
                 status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
-                owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order)
+                owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order,
+                capacity=self.block_size)
 
         @property
         def counts(self) -> dict[str, int]:
@@ -216,5 +491,17 @@ if _FastPath is not None:
         @counts.setter
         def counts(self, value: dict[str, int]) -> None:
             self._counts = value
+    class FastSequenceManager(PyFastSequenceManager):
+        """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/_fastpath.c``'s
+        ``plan_append`` and ``apply_append``, which read and write the same fields); the pool calls between them
+        stay the pool's."""
+
+        def _plan_append(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> int | None:
+            return _plan_append(seqs, new, self.seqs, Sequence, self.block_size, self.pool.fields.refcount)
+
+        def _apply_append(self, seqs: Seq[Sequence], new: Seq[NewTokens],
+                          fresh: list[int]) -> tuple[list[int], list[int], list[int], list[tuple[list[int], int]]]:
+            return _apply_append(seqs, new, fresh, self.block_size)
 else:
     FastBlockPool = PyFastBlockPool  # type: ignore[misc,assignment]
+    FastSequenceManager = PyFastSequenceManager  # type: ignore[misc,assignment]

@@ -134,7 +134,7 @@ class BlockPool(TextbookNames):
         self.policy = make_policy(eviction_policy, seed).bind(self)
         self.eviction_policy = self.policy.name
         self.evict_guard: Callable[[int], bool] | None = None  # may veto a victim (prefix-chain order)
-        self.evict_hooks: list[Callable[[int], None]] = []  # told which reusable block's data is no longer kept
+        self.evict_hooks: list[Callable[[int], None]] = []  # told which cached block lost its data
         self.relocation_hooks: list[Callable[[np.ndarray, np.ndarray], None]] = []  # told src -> dst moves
         self.counts = dict.fromkeys(("allocations", "frees", "decrefs", "evictions", "splits", "merges",
                                      "migrations", "served_free", "served_split", "served_evict"), 0)
@@ -391,8 +391,7 @@ class BlockPool(TextbookNames):
 
     def mark_reusable(self, ids: Ids, reusable: bool = True) -> None:
         """Mark blocks whose data is worth keeping at refcount 0 (full prefix-cache blocks); repeats are
-        harmless. Unmarking a cached block releases it to FREE at once (its data is no longer wanted); unmarking a
-        held one tells the evict hooks (a prefix cache forgets it), as does :meth:`begin_eviction` of a reusable one."""
+        harmless. Unmarking a cached block releases it to FREE at once (its data is no longer wanted)."""
         with self.lock:
             if not isinstance(reusable, (bool, np.bool_)):
                 raise ConfigError(f"reusable must be True or False, got {reusable!r}")
@@ -405,13 +404,10 @@ class BlockPool(TextbookNames):
                 return
             t = self._mutation()
             gone = [b for b in blocks if not reusable and m.status[b] == ALLOCATED and not m.refcount[b]]
-            unkept = [b for b in blocks if not reusable and m.reusable[b] and m.refcount[b]]
             for b in blocks:
                 m.reusable[b] = int(reusable)
             for b in reversed(gone):
                 self._uncache(b)
-            for b in unkept:  # still held, but its data is no longer kept for anyone else
-                self._tell_evict_hooks(b)
             if gone and self.events:
                 self.events.publish(ev.Freed(t, tuple(gone)))
 
@@ -473,8 +469,6 @@ class BlockPool(TextbookNames):
             t = self._mutation()
             for b in blocks:
                 self.policy.discard(b)
-                if new == EVICTING and self.meta.reusable[b]:  # the data leaves: no longer kept here
-                    self._tell_evict_hooks(b)
                 if new == FREE:
                     self._push_free(b)
                 else:
@@ -491,9 +485,6 @@ class BlockPool(TextbookNames):
         """Cached block ``b`` loses its data (evicted or released): FREE, and every evict hook is told."""
         self.policy.discard(b)
         self._push_free(b)
-        self._tell_evict_hooks(b)
-
-    def _tell_evict_hooks(self, b: int) -> None:
         for hook in self.evict_hooks:
             hook(b)
 

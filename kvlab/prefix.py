@@ -12,14 +12,16 @@ pool's policy evicts them. The cache keeps the chains whole:
 * a block is registered only on top of its registered parent, so whoever holds a cached child holds its parent;
 * ``pool.evict_guard`` vetoes a block while blocks are still registered on top of it, so chains lose their
   tails first and no cached child is ever orphaned (unreachable because its head is gone);
-* ``pool.evict_hooks`` tells the cache whenever a block's data stops being kept (evicted, released, unmarked,
-  swapped out), ``pool.relocation_hooks`` where blocks moved: every entry names live data, always.
+* ``pool.evict_hooks`` tells the cache which block left, ``pool.relocation_hooks`` where blocks moved;
+* an entry is trusted only while its block is still the same allocation (ALLOCATED, reusable, same creation
+  stamp); anything else (a block unmarked or swapped out behind the cache's back) is a stale entry, dropped
+  on sight. Until then it still counts as a child, so its parent stays unevictable a while longer.
 
 Token ids travel as int64 bytes: a prompt is validated and converted once (numpy, no Python loop per token),
 and each block's hash input and stored copy are slices of those bytes. Per registered block the cache keeps its
-digest, its parent's digest and its tokens in lists indexed by block id (a few hundred bytes a block, so a pool
-of millions of cached blocks fits). :meth:`PrefixCache.store_blocks` registers a whole chain in one call (one
-``mark_reusable``), which is what :meth:`SequenceManager.cache_full_blocks` uses.
+digest, its parent's digest, its tokens and its creation stamp, indexed by block id (a few hundred bytes a
+block, so a pool of millions of cached blocks fits). :meth:`PrefixCache.store_blocks` registers a whole chain in
+one call (one ``mark_reusable``), which is what :meth:`SequenceManager.cache_full_blocks` uses.
 
 Counters (:meth:`PrefixCache.get_stats`) come in blocks and in tokens: ``query_tokens`` and ``hit_tokens`` are
 vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits`` (prompt tokens looked up, prompt tokens served).
@@ -43,49 +45,56 @@ from .events import Event
 from .pool import BlockPool, is_int
 
 TOKEN_MAX = 2**63 - 1  # token ids are hashed as int64
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 _NONE = object()  # "no bad token found" (None itself is a bad token)
+_INT = {int}
+_SHORT = 64  # token lists up to this long are converted by array, longer ones by numpy (fixed cost vs per id)
 ALLOCATED = int(BlockStatus.ALLOCATED)
 
 
-def token_array(x: object, where: str) -> np.ndarray:
-    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as a 1-D int64 array,
-    else :class:`KVDataError` naming the bad id, starting with ``where``. Strings, sets and dicts are refused:
-    they iterate, but not as an ordered sequence of ids. No Python loop runs per token for a list of ints or an
-    integer array (an int64 array comes back as it is, not copied)."""
+def token_bytes(x: object, where: str) -> bytes:
+    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as int64 bytes (8 per
+    id, native order: what the hashes read), else :class:`KVDataError` naming the bad id, starting with
+    ``where``. Strings, sets and dicts are refused: they iterate, but not as an ordered sequence of ids. A list
+    of ints or an integer array is checked and converted in C, with no Python loop per token."""
     items: list | tuple | range
-    if isinstance(x, (torch.Tensor, np.ndarray)):
+    if isinstance(x, (list, tuple, range)):
+        items = x
+    elif isinstance(x, (torch.Tensor, np.ndarray)):
         if x.ndim != 1:
             raise KVDataError(f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}")
         a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) and x.dtype != torch.bool else x
         if isinstance(a, np.ndarray) and a.dtype.kind in "iu":
-            if not a.size or (a.min() >= 0 and a.max() <= TOKEN_MAX):
-                return a.astype(np.int64, copy=False)
+            small = a.dtype.kind == "i" or a.dtype.itemsize < 8  # no such id passes TOKEN_MAX
+            if not a.size or (a.min() >= 0 and (small or a.max() <= TOKEN_MAX)):
+                return a.astype(np.int64, copy=False).tobytes()
         items = x.tolist()  # floats, bools, ids out of range: the loop below names the first bad one
-    elif isinstance(x, (list, tuple, range)):
-        items = x
     else:
         raise KVDataError(f"{where}: token ids are a list of ints, not {x!r}")
     if not items:
-        return np.empty(0, dtype=np.int64)
-    if set(map(type, items)) == {int}:  # the common case: exact ints, converted and range-checked in C
-        try:
-            a = np.array(items, dtype=np.int64)
+        return b""
+    if set(map(type, items)) == _INT:  # exact ints: checked and converted in C
+        try:  # a block's worth through array (the smaller fixed cost), more through numpy (less per id)
+            if len(items) <= _SHORT:
+                if min(items) >= 0:
+                    return array("q", items).tobytes()
+            else:
+                a = np.array(items, dtype=np.int64)
+                if a.min() >= 0:
+                    return a.tobytes()
         except OverflowError:  # some id is past int64: the loop below names it
             pass
-        else:
-            if a.min() >= 0:
-                return a
     bad = next((t for t in items if not (is_int(t) and 0 <= t <= TOKEN_MAX)), _NONE)
     if bad is not _NONE:
         raise KVDataError(f"{where}: token ids are ints in 0..2**63-1, got {bad!r}")
-    return np.array([int(t) for t in items], dtype=np.int64)  # numpy integers among them
+    return array("q", [int(t) for t in items]).tobytes()  # numpy integers among them
 
 
 def check_token_ids(x: object, where: str) -> list[int]:
-    """:func:`token_array` as a list of ints (a copy), for the sequences that keep token ids as a list."""
-    if type(x) is list and x and set(map(type, x)) == {int} and min(x) >= 0 and max(x) <= TOKEN_MAX:
-        return list(x)  # the common case, checked in C without building an array
-    return token_array(x, where).tolist()
+    """:func:`token_bytes` as a list of ints (a copy), for the sequences that keep token ids as a list."""
+    if type(x) is list and x and set(map(type, x)) == _INT and min(x) >= 0 and max(x) <= TOKEN_MAX:
+        return list(x)  # the common case, checked in C without converting
+    return array("q", token_bytes(x, where)).tolist()
 
 
 def check_tenant(tenant: object) -> str | None:
@@ -119,7 +128,7 @@ class PrefixStored(Event):
 
 @dataclass(slots=True)
 class PrefixEvicted(Event):
-    """Block ``block_id`` (hash ``digest``) left the cache: its data was evicted, released, unmarked or moved out."""
+    """Cached block ``block_id`` (hash ``digest``) left the cache: evicted by the pool, or found stale."""
     block_id: int
     digest: str
 
@@ -149,6 +158,7 @@ class PrefixCache:
         self._digest: list[bytes | None] = [None] * n  # block -> its digest (None: not registered)
         self._parent: list[bytes | None] = [None] * n  # block -> its parent's digest (None: a prompt's first block)
         self._tokens: list[bytes | None] = [None] * n  # block -> its token ids as int64 bytes, compared on hits
+        self._created = array("q", bytes(8 * n))  # block -> the pool's allocation stamp when it was registered
         self._children: dict[bytes, int] = {}  # digest -> blocks registered on top of it
         self.requests = self.queries = self.hits = self.stores = self.evictions = 0
         self.query_tokens = self.hit_tokens = 0
@@ -162,14 +172,18 @@ class PrefixCache:
         return len(self._block)
 
     @staticmethod
-    def block_hash(parent: bytes | None, token_ids: Sequence[int], tenant: str | None = None) -> bytes:
+    def block_hash(parent: bytes | None, token_ids: TokenIds, tenant: str | None = None) -> bytes:
         """16-byte blake2b of the parent hash and the block's token ids (int64), salted per tenant."""
-        return _hash(_check_parent(parent), token_array(token_ids, "block_hash").tobytes(),
-                     _salt(check_tenant(tenant)))
+        return _hash(_check_parent(parent), token_bytes(token_ids, "block_hash"), _salt(check_tenant(tenant)))
 
     def holds(self, block_id: int) -> bool:
-        """True if ``block_id`` is registered."""
-        return self._digest[self.pool.check_id(block_id)] is not None  # check_id: a float must not find its int
+        """True if ``block_id`` is registered (and still the registered allocation)."""
+        b = self.pool.check_id(block_id)  # a float would find the entry of its int
+        return self._digest[b] is not None and self._valid(b)
+
+    def _valid(self, b: int) -> bool:
+        f = self.pool.fields
+        return f.status[b] == ALLOCATED and f.reusable[b] == 1 and f.created[b] == self._created[b]
 
     def entries(self) -> dict[int, tuple[bytes, bytes | None, tuple[int, ...]]]:
         """Every registered block: ``{block: (digest, parent digest, token ids)}``, in block order."""
@@ -177,7 +191,7 @@ class PrefixCache:
                 for b, d in enumerate(self._digest) if d is not None}
 
     # ------------------------------------------------------------------ lookup
-    def match(self, token_ids: Sequence[int], tenant: str | None = None,
+    def match(self, token_ids: TokenIds, tenant: str | None = None,
               max_blocks: int | None = None) -> tuple[list[int], bytes | None]:
         """The cached blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks`` full blocks),
         each with one new reference taken for the caller; and the hash of the last one (None if no hit)."""
@@ -185,7 +199,7 @@ class PrefixCache:
         ids, parent = self._walk(tokens, salt, n)
         self.requests += 1
         self.queries += n
-        self.query_tokens += len(tokens)
+        self.query_tokens += len(tokens) // 8
         if ids:
             pool = self.pool
             now, refs, last = pool.clock.now(), pool.fields.refcount, pool.fields.last_access
@@ -197,48 +211,52 @@ class PrefixCache:
                 pool.events.publish(PrefixHit(pool.clock.now(), tuple(ids), len(ids) * self.block_size, tenant))
         return ids, parent
 
-    def peek(self, token_ids: Sequence[int], tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
+    def peek(self, token_ids: TokenIds, tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
         """The blocks :meth:`match` would return now, without taking references or counting a lookup (admission
         control asks what a prompt would cost before committing to it)."""
         return self._walk(*self._query(token_ids, tenant, max_blocks))[0]
 
-    def _query(self, token_ids: Sequence[int], tenant: str | None,
-               max_blocks: int | None) -> tuple[np.ndarray, bytes, int]:
+    def _query(self, token_ids: TokenIds, tenant: str | None,
+               max_blocks: int | None) -> tuple[bytes, bytes, int]:
         """The validated arguments of :meth:`match`/:meth:`peek` (tokens, salt, full blocks to look up): all of
         them before any lookup is counted."""
-        tokens = token_array(token_ids, "prefix lookup")
+        tokens = token_bytes(token_ids, "prefix lookup")
         salt = _salt(check_tenant(tenant))
         if max_blocks is not None and not (is_int(max_blocks) and max_blocks >= 0):
             raise ConfigError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
-        full = len(tokens) // self.block_size
+        full = len(tokens) // (8 * self.block_size)
         return tokens, salt, full if max_blocks is None else min(int(max_blocks), full)
 
-    def _walk(self, tokens: np.ndarray, salt: bytes, n: int) -> tuple[list[int], bytes | None]:
+    def _walk(self, tokens: bytes, salt: bytes, n: int) -> tuple[list[int], bytes | None]:
         """Follow the hash chain of the first ``n`` full blocks of validated ``tokens``: (hit blocks, last hit's
         hash)."""
         width = self.block_size * 8
-        data = tokens[:n * self.block_size].tobytes()
         ids: list[int] = []
         parent = None
         for at in range(0, n * width, width):
-            chunk = data[at:at + width]
+            chunk = tokens[at:at + width]
             digest = _hash(parent, chunk, salt)
             b = self._block.get(digest)
-            if b is None or self._tokens[b] != chunk:  # a miss, or a hash collision: never serve another prefix
+            if b is None:
+                break
+            if not self._valid(b):
+                self._drop(b)
+                break
+            if self._tokens[b] != chunk:  # a hash collision: never serve another prefix's K/V
                 break
             ids.append(b)
             parent = digest
         return ids, parent
 
     # ------------------------------------------------------------------ registration
-    def store(self, block_id: int, token_ids: Sequence[int], parent: bytes | None,
+    def store(self, block_id: int, token_ids: TokenIds, parent: bytes | None,
               tenant: str | None = None) -> bytes | None:
         """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
         it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
         got = self.store_blocks([self.pool.check_id(block_id)], token_ids, parent, tenant)
         return got[0] if got else None
 
-    def store_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int], parent: bytes | None = None,
+    def store_blocks(self, block_ids: Sequence[int], token_ids: TokenIds, parent: bytes | None = None,
                      tenant: str | None = None) -> list[bytes]:
         """Register a chain of full, referenced blocks: ``block_ids[i]`` holds ``token_ids[i*B:(i+1)*B]``, the
         first is chained on ``parent``, each next one on the one before; all are marked reusable in one call.
@@ -247,50 +265,62 @@ class PrefixCache:
         same hash counts as registered. Everything is checked before anything changes."""
         pool, B = self.pool, self.block_size
         blocks = pool.check_ids(block_ids)
-        tokens = token_array(token_ids, f"blocks {blocks[:4]}{'...' if len(blocks) > 4 else ''}")
+        tokens = token_bytes(token_ids, "prefix store")
         parent, salt = _check_parent(parent), _salt(check_tenant(tenant))
         status, refs = pool.fields.status, pool.fields.refcount
         for b in blocks:
             if status[b] != ALLOCATED or not refs[b]:
                 raise IllegalTransitionError(f"block {b} is {BlockStatus(status[b]).name} with refcount {refs[b]}: "
                                              f"only a held block can be registered")
-        if len(tokens) != B * len(blocks):
+        if len(tokens) != 8 * B * len(blocks):
             raise KVDataError(f"blocks {blocks}: only full blocks of {B} tokens are cached; {len(blocks)} blocks "
-                              f"hold {B * len(blocks)} token ids, got {len(tokens)}: {tokens.tolist()[:2 * B]}")
+                              f"hold {B * len(blocks)} token ids, got {len(tokens) // 8}: "
+                              f"{array('q', tokens[:16 * B]).tolist()}")
         if parent is not None and parent not in self._block:
             raise IllegalTransitionError(f"block {blocks[0]}: its parent hash {parent.hex()} is not cached")
-        # Plan: every hash, before anything changes.
-        width, data = B * 8, tokens.tobytes()
+        if len(set(blocks)) != len(blocks):
+            twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
+            raise IllegalTransitionError(f"block {twice} appears twice in one chain")
+        # Plan: every hash, before anything changes; a block not yet registered is new, stale entries in the
+        # way are dropped when applying.
+        width, first = B * 8, parent
         digests: list[bytes] = []
-        new: list[tuple[int, bytes, bytes | None, bytes]] = []
-        planned: set[int] = set()
-        for i, b in enumerate(blocks):
-            chunk = data[i * width:(i + 1) * width]
-            digest = _hash(parent, chunk, salt)
+        new: list[int] = []
+        stale: list[int] = []
+        for at, b in zip(range(0, len(tokens), width), blocks):
+            digest = _hash(parent, tokens[at:at + width], salt)
             other = self._block.get(digest)
+            if other is not None and other != b and not self._valid(other):
+                stale.append(other)
+                other = None
             if other is None:
-                if self._digest[b] is not None or b in planned:
-                    known = self._digest[b] or next(d for x, d, _, _ in new if x == b)
+                known = self._digest[b]
+                if known is not None and self._valid(b):
                     raise IllegalTransitionError(f"block {b} is already cached under hash {known.hex()}")
-                new.append((b, digest, parent, chunk))
-                planned.add(b)
+                if known is not None:
+                    stale.append(b)
+                new.append(len(digests))
             elif other != b:  # another live block caches this exact prefix
                 break
             digests.append(digest)
             parent = digest
         # Apply.
+        for b in dict.fromkeys(stale):
+            self._drop(b)
         if new:
-            pool.mark_reusable([b for b, _, _, _ in new])
-        kids = self._children
-        for b, digest, up, chunk in new:
-            self._digest[b], self._parent[b], self._tokens[b] = digest, up, chunk
+            pool.mark_reusable([blocks[i] for i in new])
+        kids, created = self._children, pool.fields.created
+        for i in new:
+            b, digest, up = blocks[i], digests[i], digests[i - 1] if i else first
+            self._digest[b], self._parent[b], self._tokens[b] = digest, up, tokens[i * width:(i + 1) * width]
+            self._created[b] = created[b]
             self._block[digest] = b
             if up is not None:
                 kids[up] = kids.get(up, 0) + 1
         self.stores += len(new)
         if pool.events:
-            for b, digest, _, _ in new:
-                pool.events.publish(PrefixStored(pool.clock.now(), b, digest.hex()))
+            for i in new:
+                pool.events.publish(PrefixStored(pool.clock.now(), blocks[i], digests[i].hex()))
         return digests
 
     # ------------------------------------------------------------------ pool hooks
@@ -298,7 +328,8 @@ class PrefixCache:
         digest, parent = self._digest[b], self._parent[b]
         assert digest is not None
         self._digest[b] = self._parent[b] = self._tokens[b] = None
-        del self._block[digest]
+        if self._block.get(digest) == b:
+            del self._block[digest]
         if parent is not None:
             left = self._children[parent] - 1
             if left:
@@ -324,6 +355,7 @@ class PrefixCache:
             if digest is None:
                 continue
             self._digest[b], self._parent[b], self._tokens[b] = digest, self._parent[a], self._tokens[a]
+            self._created[b] = self._created[a]
             self._digest[a] = self._parent[a] = self._tokens[a] = None
             self._block[digest] = b
 
@@ -339,13 +371,12 @@ class PrefixCache:
                 "cached_blocks": len(self._block)}
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if an entry names a block that is not ALLOCATED and reusable, the hash index and
-        the entries disagree, a registered block's parent is counted wrongly, or a stored copy is not a block."""
+        """Raise AssertionError if the hash index and the block entries disagree, a registered block's parent is
+        counted wrongly, or a stored copy is not a block's worth of tokens. (Stale entries may exist: they are
+        dropped on sight.)"""
         reg = {d: b for b, d in enumerate(self._digest) if d is not None}
         assert reg == self._block, "the hash index and the block entries disagree"
-        f = self.pool.fields
         for b in reg.values():
-            assert f.status[b] == ALLOCATED and f.reusable[b], f"block {b} is registered but keeps no data"
             assert len(self._tokens[b] or b"") == 8 * self.block_size, f"block {b}: stored tokens are not a block"
         kids: dict[bytes, int] = {}
         for b in reg.values():

@@ -173,7 +173,9 @@ class SequenceManager:
             prompt = check_token_ids(prompt, f"sequence {self._next_id}")
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
-            ids, last = self.prefix_cache.match(prompt, tenant, max(0, (len(prompt) - 1) // self.block_size))
+            # checked ids, handed on as an int64 array: the cache checks those with one numpy call
+            ids, last = self.prefix_cache.match(np.array(prompt, dtype=np.int64), tenant,
+                                                max(0, (len(prompt) - 1) // self.block_size))
             n = len(ids) * self.block_size
             seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
             seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import (BlockPool, DoubleFreeError, EventRecorder, FastBlockPool, IllegalTransitionError, KVLabError,
-                   UnknownBlockError)
-from kvlab.perf import COMPILED, PyFastBlockPool
+                   KVSpec, UnknownBlockError)
+from kvlab.perf import COMPILED, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
+from kvlab.sequence import Sequence, SequenceManager
 
 from _util import assert_same_state, pool_state
 
@@ -52,23 +53,31 @@ FAST = [FastBlockPool, PyFastBlockPool] if COMPILED else [PyFastBlockPool]
 ODD = [0, -1, True, 1.0, np.int64(2), "2", None, 2**63]  # what the fast paths must hand to the reference
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["", "guarded"])
 @pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
 @pytest.mark.parametrize("sizes", [None, [4, 8, 16]], ids=["uniform", "size-classes"])
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_fast_pool_equals_the_reference(cls, sizes, listen, data):
+def test_fast_pool_equals_the_reference(cls, sizes, listen, guarded, data):
     """Same return values, errors and messages, metadata, free stacks, evictable set, counters, clock and
-    events after every step, with and without a subscriber (the compiled path publishes events itself)."""
+    events after every step, with and without a subscriber (the compiled path publishes events itself); with
+    ``guarded`` an evict guard vetoes every third block and an evict hook records what it is told."""
     kw0 = dict(with_storage=False) if sizes is None else dict(with_storage=False, block_sizes=sizes)
     fast, ref = cls(N, **kw0), BlockPool(N, **kw0)
+    told: dict[int, list[int]] = {id(fast): [], id(ref): []}
+    if guarded:
+        for pool in (fast, ref):
+            pool.evict_guard = lambda b: b % 3 != 0
+            pool.evict_hooks.append(told[id(pool)].append)
     if listen:
         rec_fast, rec_ref = EventRecorder(fast.events), EventRecorder(ref.events)
     held: list[int] = []
     batches: list[list[int]] = []  # allocations of 9 or more blocks still fully held
     for _ in range(data.draw(st.integers(5, 25), label="steps")):
         op = data.draw(st.sampled_from(["allocate", "allocate", "free", "free", "incref", "mark_reusable", "decref",
-                                        "set_token_count", "touch", "evict", "reserve"]))
+                                        "set_token_count", "touch", "evict", "reserve", "set_token_counts",
+                                        "set_owner", "unmark"]))
         if op in ("allocate", "reserve") or not held:
             op = "allocate" if op != "reserve" else op
             n = data.draw(st.one_of(st.integers(1, 150), st.sampled_from(ODD)), label="n")
@@ -84,6 +93,16 @@ def test_fast_pool_equals_the_reference(cls, sizes, listen, data):
             args, kw = (data.draw(st.sampled_from(held)), data.draw(st.integers(0, fast.block_size))), {}
         elif op in ("incref", "mark_reusable", "decref", "touch"):
             args, kw = (data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=8)),), {}
+        elif op == "unmark":
+            op, args, kw = "mark_reusable", (data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=8)),
+                                             False), {}
+        elif op == "set_token_counts":
+            ids = data.draw(st.lists(st.one_of(st.sampled_from(held), st.sampled_from(ODD)), max_size=12))
+            count = st.one_of(st.integers(0, fast.block_size + 1), st.sampled_from([-1, True, 1.0, None]))
+            args, kw = (ids, data.draw(st.lists(count, min_size=len(ids), max_size=len(ids) + 1))), {}
+        elif op == "set_owner":
+            ids = data.draw(st.lists(st.one_of(st.sampled_from(held), st.sampled_from(ODD)), max_size=12))
+            args, kw = (ids, data.draw(st.one_of(st.integers(-1, 5), st.sampled_from([-2, 2**31, True])))), {}
         elif op == "evict":
             args, kw = (), {}
         else:
@@ -91,6 +110,7 @@ def test_fast_pool_equals_the_reference(cls, sizes, listen, data):
         got, want = outcome(fast, op, *args, **kw), outcome(ref, op, *args, **kw)
         assert got == want, (op, args, kw)
         assert_same_state(pool_state(ref), pool_state(fast))
+        assert told[id(fast)] == told[id(ref)]
         if listen:
             assert rec_fast.events == rec_ref.events
         fast.check_invariants()
@@ -102,6 +122,84 @@ def test_fast_pool_equals_the_reference(cls, sizes, listen, data):
             batches.append(got)
         held = [b for b in held if fast.arrays.refcount[b] > 0]
         batches = [ids for ids in batches if len(ids) >= 9 and (fast.arrays.refcount[ids] > 0).all()]
+
+
+MANAGERS = [(PyFastSequenceManager, PyFastBlockPool)] + ([(FastSequenceManager, FastBlockPool)] if COMPILED else [])
+
+
+def manager_state(mgr: SequenceManager) -> tuple:
+    """Every sequence's fields, and the prefix cache's entries and counters."""
+    seqs = tuple((s.seq_id, tuple(s.block_table), s.num_tokens, None if s.token_ids is None else tuple(s.token_ids),
+                  s.num_cached_tokens, s.cached_blocks, s.prefix_hash, s.cacheable, s.alive,
+                  None if s.swapped is None else (tuple(s.swapped.positions), tuple(s.swapped.tokens)))
+                 for s in mgr.seqs.values())
+    c = mgr.prefix_cache
+    return seqs, c.entries(), c.get_stats(), tuple(c.reuse_gaps)
+
+
+def feed(data, tracks: bool):
+    """What one sequence is given: token ids (often), a count, or something a fast path must hand over."""
+    ids = st.lists(st.integers(0, 3), min_size=1, max_size=9)
+    junk = st.sampled_from([[1.5], [-1], [True], [2**63], (1, 2), np.array([1, 2]), None, "ab", [np.int64(1)], []])
+    return data.draw(st.one_of(*[ids] * 6, st.integers(0, 9), junk) if tracks else
+                     st.one_of(*[st.integers(0, 9)] * 6, ids, junk, st.just(2**63)))
+
+
+@pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
+@pytest.mark.parametrize("mgr_cls, pool_cls", MANAGERS, ids=lambda c: c.__name__)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, data):
+    """Random creates (with prompts from a tiny alphabet: many prefix hits), batch appends (good and bad feeds,
+    repeated, freed and swapped sequences, forks that make appends copy on write), registrations, swaps and
+    frees on a small pool: the fast manager over its fast pool and the reference over BlockPool return the
+    same values, raise the same errors and end every step in the same state, events included."""
+    kw = dict(spec=KVSpec(block_size=4), with_storage=False)
+    pools = pool_cls(24, **kw), BlockPool(24, **kw)
+    mgrs = mgr_cls(pools[0], prefix_cache=True), SequenceManager(pools[1], prefix_cache=True)
+    recs = [EventRecorder(p.events) for p in pools] if listen else []
+    gone: list[tuple[Sequence, Sequence]] = []  # freed sequences, still handed in now and then
+    for _ in range(data.draw(st.integers(5, 30), label="steps")):
+        ids = list(mgrs[1].seqs)
+        op = data.draw(st.sampled_from(["create", "create", "append", "append", "append", "cache", "free", "fork",
+                                        "fork", "swap"]) if ids else st.just("create"), label="op")
+        if op == "create":
+            prompt = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=14)), label="prompt")
+            calls = [lambda m: m.create(prompt)] * 2
+        elif op == "append":
+            picked = data.draw(st.lists(st.sampled_from(ids[-3:]) | st.sampled_from(ids), max_size=4), label="batch")
+            feeds = [feed(data, mgrs[1].seqs[i].token_ids is not None) for i in picked]
+            odd = gone[-1] if gone and data.draw(st.booleans()) else None
+            calls = [lambda m, k=k: m.append_tokens([m.seqs[i] for i in picked] + ([odd[k]] if odd else []),
+                                                    feeds + ([[1]] if odd else [])) for k in (0, 1)]
+        else:
+            i = data.draw(st.sampled_from(ids), label="seq")
+            if op == "swap":
+                calls = [lambda m: (m.swap_in if m.seqs[i].swapped is not None else m.swap_out)(m.seqs[i])] * 2
+            elif op == "free":
+                gone.append((mgrs[0].seqs[i], mgrs[1].seqs[i]))
+                calls = [lambda m: m.free(m.seqs[i])] * 2
+            elif op == "fork":  # and append to the child at once: into a shared tail when it is partly filled
+                calls = [lambda m: m.append_tokens([m.fork(m.seqs[i])], [[1] if m.seqs[i].token_ids is not None
+                                                                         else 1])] * 2
+            else:
+                calls = [lambda m: m.cache_full_blocks(m.seqs[i])] * 2
+        got, want = (outcome_of(call, m) for call, m in zip(calls, mgrs))
+        assert got == want, op
+        assert_same_state(pool_state(pools[1]), pool_state(pools[0]))
+        assert manager_state(mgrs[0]) == manager_state(mgrs[1])
+        if listen:
+            assert recs[0].events == recs[1].events
+        mgrs[0].check_invariants()
+
+
+def outcome_of(call, mgr: SequenceManager):
+    """The call's result (a sequence by its id) or its error (type and message)."""
+    try:
+        out = call(mgr)
+    except KVLabError as e:
+        return type(e), str(e)
+    return out.seq_id if isinstance(out, Sequence) else out
 
 
 def test_the_compiled_pool_is_built_where_a_compiler_is():
