@@ -53,7 +53,7 @@ from typing import Any
 from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import EngineEvent, Event
-from .metrics import MetricsLog, RequestRecord, StepMetrics, format_table
+from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .perf import FastBlockPool, FastSequenceManager
 from .prefix import PrefixCache
 from .sequence import Sequence, SequenceManager
@@ -171,11 +171,13 @@ class EngineConfig:
 class Job:
     """A request inside the engine. ``tokens`` are the tokens known so far (prompt, then each generated one);
     the KV cache holds the first ``computed`` of them (``seq.num_tokens`` in paged mode). A step feeds
-    ``tokens[computed:computed + n]``; when that reaches the end, the model samples the next token.
-    ``pending`` blocks are promised for this step's tokens; ``counted`` is what its tenant is charged."""
+    ``tokens[computed:computed + n]``; when that reaches the end, the model samples the next token. The prompt's
+    ids are built when the request first comes up for admission (empty until then: a queue of long prompts
+    would otherwise hold them all). ``pending`` blocks are promised for this step's tokens; ``counted`` is what
+    its tenant is charged."""
     req: Request
     rec: RequestRecord
-    tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
     computed: int = 0
     generated: int = 0
     state: str = WAITING
@@ -198,6 +200,7 @@ class PagedMemory:
                                   with_storage=model is not None)
         self.manager = FastSequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
         self.cache: PrefixCache | None = self.manager.prefix_cache
+        self.lifetimes = BlockLifetimes(self.pool)
         self.events, self.clock = self.pool.events, self.pool.clock
         self.model, self.bs = model, cfg.block_size
         self.track_ids = self.cache is not None or model is not None  # else only counts matter
@@ -297,10 +300,26 @@ class PagedMemory:
 
     # -------------------------------------------------------------------------------- gauges
     def gauges(self) -> tuple[int, int, float]:
-        """(reserved slots, token slots, fragmentation) right now; cached blocks count as reserved."""
+        """(reserved slots, token slots, fragmentation) right now; cached blocks count as reserved, and their
+        tokens as held. No pass over the pool: a cached block is registered, hence full."""
         pool = self.pool
         reserved = (pool.num_blocks - pool.num_free_blocks) * self.bs
-        return reserved, int(pool.arrays.tokens.sum()), pool.calculate_fragmentation() / 100
+        frag = pool.calculate_fragmentation() / 100 if pool.max_order else 0.0  # one size: none, by construction
+        return reserved, self.usage()[1] + pool.num_cached_blocks * self.bs, frag
+
+    def usage(self) -> tuple[int, int]:
+        """(slots of the blocks requests hold, tokens in them), from the sequences in O(sequences): summing their
+        resident tokens counts a block shared by k sequences k times, and every shared block is full (sharing
+        comes from prefix hits), so each extra reference is one block's worth too many."""
+        pool, refs, tokens = self.pool, 0, 0
+        for seq in self.manager.seqs.values():
+            refs += len(seq.block_table)
+            tokens += seq.num_tokens
+            if seq.swapped is not None:  # what went to the host is not in the pool
+                refs -= len(seq.swapped.positions)
+                tokens -= sum(seq.swapped.tokens)
+        used = pool.num_blocks - pool.num_free_blocks - pool.num_cached_blocks
+        return used * self.bs, tokens - (refs - used) * self.bs
 
     def hit_rate(self) -> float:
         c = self.cache
@@ -436,6 +455,10 @@ class Engine:
         out["prefix_hit_tokens"] = sum(r.prefix_hit_tokens for r in self.log.requests.values())
         out["swap_ins"], out["prefetched_swap_ins"] = self.swap_ins, self.prefetched_ins
         out["swap_in_stall_s"] = self.swap_in_stall_s
+        if isinstance(self.memory, PagedMemory):  # in pool clock ticks (see kvlab.metrics)
+            out.update(self.memory.lifetimes.summary())
+            if self.memory.cache is not None:
+                out.update(distribution(self.memory.cache.reuse_gaps, "reuse_gap", "ticks"))
         return out
 
     def table(self) -> str:
@@ -497,7 +520,7 @@ class Engine:
             if q is None:
                 q = self._queues[r.tenant] = deque()
                 self._rr.append(r.tenant)
-            q.append(Job(r, rec, self.memory.prompt_ids(r)))
+            q.append(Job(r, rec))
 
     def _schedule(self) -> list[tuple[Job, int]]:
         cfg, mem = self.config, self.memory
@@ -545,6 +568,8 @@ class Engine:
                 tried += 1
                 continue
             job = q[0]
+            if not job.tokens:  # its turn has come: build its prompt
+                job.tokens = mem.prompt_ids(job.req)
             # Price the hits only when the memory's bound on what admission takes does not fit (a cache walk
             # hashes every full block of the prompt).
             if not self._fits(tenant, mem.admission_bound(job)):
@@ -707,10 +732,13 @@ class Engine:
     def _record(self, prefill: int, decode: int, stall: float) -> None:
         mem = self.memory
         reserved, tokens, frag = mem.gauges()
+        used_slots, used_tokens = mem.usage() if isinstance(mem, PagedMemory) else (reserved, tokens)
+        cache = mem.cache if isinstance(mem, PagedMemory) else None
         m = StepMetrics(self._now(), self.step_count, self.now_s, len(self.running), self.num_waiting,
                         len(self.swapped), prefill, decode, mem.capacity_slots, reserved, tokens, frag, mem.evictions,
                         self.preemptions, mem.hit_rate(), self.finished_count,
-                        tuple(sorted((t, n) for t, n in self.held.items() if n)), stall)
+                        tuple(sorted((t, n) for t, n in self.held.items() if n)), stall, used_slots, used_tokens,
+                        cache.query_tokens if cache is not None else 0, cache.hit_tokens if cache is not None else 0)
         self.log.steps.append(m)
         if self.events:
             self.events.publish(m)

@@ -3,7 +3,12 @@
 Each engine step yields one :class:`StepMetrics` event (published on the pool's event bus when someone listens,
 always kept in :class:`MetricsLog`). Definitions, the same for the paged engine and the contiguous baseline:
 
-* ``utilisation`` -- token states held / token slots of the whole memory: how much of the KV memory does work;
+* ``utilisation`` -- token states held (cached blocks' included) / token slots of the whole memory: how much of
+  the KV memory does work;
+* ``usage_by_block`` and ``usage_by_token`` side by side -- the memory held by running requests, counted by the
+  blocks (vLLM's ``kv_cache_usage``: blocks in use / all blocks; cached blocks count as free, since any request
+  may take them) and by the tokens in those blocks (/ all token slots). Seventeen-token prompts at block size
+  16 take two blocks each for 17 tokens: the two figures part by the half-empty last blocks;
 * ``internal_waste`` -- reserved slots that hold no token / reserved slots (the half-empty last block of a paged
   sequence; the never-used tail of a max-length contiguous region);
 * ``fragmentation`` -- free slots that the next request cannot use / free slots (0 for a uniform paged pool,
@@ -11,16 +16,26 @@ always kept in :class:`MetricsLog`). Definitions, the same for the paged engine 
 * ``stall_s`` -- seconds the step waited on copies between host and device memory (swap preemption);
 * per request: ``ttft`` (arrival to first output token) and ``tpot`` (mean time between later output tokens), in
   engine steps and in seconds (simulated seconds from the engine's :class:`~kvlab.engine.CostModel`, or wall
-  seconds in real mode).
+  seconds in real mode);
+* per cached block, in pool clock ticks (the pool's clock ticks once per pool mutation, several times a step):
+  its *lifetime* (allocation to eviction) and its *idle time before eviction* (last access to eviction), both
+  gathered by a pool evict hook (:class:`BlockLifetimes`), and the *reuse gap* of every prefix-cache hit that
+  revived a cached block (how long it had been idle), measured by the cache when it takes the reference. Each
+  is summarised by :func:`distribution` (count, mean, p50, p90, max).
 """
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .events import EngineEvent
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
 
 
 @dataclass(slots=True)
@@ -42,10 +57,22 @@ class StepMetrics(EngineEvent):
     finished: int
     tenant_blocks: tuple[tuple[str, int], ...] = ()
     stall_s: float = 0.0
+    used_slots: int = 0  # slots of the blocks (or regions) running requests hold
+    used_tokens: int = 0  # tokens in them
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache so far (vLLM's queries)
+    prefix_hit_tokens: int = 0  # prompt tokens it served so far (vLLM's hits)
 
     @property
     def utilisation(self) -> float:
         return self.token_slots / self.capacity_slots
+
+    @property
+    def usage_by_block(self) -> float:
+        return self.used_slots / self.capacity_slots
+
+    @property
+    def usage_by_token(self) -> float:
+        return self.used_tokens / self.capacity_slots
 
     @property
     def internal_waste(self) -> float:
@@ -88,6 +115,35 @@ class RequestRecord:
         return self.finish_s - self.arrival_s
 
 
+def distribution(values: Sequence[float] | np.ndarray, name: str, unit: str) -> dict[str, float]:
+    """``{name}_count``, and ``{name}_{mean,p50,p90,max}_{unit}`` of ``values`` (all 0 when there are none)."""
+    x = np.asarray(values, dtype=float)
+    stats = (x.mean(), np.percentile(x, 50), np.percentile(x, 90), x.max()) if x.size else (0.0,) * 4
+    return {f"{name}_count": int(x.size),
+            **{f"{name}_{k}_{unit}": float(v) for k, v in zip(("mean", "p50", "p90", "max"), stats)}}
+
+
+class BlockLifetimes:
+    """Lifetime (allocation to eviction) and idle time before eviction of every cached block ``pool`` evicts, in
+    pool clock ticks: one evict hook, two appends per eviction, nothing on any other path."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.lifetime = array("q")
+        self.idle = array("q")
+        pool.evict_hooks.append(self._on_evict)
+
+    def _on_evict(self, b: int) -> None:
+        f, now = self.pool.fields, self.pool.clock.now()
+        self.lifetime.append(now - f.created[b])
+        self.idle.append(now - f.last_access[b])
+
+    def summary(self) -> dict[str, float]:
+        """:func:`distribution` of both, as ``block_lifetime_*_ticks`` and ``idle_before_evict_*_ticks``."""
+        return {**distribution(self.lifetime, "block_lifetime", "ticks"),
+                **distribution(self.idle, "idle_before_evict", "ticks")}
+
+
 def _pcts(x: np.ndarray, name: str, unit: str) -> dict[str, float]:
     if not x.size:
         return {}
@@ -125,11 +181,19 @@ class MetricsLog:
             "utilisation": float(np.mean([s.utilisation for s in busy])) if busy else 0.0,
             "internal_waste": float(np.mean([s.internal_waste for s in busy])) if busy else 0.0,
             "fragmentation": float(np.mean([s.fragmentation for s in busy])) if busy else 0.0,
+            "usage_by_block": float(np.mean([s.usage_by_block for s in busy])) if busy else 0.0,
+            "usage_by_token": float(np.mean([s.usage_by_token for s in busy])) if busy else 0.0,
+            "peak_usage_by_block": max((s.usage_by_block for s in self.steps), default=0.0),
+            "peak_usage_by_token": max((s.usage_by_token for s in self.steps), default=0.0),
+            "prefix_cache_queries": last.prefix_query_tokens if last else 0,
+            "prefix_cache_hits": last.prefix_hit_tokens if last else 0,
             "peak_reserved_slots": max((s.reserved_slots for s in self.steps), default=0),
             "swap_stall_s": sum(s.stall_s for s in self.steps),
             "stall_steps": sum(1 for s in self.steps if s.stall_s),
         }
         out["throughput_tok_s"] = out["output_tokens"] / out["time_s"] if out["time_s"] else 0.0
+        out["prefix_cache_hit_rate_tokens"] = (out["prefix_cache_hits"] / out["prefix_cache_queries"]
+                                               if out["prefix_cache_queries"] else 0.0)
         for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]), ("ttft", "steps", [r.ttft_steps for r in done]),
                                    ("tpot", "s", [r.tpot_s for r in done if r.output_len > 1]),
                                    ("tpot", "steps", [r.tpot_steps for r in done if r.output_len > 1]),

@@ -215,3 +215,54 @@ def test_contiguous_allocator_first_fit_and_merge():
     assert a.largest_free == 100
     with pytest.raises(DoubleFreeError, match="owner 2"):
         a.release(2)
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def test_kv_usage_by_block_and_by_token_part_on_half_empty_blocks():
+    """Two 17-token prompts at block size 16 on a 6-block pool: after the second step one request holds 18
+    tokens (its first output token went in) and the other 17, in two blocks each: 4 of 6 blocks (66.7%) are in
+    use, but only 35 of 96 token slots (36.5%)."""
+    reqs = [Request(0, 0.0, 17, 3), Request(1, 0.001, 17, 3)]  # the second arrives during the first step
+    e = Engine(reqs, num_blocks=6, block_size=16)
+    e.step()
+    e.step()
+    m = e.log.steps[-1]
+    assert (m.used_slots, m.used_tokens) == (4 * 16, 35)
+    assert round(m.usage_by_block, 3) == 0.667 and round(m.usage_by_token, 3) == 0.365
+    assert m.utilisation == m.usage_by_token  # nothing is cached yet
+    e.run()
+    s = e.summary()
+    assert 0 < s["usage_by_token"] < s["usage_by_block"] <= s["peak_usage_by_block"] <= 1
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_usage_gauges_equal_a_pass_over_the_pool(mode):
+    """The O(sequences) gauges against the pool's own arrays after every step, with prefix hits (shared full
+    blocks), cached blocks, evictions and preemptions."""
+    w = make_workload("chat", 120, seed=5, rate=400, prefix_share=0.8)
+    e = Engine(w, num_blocks=160, max_batched_tokens=256, preemption=mode)
+    pool, refreshed = e.memory.pool, 0
+    while e.step():
+        a = pool.arrays
+        held = a.refcount > 0
+        m = e.log.steps[-1]
+        assert m.used_slots == int(held.sum()) * 16 and m.used_tokens == int(a.tokens[held].sum())
+        assert m.token_slots == int(a.tokens.sum())
+        refreshed += bool(pool.num_cached_blocks)
+    s = e.summary()
+    assert refreshed and s["evictions"] and s["prefix_hit_tokens"]
+
+
+def test_prefix_counters_are_in_tokens_and_lifetimes_come_from_evictions():
+    w = make_workload("chat", 150, seed=2, rate=300, prefix_share=0.9)
+    e = Engine(w, num_blocks=200, max_batched_tokens=256)
+    s = e.run()
+    cache = e.memory.cache
+    assert s["prefix_cache_queries"] == cache.query_tokens >= sum(r.prompt_len for r in w.requests)
+    assert s["prefix_cache_hits"] == cache.hit_tokens == s["prefix_hit_tokens"] > 0
+    assert s["prefix_cache_hit_rate_tokens"] == pytest.approx(s["prefix_cache_hits"] / s["prefix_cache_queries"])
+    life = e.memory.lifetimes
+    assert s["block_lifetime_count"] == s["idle_before_evict_count"] == len(life.lifetime) == s["evictions"] > 0
+    assert all(0 <= i <= t for i, t in zip(life.idle, life.lifetime))
+    assert s["idle_before_evict_p50_ticks"] <= s["idle_before_evict_p90_ticks"] <= s["idle_before_evict_max_ticks"]
+    assert s["reuse_gap_count"] == len(cache.reuse_gaps) > 0 and min(cache.reuse_gaps) > 0
