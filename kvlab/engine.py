@@ -322,8 +322,9 @@ class PagedMemory:
         return used * self.bs, tokens - (refs - used) * self.bs
 
     def hit_rate(self) -> float:
+        """Prompt tokens the prefix cache served / prompt tokens looked up, so far."""
         c = self.cache
-        return c.hits / c.queries if c is not None and c.queries else 0.0
+        return c.hit_tokens / c.query_tokens if c is not None and c.query_tokens else 0.0
 
     def check_invariants(self) -> None:
         self.manager.check_invariants()

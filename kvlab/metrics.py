@@ -53,7 +53,7 @@ class StepMetrics(EngineEvent):
     fragmentation: float
     evictions: int
     preemptions: int
-    prefix_hit_rate: float
+    prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up, so far
     finished: int
     tenant_blocks: tuple[tuple[str, int], ...] = ()
     stall_s: float = 0.0
@@ -192,8 +192,6 @@ class MetricsLog:
             "stall_steps": sum(1 for s in self.steps if s.stall_s),
         }
         out["throughput_tok_s"] = out["output_tokens"] / out["time_s"] if out["time_s"] else 0.0
-        out["prefix_cache_hit_rate_tokens"] = (out["prefix_cache_hits"] / out["prefix_cache_queries"]
-                                               if out["prefix_cache_queries"] else 0.0)
         for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]), ("ttft", "steps", [r.ttft_steps for r in done]),
                                    ("tpot", "s", [r.tpot_s for r in done if r.output_len > 1]),
                                    ("tpot", "steps", [r.tpot_steps for r in done if r.output_len > 1]),

@@ -260,7 +260,7 @@ def test_prefix_counters_are_in_tokens_and_lifetimes_come_from_evictions():
     cache = e.memory.cache
     assert s["prefix_cache_queries"] == cache.query_tokens >= sum(r.prompt_len for r in w.requests)
     assert s["prefix_cache_hits"] == cache.hit_tokens == s["prefix_hit_tokens"] > 0
-    assert s["prefix_cache_hit_rate_tokens"] == pytest.approx(s["prefix_cache_hits"] / s["prefix_cache_queries"])
+    assert s["prefix_hit_rate"] == pytest.approx(s["prefix_cache_hits"] / s["prefix_cache_queries"])
     life = e.memory.lifetimes
     assert s["block_lifetime_count"] == s["idle_before_evict_count"] == len(life.lifetime) == s["evictions"] > 0
     assert all(0 <= i <= t for i, t in zip(life.idle, life.lifetime))
