@@ -8,10 +8,12 @@
  * reference. Any other call (other arguments, size classes, shared or cached blocks, errors) goes unchanged to
  * the Python method, which serves it or words the error. tests/test_perf.py holds all three pools equal.
  *
- * set_token_counts(ids, counts) of a one-size pool runs here too (the engine calls it every step for every
- * sequence), and two module functions, plan_append and apply_append, are FastSequenceManager.append_tokens's
- * loop over the batch: they read and write the sequences' fields exactly as SequenceManager.append_tokens does
- * for its common batch, while the pool calls in between stay the pool's.
+ * set_token_counts(ids, counts), incref(ids) and mark_reusable(ids) of a one-size pool run here too (the
+ * engine calls them every step, a prefix-cache hit or store once per prompt). Three module functions serve the
+ * layers above: token_bytes is FastPrefixCache's check and conversion of token ids, and plan_append and
+ * apply_append are FastSequenceManager.append_tokens's loop over the batch: they read and write the sequences'
+ * fields exactly as SequenceManager.append_tokens does for its common batch, while the pool calls in between
+ * stay the pool's.
  *
  * Why: in CPython a one-block allocate+free spends most of its time in bytecode dispatch and method calls
  * (docs/benchmarks.md); here it is a few C calls.
@@ -30,7 +32,7 @@ enum field { STATUS, REFCOUNT, HITS, LAST_ACCESS, CREATED, OWNER, TOKENS, REUSAB
 static const char *FIELD[NFIELDS] = {"status", "refcount", "hits", "last_access", "created", "owner", "tokens",
                                      "reusable"};
 static const Py_ssize_t ITEMSIZE[NFIELDS] = {1, 4, 8, 8, 8, 4, 4, 1};
-enum { FREE = 0, ALLOCATED = 2 };
+enum { FREE = 0, PENDING = 1, ALLOCATED = 2 };
 #define SMALL 64 /* ids kept on the C stack; longer calls use the heap */
 
 /* PoolLock: a reentrant lock like threading.RLock, whose acquire and release the fast paths call directly (an
@@ -134,7 +136,9 @@ typedef struct {
     int uniform;                          /* one size class: free() of base blocks may run here */
     Py_ssize_t num_blocks;
     PyObject *py_allocate, *py_free;      /* the Python methods every other call goes to */
-    PyObject *py_set_token_counts;
+    PyObject *py_set_token_counts, *py_incref, *py_mark_reusable;
+    PyObject *discard;                    /* the eviction policy's discard (a referenced block is no candidate) */
+    PyObject *refchanged_cls;             /* kvlab.events.RefChanged */
     long long capacity;                   /* tokens per base block (one-size pools only come here) */
     PyObject *acquire, *release;          /* the pool lock's bound methods */
     PoolLock *plock;                      /* the pool lock itself when it is a PoolLock: taken directly */
@@ -154,6 +158,7 @@ static PyObject *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
 
 static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->py_set_token_counts); Py_VISIT(h->acquire);
+    Py_VISIT(h->py_incref); Py_VISIT(h->py_mark_reusable); Py_VISIT(h->discard); Py_VISIT(h->refchanged_cls);
     Py_VISIT(h->release); Py_VISIT(h->plock);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
@@ -164,6 +169,7 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
 static int clear(FastPath *h) {
     h->bound = 0;
     Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->py_set_token_counts); Py_CLEAR(h->acquire);
+    Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
     Py_CLEAR(h->release); Py_CLEAR(h->plock);
     Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
     Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
@@ -182,20 +188,22 @@ static void dealloc(FastPath *h) {
 
 /* _bind_fastpath(...): called once by FastBlockPool.__init__ with the pool's own parts. */
 static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
-    static char *names[] = {"allocate", "free", "set_token_counts", "lock", "stack", "clock", "step_slot", "events",
-                            "allocated", "freed", "status", "refcount", "hits", "last_access", "created", "owner",
-                            "tokens", "reusable", "uniform", "capacity", NULL};
-    PyObject *py_allocate, *py_free, *py_set_token_counts, *lock, *stack, *clock, *step_slot, *events, *allocated;
-    PyObject *freed, *fields[NFIELDS];
+    static char *names[] = {"allocate", "free", "set_token_counts", "incref", "mark_reusable", "discard", "lock",
+                            "stack", "clock", "step_slot", "events", "allocated", "freed", "refchanged", "status",
+                            "refcount", "hits", "last_access", "created", "owner", "tokens", "reusable", "uniform",
+                            "capacity", NULL};
+    PyObject *py_allocate, *py_free, *py_set_token_counts, *py_incref, *py_mark_reusable, *discard, *lock, *stack;
+    PyObject *clock, *step_slot, *events, *allocated, *freed, *refchanged, *fields[NFIELDS];
     int uniform;
     long long capacity;
     if (h->bound || h->nbuf) {
         PyErr_SetString(PyExc_RuntimeError, "the fast path is already bound");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO!OOOOOOOOOOpL:_bind_fastpath", names, &py_allocate,
-                                     &py_free, &py_set_token_counts, &lock, &stack, &clock, &step_slot,
-                                     &PyList_Type, &events, &allocated, &freed, &fields[STATUS], &fields[REFCOUNT],
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO!OOOOOOOOOOOpL:_bind_fastpath", names, &py_allocate,
+                                     &py_free, &py_set_token_counts, &py_incref, &py_mark_reusable, &discard, &lock,
+                                     &stack, &clock, &step_slot, &PyList_Type, &events, &allocated, &freed,
+                                     &refchanged, &fields[STATUS], &fields[REFCOUNT],
                                      &fields[HITS], &fields[LAST_ACCESS], &fields[CREATED], &fields[OWNER],
                                      &fields[TOKENS], &fields[REUSABLE], &uniform, &capacity))
         return NULL;
@@ -213,6 +221,10 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     h->py_allocate = Py_NewRef(py_allocate);
     h->py_free = Py_NewRef(py_free);
     h->py_set_token_counts = Py_NewRef(py_set_token_counts);
+    h->py_incref = Py_NewRef(py_incref);
+    h->py_mark_reusable = Py_NewRef(py_mark_reusable);
+    h->discard = Py_NewRef(discard);
+    h->refchanged_cls = Py_NewRef(refchanged);
     h->capacity = capacity;
     h->stack = Py_NewRef(stack);
     h->clock = Py_NewRef(clock);
@@ -510,6 +522,96 @@ static PyObject *fast_set_token_counts(FastPath *h, PyObject *const *args, Py_ss
     return delegate((PyObject *)h, h->py_set_token_counts, args, nargs, NULL);  /* it words the error */
 }
 
+/* Whether `list` holds distinct exact ints naming blocks of one of the two statuses `a`, `b` (h->seen marks
+ * them and is cleared again); ids[i] gets the i-th. */
+static int distinct_blocks(FastPath *h, PyObject *list, int32_t *ids, uint8_t a, uint8_t b) {
+    Py_ssize_t n = PyList_GET_SIZE(list), i = 0;
+    int ok = 1;
+    for (; i < n && ok; i++) {
+        long long v = exact_index(PyList_GET_ITEM(list, i), h->num_blocks);
+        ok = v >= 0 && !h->seen[v] && (F(h, STATUS, uint8_t)[v] == a || F(h, STATUS, uint8_t)[v] == b);
+        if (ok) {
+            ids[i] = (int32_t)v;
+            h->seen[v] = 1;
+        }
+    }
+    for (Py_ssize_t j = 0; j < i - !ok; j++) h->seen[ids[j]] = 0;
+    return ok;
+}
+
+/* incref(ids): distinct ALLOCATED base blocks, one reference each (a cached one leaves the policy's set), hits
+ * and last access stamped, RefChanged published when someone listens. Anything else goes to Python. */
+static PyObject *fast_incref(FastPath *h, PyObject *list) {
+    Py_ssize_t n = PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
+    if (!h->bound || !h->uniform || !n) return PyObject_CallFunctionObjArgs(h->py_incref, (PyObject *)h, list, NULL);
+    int32_t small[SMALL], *ids = n <= SMALL ? small : PyMem_Malloc(n * sizeof(int32_t));
+    if (!ids) return PyErr_NoMemory();
+    PyObject *out = NULL, *t = NULL, *a = NULL, *c = NULL, *r = NULL;
+    long long step;
+    if (lock(h) < 0) goto done;
+    if (!distinct_blocks(h, list, ids, ALLOCATED, ALLOCATED)) {
+        if (unlock(h) < 0) goto done;
+        out = PyObject_CallFunctionObjArgs(h->py_incref, (PyObject *)h, list, NULL);
+        goto done;
+    }
+    h->lock_acquisitions++;
+    if (!(t = tick(h, &step))) goto unlock;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (!F(h, REFCOUNT, int32_t)[b]) {  /* cached: no longer a candidate */
+            PyObject *bo = PyLong_FromLong(b), *res = bo ? PyObject_CallOneArg(h->discard, bo) : NULL;
+            Py_XDECREF(bo);
+            if (!res) goto unlock;
+            Py_DECREF(res);
+        }
+        F(h, REFCOUNT, int32_t)[b] += 1;
+        F(h, HITS, int64_t)[b] += 1;
+        F(h, LAST_ACCESS, int64_t)[b] = step;
+    }
+    if (PyList_GET_SIZE(h->events)) {
+        if (!(a = PyList_AsTuple(list)) || !(c = PyTuple_New(n)) || !(r = PyTuple_New(n))) goto unlock;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *rc = PyLong_FromLong(F(h, REFCOUNT, int32_t)[ids[i]]);
+            if (!rc) goto unlock;
+            PyTuple_SET_ITEM(c, i, Py_NewRef(one));
+            PyTuple_SET_ITEM(r, i, rc);
+        }
+        PyObject *ev[4] = {t, a, c, r};
+        if (publish(h, h->refchanged_cls, ev, 4) < 0) goto unlock;
+    }
+    out = Py_NewRef(Py_None);
+unlock:
+    if (unlock(h) < 0) Py_CLEAR(out);
+done:
+    if (ids != small) PyMem_Free(ids);
+    Py_XDECREF(t); Py_XDECREF(a); Py_XDECREF(c); Py_XDECREF(r);
+    return out;
+}
+
+/* mark_reusable(ids): base blocks that hold data (ALLOCATED or PENDING; repeats harmless) marked reusable, one
+ * clock tick, no event (marking frees nothing). Unmarking, or anything else, goes to Python. */
+static PyObject *fast_mark_reusable(FastPath *h, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Py_ssize_t n = nargs == 1 && !kwnames && PyList_CheckExact(args[0]) ? PyList_GET_SIZE(args[0]) : 0, i = 0;
+    if (!h->bound || !h->uniform || !n) return delegate((PyObject *)h, h->py_mark_reusable, args, nargs, kwnames);
+    PyObject *list = args[0], *t = NULL;
+    long long step;
+    if (lock(h) < 0) return NULL;
+    for (; i < n; i++) {
+        long long b = exact_index(PyList_GET_ITEM(list, i), h->num_blocks);
+        if (b < 0 || (F(h, STATUS, uint8_t)[b] != ALLOCATED && F(h, STATUS, uint8_t)[b] != PENDING)) break;
+    }
+    if (i == n) {
+        h->lock_acquisitions++;
+        if ((t = tick(h, &step)))
+            for (i = 0; i < n; i++) F(h, REUSABLE, uint8_t)[PyLong_AsLongLong(PyList_GET_ITEM(list, i))] = 1;
+    }
+    if (unlock(h) < 0) Py_CLEAR(t);
+    if (i != n) return delegate((PyObject *)h, h->py_mark_reusable, args, nargs, kwnames);
+    if (!t) return NULL;
+    Py_DECREF(t);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- FastSequenceManager.append_tokens's loop */
 static PyObject *s_seq_id, *s_swapped, *s_num_tokens, *s_token_ids, *s_block_table;
 
@@ -675,7 +777,30 @@ done:
     return out;
 }
 
+/* token_bytes(ids) -> the int64 bytes of a list of exact ints in 0..2**63-1, or None for any other list (the
+ * Python check then names what is wrong). */
+static PyObject *token_bytes(PyObject *mod, PyObject *list) {
+    if (!PyList_CheckExact(list)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!out) return NULL;
+    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(list, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(t) ? PyLong_AsLongLongAndOverflow(t, &overflow) : -1;
+        if (v < 0 || overflow) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        dst[i] = v;
+    }
+    return out;
+}
+
 static PyMethodDef module_functions[] = {
+    {"token_bytes", (PyCFunction)token_bytes, METH_O,
+     "token_bytes(ids) -> int64 bytes of a list of exact ints in 0..2**63-1, or None."},
     {"plan_append", (PyCFunction)(void (*)(void))plan_append, METH_FASTCALL,
      "plan_append(seqs, new, live, seq_type, block_size, refcount) -> blocks needed, or None (not the common "
      "batch)."},
@@ -691,6 +816,9 @@ static PyMethodDef methods[] = {
      "BlockPool.free; a list of distinct blocks that each hold their only reference runs in C."},
     {"set_token_counts", (PyCFunction)(void (*)(void))fast_set_token_counts, METH_FASTCALL,
      "BlockPool.set_token_counts; lists of exact ints run in C."},
+    {"incref", (PyCFunction)fast_incref, METH_O, "BlockPool.incref; a list of distinct ALLOCATED blocks runs in C."},
+    {"mark_reusable", (PyCFunction)(void (*)(void))fast_mark_reusable, METH_FASTCALL | METH_KEYWORDS,
+     "BlockPool.mark_reusable; marking a list of blocks that hold data runs in C."},
     {"_take_counts", (PyCFunction)take_counts, METH_NOARGS,
      "(blocks allocated, blocks freed) here since the last call, which FastBlockPool adds to pool.counts."},
     {"_bind_fastpath", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS,

@@ -38,7 +38,7 @@ from .block import BlockStatus
 from .clock import LogicalClock
 from .errors import OutOfBlocksError
 from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, BlockPool, Ids
-from .prefix import TOKEN_MAX
+from .prefix import TOKEN_MAX, PrefixCache, token_bytes
 from .sequence import NewTokens, Sequence, SequenceManager
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on
@@ -458,10 +458,12 @@ if _FastPath is not None:
     from ._fastpath import PoolLock as _PoolLock
     from ._fastpath import apply_append as _apply_append
     from ._fastpath import plan_append as _plan_append
+    from ._fastpath import token_bytes as _token_bytes
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
-        """:class:`PyFastBlockPool` with ``allocate`` and ``free`` compiled (``kvlab/_fastpath.c``): the C
-        serves what the Python fast paths serve and hands every other call to them."""
+        """:class:`PyFastBlockPool` with ``allocate``, ``free``, ``incref``, ``mark_reusable`` and
+        ``set_token_counts`` compiled (``kvlab/_fastpath.c``): the C serves what the Python fast paths serve and
+        hands every other call to them."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -469,9 +471,11 @@ if _FastPath is not None:
             m = self.meta
             self._bind_fastpath(
                 allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.__dict__["_free_not_plain"],
-                set_token_counts=PyFastBlockPool.set_token_counts, lock=self.lock, stack=self._stack,
-                clock=self.clock, step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
-                events=self.events, allocated=ev.Allocated, freed=ev.Freed,
+                set_token_counts=PyFastBlockPool.set_token_counts, incref=PyFastBlockPool.incref,
+                mark_reusable=PyFastBlockPool.mark_reusable, discard=self.policy.discard, lock=self.lock,
+                stack=self._stack, clock=self.clock,
+                step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
+                events=self.events, allocated=ev.Allocated, freed=ev.Freed, refchanged=ev.RefChanged,
                 status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
                 owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order,
                 capacity=self.block_size)
@@ -491,10 +495,21 @@ if _FastPath is not None:
         @counts.setter
         def counts(self, value: dict[str, int]) -> None:
             self._counts = value
+    class FastPrefixCache(PrefixCache):
+        """A :class:`PrefixCache` whose lookups and stores check and convert a list of token ids in C
+        (``kvlab/_fastpath.c``'s ``token_bytes``); anything else, and every error, is :func:`token_bytes`'s."""
+
+        @staticmethod
+        def _tokens_of(x: object, where: str) -> bytes:
+            data = _token_bytes(x) if type(x) is list else None
+            return token_bytes(x, where) if data is None else data
+
     class FastSequenceManager(PyFastSequenceManager):
         """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/_fastpath.c``'s
         ``plan_append`` and ``apply_append``, which read and write the same fields); the pool calls between them
-        stay the pool's."""
+        stay the pool's. Its prefix cache is a :class:`FastPrefixCache`."""
+
+        _cache_class = FastPrefixCache
 
         def _plan_append(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> int | None:
             return _plan_append(seqs, new, self.seqs, Sequence, self.block_size, self.pool.fields.refcount)
@@ -505,3 +520,4 @@ if _FastPath is not None:
 else:
     FastBlockPool = PyFastBlockPool  # type: ignore[misc,assignment]
     FastSequenceManager = PyFastSequenceManager  # type: ignore[misc,assignment]
+    FastPrefixCache = PrefixCache  # type: ignore[misc,assignment]

@@ -141,13 +141,15 @@ class SequenceManager:
     """Registry of live sequences over ``pool``, with an optional :class:`PrefixCache` (``prefix_cache=True``
     builds one). Registers a relocation hook so ``pool.migrate`` rewrites every table."""
 
+    _cache_class: type[PrefixCache] = PrefixCache  # what prefix_cache=True builds (the fast manager: its fast one)
+
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
         if not isinstance(pool, BlockPool):
             raise ConfigError(f"a SequenceManager needs a BlockPool, got {pool!r}")
         if isinstance(prefix_cache, PrefixCache) and prefix_cache.pool is not pool:
             raise ConfigError(f"the prefix cache {prefix_cache!r} belongs to another pool")
         if isinstance(prefix_cache, (bool, np.bool_)):
-            prefix_cache = PrefixCache(pool) if prefix_cache else None
+            prefix_cache = self._cache_class(pool) if prefix_cache else None
         elif prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise ConfigError(f"prefix_cache must be a PrefixCache, True, False or None, not {prefix_cache!r}")
         self.pool, self.block_size = pool, pool.block_size

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab import (BlockPool, DoubleFreeError, EventRecorder, FastBlockPool, IllegalTransitionError, KVLabError,
                    KVSpec, UnknownBlockError)
-from kvlab.perf import COMPILED, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
+from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
+from kvlab.prefix import token_bytes
 from kvlab.sequence import Sequence, SequenceManager
 
 from _util import assert_same_state, pool_state
@@ -191,6 +192,20 @@ def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, d
         if listen:
             assert recs[0].events == recs[1].events
         mgrs[0].check_invariants()
+
+
+@given(st.lists(st.one_of(st.integers(0, 2**63 - 1), st.integers(0, 40), st.integers(-3, -1), st.integers(2**63, 2**65),
+                          st.booleans(), st.floats(), st.none(), st.just(np.int64(3)), st.text(max_size=1)),
+                max_size=70))
+def test_the_fast_prefix_cache_checks_token_ids_as_the_reference(ids):
+    """Compiled or not, FastPrefixCache converts a list of token ids to the same bytes as ``token_bytes`` and
+    refuses a bad one with the same error."""
+    def outcome(f):
+        try:
+            return f(ids, "where")
+        except KVLabError as e:
+            return type(e), str(e)
+    assert outcome(FastPrefixCache._tokens_of) == outcome(token_bytes)
 
 
 def outcome_of(call, mgr: SequenceManager):

@@ -91,9 +91,8 @@ def route_hashes(monkeypatch, fake):
     the PrefixStored events, that the cache really stored under the fake hashes."""
     monkeypatch.setattr(PrefixCache, "block_hash",
                         staticmethod(lambda parent, toks, tenant=None: fake(parent, list(toks), tenant)))
-    monkeypatch.setattr(prefix_mod, "_hash",  # the inner loop's: token ids as int64 bytes, a tenant as its salt
-                        lambda parent, chunk, salt: fake(parent, np.frombuffer(chunk, dtype=np.int64).tolist(),
-                                                         salt or None))
+    monkeypatch.setattr(prefix_mod, "_hash",  # the inner loop's: token ids as int64 bytes (no tenant in these tests)
+                        lambda parent, chunk, salted: fake(parent, np.frombuffer(chunk, dtype=np.int64).tolist(), None))
 
 
 def blind_to_last_token(parent, toks, tenant):
