@@ -136,9 +136,9 @@ typedef struct {
     int uniform;                          /* one size class: free() of base blocks may run here */
     Py_ssize_t num_blocks;
     PyObject *py_allocate, *py_free;      /* the Python methods every other call goes to */
-    PyObject *py_set_token_counts, *py_incref, *py_mark_reusable;
-    PyObject *discard;                    /* the eviction policy's discard (a referenced block is no candidate) */
-    PyObject *refchanged_cls;             /* kvlab.events.RefChanged */
+    PyObject *py_set_token_counts, *py_incref, *py_mark_reusable, *py_set_owner;
+    PyObject *discard, *add;              /* the eviction policy's: a block stops / starts being a candidate */
+    PyObject *refchanged_cls, *cached_cls; /* kvlab.events.RefChanged / Cached */
     long long capacity;                   /* tokens per base block (one-size pools only come here) */
     PyObject *acquire, *release;          /* the pool lock's bound methods */
     PoolLock *plock;                      /* the pool lock itself when it is a PoolLock: taken directly */
@@ -159,6 +159,7 @@ static PyObject *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
 static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_allocate); Py_VISIT(h->py_free); Py_VISIT(h->py_set_token_counts); Py_VISIT(h->acquire);
     Py_VISIT(h->py_incref); Py_VISIT(h->py_mark_reusable); Py_VISIT(h->discard); Py_VISIT(h->refchanged_cls);
+    Py_VISIT(h->py_set_owner); Py_VISIT(h->add); Py_VISIT(h->cached_cls);
     Py_VISIT(h->release); Py_VISIT(h->plock);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
@@ -170,6 +171,7 @@ static int clear(FastPath *h) {
     h->bound = 0;
     Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->py_set_token_counts); Py_CLEAR(h->acquire);
     Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
+    Py_CLEAR(h->py_set_owner); Py_CLEAR(h->add); Py_CLEAR(h->cached_cls);
     Py_CLEAR(h->release); Py_CLEAR(h->plock);
     Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
     Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
@@ -188,22 +190,24 @@ static void dealloc(FastPath *h) {
 
 /* _bind_fastpath(...): called once by FastBlockPool.__init__ with the pool's own parts. */
 static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
-    static char *names[] = {"allocate", "free", "set_token_counts", "incref", "mark_reusable", "discard", "lock",
-                            "stack", "clock", "step_slot", "events", "allocated", "freed", "refchanged", "status",
-                            "refcount", "hits", "last_access", "created", "owner", "tokens", "reusable", "uniform",
-                            "capacity", NULL};
-    PyObject *py_allocate, *py_free, *py_set_token_counts, *py_incref, *py_mark_reusable, *discard, *lock, *stack;
-    PyObject *clock, *step_slot, *events, *allocated, *freed, *refchanged, *fields[NFIELDS];
+    static char *names[] = {"allocate", "free", "set_token_counts", "incref", "mark_reusable", "set_owner",
+                            "discard", "add", "lock", "stack", "clock", "step_slot", "events", "allocated", "freed",
+                            "refchanged", "cached", "status", "refcount", "hits", "last_access", "created", "owner",
+                            "tokens", "reusable", "uniform", "capacity", NULL};
+    PyObject *py_allocate, *py_free, *py_set_token_counts, *py_incref, *py_mark_reusable, *py_set_owner, *discard;
+    PyObject *add, *lock, *stack, *clock, *step_slot, *events, *allocated, *freed, *refchanged, *cached;
+    PyObject *fields[NFIELDS];
     int uniform;
     long long capacity;
     if (h->bound || h->nbuf) {
         PyErr_SetString(PyExc_RuntimeError, "the fast path is already bound");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO!OOOOOOOOOOOpL:_bind_fastpath", names, &py_allocate,
-                                     &py_free, &py_set_token_counts, &py_incref, &py_mark_reusable, &discard, &lock,
-                                     &stack, &clock, &step_slot, &PyList_Type, &events, &allocated, &freed,
-                                     &refchanged, &fields[STATUS], &fields[REFCOUNT],
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOO!OOOOOOOOOOOOpL:_bind_fastpath", names,
+                                     &py_allocate, &py_free, &py_set_token_counts, &py_incref, &py_mark_reusable,
+                                     &py_set_owner, &discard, &add, &lock, &stack, &clock, &step_slot, &PyList_Type,
+                                     &events, &allocated, &freed, &refchanged, &cached, &fields[STATUS],
+                                     &fields[REFCOUNT],
                                      &fields[HITS], &fields[LAST_ACCESS], &fields[CREATED], &fields[OWNER],
                                      &fields[TOKENS], &fields[REUSABLE], &uniform, &capacity))
         return NULL;
@@ -223,8 +227,11 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     h->py_set_token_counts = Py_NewRef(py_set_token_counts);
     h->py_incref = Py_NewRef(py_incref);
     h->py_mark_reusable = Py_NewRef(py_mark_reusable);
+    h->py_set_owner = Py_NewRef(py_set_owner);
     h->discard = Py_NewRef(discard);
+    h->add = Py_NewRef(add);
     h->refchanged_cls = Py_NewRef(refchanged);
+    h->cached_cls = Py_NewRef(cached);
     h->capacity = capacity;
     h->stack = Py_NewRef(stack);
     h->clock = Py_NewRef(clock);
@@ -425,7 +432,105 @@ done:
     return out;
 }
 
-/* free(ids): distinct base blocks, each ALLOCATED with refcount 1 and no reusable data, back to FREE. */
+/* A tuple of the list's items whose kind[] is k (borrowed ids, new tuple). */
+static PyObject *kind_tuple(PyObject *list, const uint8_t *kind, Py_ssize_t n, uint8_t k, Py_ssize_t count) {
+    PyObject *t = PyTuple_New(count);
+    for (Py_ssize_t i = 0, j = 0; t && i < n; i++)
+        if (kind[i] == k) PyTuple_SET_ITEM(t, j++, Py_NewRef(PyList_GET_ITEM(list, i)));
+    return t;
+}
+
+/* free() of distinct ALLOCATED blocks that each hold a reference, some shared or reusable (under the lock): one
+ * reference dropped each; a block left referenced and a reusable one reaching 0 (now cached: the policy adds it)
+ * get this step as last access; any other reaching 0 goes FREE, pushed so that the first id comes out first.
+ * RefChanged, Cached and Freed are published for the three kinds when someone listens. */
+enum { LEFT, KEPT, GONE };
+
+/* RefChanged(t, the blocks still referenced, -1 each, their refcounts now). */
+static int publish_left(FastPath *h, PyObject *t, PyObject *list, const uint8_t *kind, const int32_t *ids,
+                        Py_ssize_t n, Py_ssize_t count) {
+    PyObject *a = kind_tuple(list, kind, n, LEFT, count), *d = PyTuple_New(count), *rc = PyTuple_New(count);
+    int ok = a && d && rc;
+    for (Py_ssize_t i = 0, j = 0; ok && i < n; i++) {
+        if (kind[i] != LEFT) continue;
+        PyObject *v = PyLong_FromLong(F(h, REFCOUNT, int32_t)[ids[i]]);
+        PyObject *m = PyLong_FromLong(-1);
+        ok = v && m;
+        if (!ok) {
+            Py_XDECREF(v);
+            Py_XDECREF(m);
+            break;
+        }
+        PyTuple_SET_ITEM(d, j, m);
+        PyTuple_SET_ITEM(rc, j++, v);
+    }
+    PyObject *args[4] = {t, a, d, rc};
+    ok = ok && publish(h, h->refchanged_cls, args, 4) == 0;
+    Py_XDECREF(a);
+    Py_XDECREF(d);
+    Py_XDECREF(rc);
+    return ok ? 0 : -1;
+}
+
+static PyObject *release_held(FastPath *h, PyObject *list, const int32_t *ids, Py_ssize_t n) {
+    uint8_t small[SMALL], *kind = n <= SMALL ? small : PyMem_Malloc(n);
+    PyObject *out = NULL, *t = NULL, *bytes = NULL;
+    Py_ssize_t count[3] = {0, 0, 0};
+    long long step;
+    if (!kind) return PyErr_NoMemory();
+    h->lock_acquisitions++;
+    if (!(t = tick(h, &step))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        int32_t r = --F(h, REFCOUNT, int32_t)[b];
+        kind[i] = r ? LEFT : F(h, REUSABLE, uint8_t)[b] ? KEPT : GONE;
+        count[kind[i]]++;
+        if (kind[i] == GONE) continue;
+        F(h, LAST_ACCESS, int64_t)[b] = step;
+        if (kind[i] == KEPT) {
+            PyObject *res = PyObject_CallOneArg(h->add, PyList_GET_ITEM(list, i));
+            if (!res) goto done;
+            Py_DECREF(res);
+        }
+    }
+    if (count[GONE]) {
+        if (!(bytes = PyBytes_FromStringAndSize(NULL, count[GONE] * (Py_ssize_t)sizeof(int32_t)))) goto done;
+        int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes) + count[GONE];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (kind[i] != GONE) continue;
+            int32_t b = ids[i];
+            *--rev = b;  /* the first id ends on top */
+            F(h, STATUS, uint8_t)[b] = FREE;
+            F(h, TOKENS, int32_t)[b] = 0;
+            F(h, REUSABLE, uint8_t)[b] = 0;
+            F(h, OWNER, int32_t)[b] = -1;
+        }
+        PyObject *r = PyObject_CallOneArg(h->frombytes, bytes);
+        if (!r) goto done;
+        Py_DECREF(r);
+    }
+    h->frees += n;
+    if (PyList_GET_SIZE(h->events)) {
+        if (count[LEFT] && publish_left(h, t, list, kind, ids, n, count[LEFT]) < 0) goto done;
+        for (int k = KEPT; k <= GONE; k++) {
+            if (!count[k]) continue;
+            PyObject *a = kind_tuple(list, kind, n, (uint8_t)k, count[k]);
+            PyObject *args[2] = {t, a};
+            int bad = !a || publish(h, k == KEPT ? h->cached_cls : h->freed_cls, args, 2) < 0;
+            Py_XDECREF(a);
+            if (bad) goto done;
+        }
+    }
+    out = Py_NewRef(Py_None);
+done:
+    if (kind != small) PyMem_Free(kind);
+    Py_XDECREF(t);
+    Py_XDECREF(bytes);
+    return out;
+}
+
+/* free(ids): distinct base blocks, each ALLOCATED with refcount 1 and no reusable data, back to FREE; distinct
+ * ALLOCATED blocks that each hold a reference but are shared or reusable go through release_held. */
 static PyObject *fast_free(FastPath *h, PyObject *list) {
     Py_ssize_t n = PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
     if (!h->bound || !h->uniform || !n) return PyObject_CallFunctionObjArgs(h->py_free, (PyObject *)h, list, NULL);
@@ -445,19 +550,23 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
     PyObject *out = NULL, *t = NULL, *bytes = NULL, *tuple = NULL;
     long long step;
     if (lock(h) < 0) goto done;
-    int plain = 1;
+    int plain = 1, held = 1;
     Py_ssize_t i = 0;
-    for (; i < n && plain; i++) {
+    for (; i < n && held; i++) {
         int32_t b = ids[i];
-        plain = F(h, STATUS, uint8_t)[b] == ALLOCATED && F(h, REFCOUNT, int32_t)[b] == 1 &&
-                !F(h, REUSABLE, uint8_t)[b] && !h->seen[b];
+        held = F(h, STATUS, uint8_t)[b] == ALLOCATED && F(h, REFCOUNT, int32_t)[b] >= 1 && !h->seen[b];
+        plain = plain && held && F(h, REFCOUNT, int32_t)[b] == 1 && !F(h, REUSABLE, uint8_t)[b];
         h->seen[b] = 1;
     }
     while (i) h->seen[ids[--i]] = 0;
-    if (!plain) {  /* shared, cached, repeated, a double free...: the Python path serves or refuses it */
+    if (!held) {  /* cached, repeated, a double free...: the Python path serves or refuses it */
         if (unlock(h) < 0) goto done;
         out = PyObject_CallFunctionObjArgs(h->py_free, (PyObject *)h, list, NULL);
         goto done;
+    }
+    if (!plain) {  /* shared or reusable blocks among them */
+        out = release_held(h, list, ids, n);
+        goto unlock;
     }
     if (!(bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
     int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes);
@@ -610,6 +719,28 @@ static PyObject *fast_mark_reusable(FastPath *h, PyObject *const *args, Py_ssize
     if (!t) return NULL;
     Py_DECREF(t);
     Py_RETURN_NONE;
+}
+
+/* set_owner(ids, owner): a list of exact ints naming blocks that are not FREE, an exact int owner in
+ * -1..2**31-1, written under the lock. Anything else goes to Python. */
+static PyObject *fast_set_owner(FastPath *h, PyObject *const *args, Py_ssize_t nargs) {
+    int overflow = 0;
+    long long owner = nargs == 2 && PyLong_CheckExact(args[1]) ? PyLong_AsLongLongAndOverflow(args[1], &overflow) : -2;
+    if (!h->bound || !h->uniform || nargs != 2 || !PyList_CheckExact(args[0]) || overflow || owner < -1 ||
+        owner > INT32_MAX)
+        return delegate((PyObject *)h, h->py_set_owner, args, nargs, NULL);
+    PyObject *ids = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(ids), i = 0;
+    if (lock(h) < 0) return NULL;
+    for (; i < n; i++) {
+        long long b = exact_index(PyList_GET_ITEM(ids, i), h->num_blocks);
+        if (b < 0 || F(h, STATUS, uint8_t)[b] == FREE) break;
+    }
+    if (i == n)
+        for (i = 0; i < n; i++) F(h, OWNER, int32_t)[PyLong_AsLongLong(PyList_GET_ITEM(ids, i))] = (int32_t)owner;
+    if (unlock(h) < 0) return NULL;
+    if (i == n) Py_RETURN_NONE;
+    return delegate((PyObject *)h, h->py_set_owner, args, nargs, NULL);  /* it words the error */
 }
 
 /* ---------------------------------------------------------------- FastSequenceManager.append_tokens's loop */
@@ -817,6 +948,8 @@ static PyMethodDef methods[] = {
     {"set_token_counts", (PyCFunction)(void (*)(void))fast_set_token_counts, METH_FASTCALL,
      "BlockPool.set_token_counts; lists of exact ints run in C."},
     {"incref", (PyCFunction)fast_incref, METH_O, "BlockPool.incref; a list of distinct ALLOCATED blocks runs in C."},
+    {"set_owner", (PyCFunction)(void (*)(void))fast_set_owner, METH_FASTCALL,
+     "BlockPool.set_owner; a list of exact ints runs in C."},
     {"mark_reusable", (PyCFunction)(void (*)(void))fast_mark_reusable, METH_FASTCALL | METH_KEYWORDS,
      "BlockPool.mark_reusable; marking a list of blocks that hold data runs in C."},
     {"_take_counts", (PyCFunction)take_counts, METH_NOARGS,

@@ -267,17 +267,24 @@ class PagedMemory:
         if self.model is not None:  # the model appends and registers full blocks itself
             return self.model.step(self.manager, seqs, feeds).argmax(-1).tolist()
         self.manager.append_tokens(seqs, feeds)
-        if self.cache is not None:
+        if self.cache is not None:  # register what a prefill computed; a decode's blocks wait for the release
             bs, cache_full = self.bs, self.manager.cache_full_blocks
-            for seq in seqs:
-                if seq.cacheable and seq.num_tokens // bs > seq.cached_blocks:
+            for (job, n), seq in zip(batch, seqs):
+                decoding = n == 1 and job.generated and job.computed + 1 == len(job.tokens)
+                if not decoding and seq.cacheable and seq.num_tokens // bs > seq.cached_blocks:
                     cache_full(seq)
         return None
 
     def release(self, job: Job) -> None:
-        """Free ``job``'s sequence, tail first: private blocks become FREE, registered ones stay cached."""
-        if job.seq is not None:
-            self.manager.free(job.seq)
+        """Free ``job``'s sequence, tail first: private blocks become FREE, registered ones stay cached. Its
+        full blocks of generated tokens are registered now (SGLang inserts a request's decoded tokens when it
+        finishes too): until then nobody else could hit them, since nobody else has generated those tokens."""
+        seq = job.seq
+        if seq is not None:
+            if self.cache is not None and self.model is None and seq.cacheable and seq.swapped is None \
+                    and seq.num_tokens // self.bs > seq.cached_blocks:
+                self.manager.cache_full_blocks(seq)
+            self.manager.free(seq)
             job.seq = None
 
     def swap_out(self, job: Job) -> int:

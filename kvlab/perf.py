@@ -113,8 +113,13 @@ class PyFastBlockPool(BlockPool):
         except OutOfBlocksError:  # hand back what was taken, as the reference does
             stack.extend(reversed(out))
             raise
-        for b in out:
-            self.meta.stamp(b, t, owner, ALLOCATED)
+        status, refs, hits, last, created, owners = (self._status, self._refs, self._hits, self._last, self._created,
+                                                     self._owner)
+        for b in out:  # meta.stamp, inlined
+            status[b] = ALLOCATED
+            refs[b] = hits[b] = 1
+            last[b] = created[b] = t
+            owners[b] = owner
         c = self.counts
         c["allocations"] += n
         c["served_free"] += free
@@ -461,9 +466,9 @@ if _FastPath is not None:
     from ._fastpath import token_bytes as _token_bytes
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
-        """:class:`PyFastBlockPool` with ``allocate``, ``free``, ``incref``, ``mark_reusable`` and
-        ``set_token_counts`` compiled (``kvlab/_fastpath.c``): the C serves what the Python fast paths serve and
-        hands every other call to them."""
+        """:class:`PyFastBlockPool` with ``allocate``, ``free``, ``incref``, ``mark_reusable``, ``set_owner``
+        and ``set_token_counts`` compiled (``kvlab/_fastpath.c``): the C serves what the Python fast paths serve
+        and hands every other call to them."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -472,10 +477,11 @@ if _FastPath is not None:
             self._bind_fastpath(
                 allocate=PyFastBlockPool.allocate, free=PyFastBlockPool.__dict__["_free_not_plain"],
                 set_token_counts=PyFastBlockPool.set_token_counts, incref=PyFastBlockPool.incref,
-                mark_reusable=PyFastBlockPool.mark_reusable, discard=self.policy.discard, lock=self.lock,
-                stack=self._stack, clock=self.clock,
-                step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
+                mark_reusable=PyFastBlockPool.mark_reusable, set_owner=PyFastBlockPool.set_owner,
+                discard=self.policy.discard, add=self.policy.add, lock=self.lock, stack=self._stack,
+                clock=self.clock, step_slot=LogicalClock.__dict__["step"] if type(self.clock) is LogicalClock else None,
                 events=self.events, allocated=ev.Allocated, freed=ev.Freed, refchanged=ev.RefChanged,
+                cached=ev.Cached,
                 status=m.status, refcount=m.refcount, hits=m.hits, last_access=m.last_access, created=m.created,
                 owner=m.owner, tokens=m.tokens, reusable=m.reusable, uniform=not self.max_order,
                 capacity=self.block_size)
@@ -500,7 +506,7 @@ if _FastPath is not None:
         (``kvlab/_fastpath.c``'s ``token_bytes``); anything else, and every error, is :func:`token_bytes`'s."""
 
         @staticmethod
-        def _tokens_of(x: object, where: str) -> bytes:
+        def tokens_of(x: object, where: str) -> bytes:
             data = _token_bytes(x) if type(x) is list else None
             return token_bytes(x, where) if data is None else data
 

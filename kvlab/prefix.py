@@ -153,7 +153,7 @@ def _hash(parent: bytes | None, chunk: bytes, salted: hashlib.blake2b) -> bytes:
 class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 
-    _tokens_of = staticmethod(token_bytes)  # how lookups and stores check and convert token ids
+    tokens_of = staticmethod(token_bytes)  # how lookups and stores check and convert token ids (to int64 bytes)
 
     def __init__(self, pool: BlockPool) -> None:
         if not isinstance(pool, BlockPool):
@@ -227,7 +227,7 @@ class PrefixCache:
                max_blocks: int | None) -> tuple[bytes, hashlib.blake2b, int]:
         """The validated arguments of :meth:`match`/:meth:`peek` (tokens, the tenant's hasher, full blocks to
         look up): all of them before any lookup is counted."""
-        tokens = self._tokens_of(token_ids, "prefix lookup")
+        tokens = self.tokens_of(token_ids, "prefix lookup")
         salted = _salted(check_tenant(tenant))
         if max_blocks is not None and not (is_int(max_blocks) and max_blocks >= 0):
             raise ConfigError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
@@ -272,7 +272,7 @@ class PrefixCache:
         same hash counts as registered. Everything is checked before anything changes."""
         pool, B = self.pool, self.block_size
         blocks = pool.check_ids(block_ids)
-        tokens = self._tokens_of(token_ids, "prefix store")
+        tokens = self.tokens_of(token_ids, "prefix store")
         parent, salted = _check_parent(parent), _salted(check_tenant(tenant))
         status, refs = pool.fields.status, pool.fields.refcount
         for b in blocks:

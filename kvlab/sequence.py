@@ -27,6 +27,7 @@ Works on metadata-only pools (``with_storage=False``): token counts and tables w
 """
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -171,13 +172,12 @@ class SequenceManager:
         prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
         token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
         tenant = check_tenant(tenant)
-        if prompt is not None:  # checked with or without a cache: the same prompt must not pass only sometimes
-            prompt = check_token_ids(prompt, f"sequence {self._next_id}")
+        if prompt is not None:  # checked with or without a cache (by the cache's own check, which a fast cache
+            # runs in C): the same prompt must not pass only sometimes
+            prompt = array("q", self._cache_class.tokens_of(prompt, f"sequence {self._next_id}")).tolist()
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
-            # checked ids, handed on as an int64 array: the cache checks those with one numpy call
-            ids, last = self.prefix_cache.match(np.array(prompt, dtype=np.int64), tenant,
-                                                max(0, (len(prompt) - 1) // self.block_size))
+            ids, last = self.prefix_cache.match(prompt, tenant, max(0, (len(prompt) - 1) // self.block_size))
             n = len(ids) * self.block_size
             seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
             seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last

@@ -205,7 +205,7 @@ def test_the_fast_prefix_cache_checks_token_ids_as_the_reference(ids):
             return f(ids, "where")
         except KVLabError as e:
             return type(e), str(e)
-    assert outcome(FastPrefixCache._tokens_of) == outcome(token_bytes)
+    assert outcome(FastPrefixCache.tokens_of) == outcome(token_bytes)
 
 
 def outcome_of(call, mgr: SequenceManager):
