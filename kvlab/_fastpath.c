@@ -9,11 +9,11 @@
  * the Python method, which serves it or words the error. tests/test_perf.py holds all three pools equal.
  *
  * set_token_counts(ids, counts), incref(ids) and mark_reusable(ids) of a one-size pool run here too (the
- * engine calls them every step, a prefix-cache hit or store once per prompt). Three module functions serve the
- * layers above: token_bytes is FastPrefixCache's check and conversion of token ids, and plan_append and
- * apply_append are FastSequenceManager.append_tokens's loop over the batch: they read and write the sequences'
- * fields exactly as SequenceManager.append_tokens does for its common batch, while the pool calls in between
- * stay the pool's.
+ * engine calls them every step, a prefix-cache hit or store once per prompt). Four module functions serve the
+ * layers above: token_bytes and walk_chain are FastPrefixCache's check of token ids and its lookup loop, and
+ * plan_append and apply_append are FastSequenceManager.append_tokens's loop over the batch: they read and write
+ * the sequences' fields exactly as SequenceManager.append_tokens does for its common batch, while the pool calls
+ * in between stay the pool's.
  *
  * Why: in CPython a one-block allocate+free spends most of its time in bytecode dispatch and method calls
  * (docs/benchmarks.md); here it is a few C calls.
@@ -929,7 +929,94 @@ static PyObject *token_bytes(PyObject *mod, PyObject *list) {
     return out;
 }
 
+/* walk_chain(tokens, n, width, salted, block_of, stored, status, reusable, stamp, created) -> (ids, last, stale):
+ * PrefixCache._walk's loop. Block i's hash is a copy of `salted` (the tenant's hasher) fed the previous hit's
+ * digest and tokens[i*width:(i+1)*width]; the walk follows block_of[digest] while the block is still the
+ * registered allocation (status ALLOCATED, reusable, stamp == created[block]) and holds exactly those tokens
+ * (stored[block]). ids are the hits, last the last hit's digest (None if none), stale a block found stale
+ * (the caller drops it) or -1. */
+static PyObject *s_copy, *s_update, *s_digest;
+
+static PyObject *walk_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10 || !PyBytes_Check(args[0]) || !PyDict_CheckExact(args[4]) || !PyList_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "walk_chain(tokens: bytes, n, width, salted, block_of: dict, stored: list, "
+                                         "status, reusable, stamp, created)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]), width = PyLong_AsSsize_t(args[2]);
+    if ((n < 0 || width < 1) && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "n >= 0, width >= 1");
+    if (PyErr_Occurred()) return NULL;
+    if (n * width > PyBytes_GET_SIZE(args[0])) {
+        PyErr_SetString(PyExc_ValueError, "walk_chain: fewer tokens than n blocks");
+        return NULL;
+    }
+    PyObject *salted = args[3], *block_of = args[4], *stored = args[5];
+    Py_buffer v[4];  /* status (u8), reusable (u8), stamp (i64), created (i64), each one per block */
+    static const Py_ssize_t size[4] = {1, 1, 8, 8};
+    int nv = 0;
+    PyObject *ids = PyList_New(0), *parent = Py_NewRef(Py_None), *out = NULL;
+    long long stale = -1;
+    if (!ids) goto done;
+    for (; nv < 4; nv++) {
+        if (PyObject_GetBuffer(args[6 + nv], &v[nv], PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (v[nv].itemsize != size[nv] || v[nv].len / size[nv] != PyList_GET_SIZE(stored)) {
+            nv++;
+            PyErr_SetString(PyExc_ValueError, "walk_chain: a field does not hold one item per block");
+            goto done;
+        }
+    }
+    const char *data = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t nblocks = PyList_GET_SIZE(stored);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyObject_VectorcallMethod(s_copy, &salted, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *chunk = h ? PyBytes_FromStringAndSize(data + i * width, width) : NULL, *digest = NULL, *r;
+        int ok = chunk != NULL;
+        if (ok && parent != Py_None) {
+            PyObject *a[2] = {h, parent};
+            ok = (r = PyObject_VectorcallMethod(s_update, a, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) != NULL;
+            Py_XDECREF(r);
+        }
+        if (ok) {
+            PyObject *a[2] = {h, chunk};
+            ok = (r = PyObject_VectorcallMethod(s_update, a, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) != NULL;
+            Py_XDECREF(r);
+        }
+        if (ok) digest = PyObject_VectorcallMethod(s_digest, &h, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        ok = ok && digest != NULL;
+        Py_XDECREF(h);
+        PyObject *bo = ok ? PyDict_GetItemWithError(block_of, digest) : NULL;  /* borrowed */
+        long long b = bo && PyLong_CheckExact(bo) ? PyLong_AsLongLong(bo) : -1;
+        int hit = 0;
+        if (ok && bo && b >= 0 && b < nblocks) {
+            int valid = ((uint8_t *)v[0].buf)[b] == ALLOCATED && ((uint8_t *)v[1].buf)[b] == 1 &&
+                        ((int64_t *)v[2].buf)[b] == ((int64_t *)v[3].buf)[b];
+            PyObject *mine = PyList_GET_ITEM(stored, b);
+            if (!valid) {
+                stale = b;
+            } else {
+                hit = PyBytes_Check(mine) && PyBytes_GET_SIZE(mine) == width &&
+                      !memcmp(PyBytes_AS_STRING(mine), data + i * width, width);  /* a collision otherwise */
+            }
+        }
+        Py_XDECREF(chunk);
+        if (hit) hit = PyList_Append(ids, bo) == 0 ? 1 : -1;
+        if (hit == 1) Py_SETREF(parent, digest);
+        else Py_XDECREF(digest);
+        if (!ok || hit < 0 || PyErr_Occurred()) goto done;
+        if (!hit) break;
+    }
+    out = Py_BuildValue("(OOL)", ids, parent, stale);
+done:
+    while (nv) PyBuffer_Release(&v[--nv]);
+    Py_XDECREF(ids);
+    Py_XDECREF(parent);
+    return out;
+}
+
 static PyMethodDef module_functions[] = {
+    {"walk_chain", (PyCFunction)(void (*)(void))walk_chain, METH_FASTCALL,
+     "walk_chain(tokens, n, width, salted, block_of, stored, status, reusable, stamp, created) -> (ids, last, "
+     "stale): PrefixCache._walk's loop."},
     {"token_bytes", (PyCFunction)token_bytes, METH_O,
      "token_bytes(ids) -> int64 bytes of a list of exact ints in 0..2**63-1, or None."},
     {"plan_append", (PyCFunction)(void (*)(void))plan_append, METH_FASTCALL,
@@ -992,7 +1079,9 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         !(s_seq_id = PyUnicode_InternFromString("seq_id")) || !(s_swapped = PyUnicode_InternFromString("swapped")) ||
         !(s_num_tokens = PyUnicode_InternFromString("num_tokens")) ||
         !(s_token_ids = PyUnicode_InternFromString("token_ids")) ||
-        !(s_block_table = PyUnicode_InternFromString("block_table")))
+        !(s_block_table = PyUnicode_InternFromString("block_table")) ||
+        !(s_copy = PyUnicode_InternFromString("copy")) || !(s_update = PyUnicode_InternFromString("update")) ||
+        !(s_digest = PyUnicode_InternFromString("digest")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

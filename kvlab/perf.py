@@ -37,6 +37,7 @@ from . import events as ev
 from .block import BlockStatus
 from .clock import LogicalClock
 from .errors import OutOfBlocksError
+from .eviction import LRUPolicy
 from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, BlockPool, Ids
 from .prefix import TOKEN_MAX, PrefixCache, token_bytes
 from .sequence import NewTokens, Sequence, SequenceManager
@@ -133,26 +134,40 @@ class PyFastBlockPool(BlockPool):
         """``BlockPool._evict_one`` until ``out`` holds ``n`` blocks, with nobody listening, inlined: the
         policy's first candidate the guard accepts each time, its fields reset to FREE as ``meta.reset`` does,
         the evict hooks told. Each victim goes straight to ``out`` (the reference pushes it on the free stack and
-        pops it back)."""
+        pops it back).
+
+        Under LRU one walk of the order yields several victims: the candidates the guard accepts before it
+        vetoes any. Evicting them leaves the order of the rest as it was, and can only make a vetoed candidate
+        acceptable (a parent losing its last cached child), never the reverse, so each is the victim a fresh
+        walk would find; after a veto the walk starts again, as the reference's does."""
         policy, guard, hooks = self.policy, self.evict_guard, self.evict_hooks
         status, refs, tokens, reusable, owner = self._status, self._refs, self._tokens, self._reusable, self._owner
+        many = type(policy) is LRUPolicy
         evicted = 0
         try:
             while len(out) < n:
+                victims, vetoed = [], False
                 for b, _score in policy.order():
                     if guard is None or guard(b):
+                        victims.append(b)
+                        if vetoed or not many or len(out) + len(victims) == n:
+                            break
+                    elif victims:
                         break
-                else:  # every candidate was vetoed
+                    else:
+                        vetoed = True
+                if not victims:  # every candidate was vetoed
                     raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
-                policy.evicting(b)
-                policy.discard(b)
-                status[b] = FREE
-                refs[b] = tokens[b] = reusable[b] = 0
-                owner[b] = -1
-                for hook in hooks:
-                    hook(b)
-                out.append(b)
-                evicted += 1
+                for b in victims:
+                    policy.evicting(b)
+                    policy.discard(b)
+                    status[b] = FREE
+                    refs[b] = tokens[b] = reusable[b] = 0
+                    owner[b] = -1
+                    for hook in hooks:
+                        hook(b)
+                    out.append(b)
+                    evicted += 1
         finally:
             self.counts["evictions"] += evicted
 
@@ -464,6 +479,7 @@ if _FastPath is not None:
     from ._fastpath import apply_append as _apply_append
     from ._fastpath import plan_append as _plan_append
     from ._fastpath import token_bytes as _token_bytes
+    from ._fastpath import walk_chain as _walk_chain
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
         """:class:`PyFastBlockPool` with ``allocate``, ``free``, ``incref``, ``mark_reusable``, ``set_owner``
@@ -503,12 +519,21 @@ if _FastPath is not None:
             self._counts = value
     class FastPrefixCache(PrefixCache):
         """A :class:`PrefixCache` whose lookups and stores check and convert a list of token ids in C
-        (``kvlab/_fastpath.c``'s ``token_bytes``); anything else, and every error, is :func:`token_bytes`'s."""
+        (``kvlab/_fastpath.c``'s ``token_bytes``; anything else, and every error, is :func:`token_bytes`'s) and
+        whose lookups walk the hash chain in C (``walk_chain``: the same hashes, checks and stop, the Python
+        ``_walk``'s loop)."""
 
         @staticmethod
         def tokens_of(x: object, where: str) -> bytes:
             data = _token_bytes(x) if type(x) is list else None
             return token_bytes(x, where) if data is None else data
+
+        def _walk(self, tokens: bytes, salted: Any, n: int) -> tuple[list[int], bytes | None]:
+            ids, last, stale = _walk_chain(tokens, n, 8 * self.block_size, salted, self._block, self._tokens,
+                                           self._status, self._reusable, self._stamp, self._created)
+            if stale >= 0:
+                self._drop(stale)
+            return ids, last
 
     class FastSequenceManager(PyFastSequenceManager):
         """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/_fastpath.c``'s

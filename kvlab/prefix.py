@@ -167,6 +167,7 @@ class PrefixCache:
         self._created = array("q", bytes(8 * n))  # block -> the pool's allocation stamp when it was registered
         f = pool.fields
         self._status, self._reusable, self._stamp = f.status, f.reusable, f.created  # what _valid reads
+        self._refs = f.refcount
         self._children: dict[bytes, int] = {}  # digest -> blocks registered on top of it
         self.requests = self.queries = self.hits = self.stores = self.evictions = 0
         self.query_tokens = self.hit_tokens = 0
@@ -274,7 +275,7 @@ class PrefixCache:
         blocks = pool.check_ids(block_ids)
         tokens = self.tokens_of(token_ids, "prefix store")
         parent, salted = _check_parent(parent), _salted(check_tenant(tenant))
-        status, refs = pool.fields.status, pool.fields.refcount
+        status, refs = self._status, self._refs
         for b in blocks:
             if status[b] != ALLOCATED or not refs[b]:
                 raise IllegalTransitionError(f"block {b} is {BlockStatus(status[b]).name} with refcount {refs[b]}: "
@@ -285,7 +286,7 @@ class PrefixCache:
                               f"{array('q', tokens[:16 * B]).tolist()}")
         if parent is not None and parent not in self._block:
             raise IllegalTransitionError(f"block {blocks[0]}: its parent hash {parent.hex()} is not cached")
-        if len(set(blocks)) != len(blocks):
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
             twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
             raise IllegalTransitionError(f"block {twice} appears twice in one chain")
         # Plan: every hash, before anything changes; a block not yet registered is new, stale entries in the
@@ -312,11 +313,11 @@ class PrefixCache:
             digests.append(digest)
             parent = digest
         # Apply.
-        for b in dict.fromkeys(stale):
+        for b in dict.fromkeys(stale) if stale else ():
             self._drop(b)
         if new:
-            pool.mark_reusable([blocks[i] for i in new])
-        kids, created = self._children, pool.fields.created
+            pool.mark_reusable(blocks if len(new) == len(blocks) else [blocks[i] for i in new])
+        kids, created = self._children, self._stamp
         for i in new:
             b, digest, up = blocks[i], digests[i], digests[i - 1] if i else first
             self._digest[b], self._parent[b], self._tokens[b] = digest, up, tokens[i * width:(i + 1) * width]

@@ -174,7 +174,9 @@ class SequenceManager:
         tenant = check_tenant(tenant)
         if prompt is not None:  # checked with or without a cache (by the cache's own check, which a fast cache
             # runs in C): the same prompt must not pass only sometimes
-            prompt = array("q", self._cache_class.tokens_of(prompt, f"sequence {self._next_id}")).tolist()
+            data = self._cache_class.tokens_of(prompt, f"sequence {self._next_id}")
+            exact = type(prompt) is list and set(map(type, prompt)) <= {int}  # as they are (cheaper than rebuilt)
+            prompt = list(prompt) if exact else array("q", data).tolist()
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
             ids, last = self.prefix_cache.match(prompt, tenant, max(0, (len(prompt) - 1) // self.block_size))

@@ -11,7 +11,7 @@ from kvlab.errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from kvlab.events import EventRecorder
 from kvlab.metrics import StepMetrics
 from kvlab.model import TinyConfig, TinyLlama
-from kvlab.prefix import PrefixHit
+from kvlab.prefix import PrefixHit, PrefixStored
 from kvlab.sequence import SequenceManager
 from kvlab.workloads import Request, make_workload
 
@@ -266,3 +266,21 @@ def test_prefix_counters_are_in_tokens_and_lifetimes_come_from_evictions():
     assert all(0 <= i <= t for i, t in zip(life.idle, life.lifetime))
     assert s["idle_before_evict_p50_ticks"] <= s["idle_before_evict_p90_ticks"] <= s["idle_before_evict_max_ticks"]
     assert s["reuse_gap_count"] == len(cache.reuse_gaps) > 0 and min(cache.reuse_gaps) > 0
+
+
+def test_generated_blocks_are_registered_at_release_and_serve_a_follow_up():
+    """A prefill registers its full blocks at once; decode steps register nothing; the request's generated full
+    blocks are registered when it is released, and a follow-up turn (prompt = the first turn's prompt and reply)
+    hits them."""
+    prompt = list(range(100, 120))  # 20 tokens: one full block
+    reply = [(0 * 7919 + i) % 32000 for i in range(20)]  # the metadata engine's stand-in samples of request 0
+    reqs = [Request(0, 0.0, 20, 20, prompt_tokens=tuple(prompt)),
+            Request(1, 10.0, 45, 2, prompt_tokens=tuple(prompt + reply + [7] * 5))]
+    e = Engine(reqs, num_blocks=64, block_size=16)
+    rec = EventRecorder(e.events, (PrefixStored, StepMetrics, Finished))
+    e.run()
+    first = [type(ev).__name__ for ev in rec.events[:rec.events.index(rec.of(Finished)[0]) + 1]]
+    steps_with_stores = {i for i, kind in enumerate(first) if kind == "PrefixStored"}
+    assert first[0] == "PrefixStored" and first[-2:] == ["PrefixStored", "Finished"]  # prefill, then release
+    assert len(steps_with_stores) == 2  # nothing in between: the decode steps stored no block
+    assert e.log.requests[1].prefix_hit_tokens == 32  # the prompt's block and the block of prompt + reply

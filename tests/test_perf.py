@@ -7,6 +7,7 @@ clocks and events, return the same ids and raise the same errors with the same m
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ import kvlab
 from kvlab import (BlockPool, DoubleFreeError, EventRecorder, FastBlockPool, IllegalTransitionError, KVLabError,
                    KVSpec, UnknownBlockError)
 from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
-from kvlab.prefix import token_bytes
+import kvlab.prefix as prefix_mod
+from kvlab.prefix import PrefixCache, token_bytes
 from kvlab.sequence import Sequence, SequenceManager
 
 from _util import assert_same_state, pool_state
@@ -206,6 +208,76 @@ def test_the_fast_prefix_cache_checks_token_ids_as_the_reference(ids):
         except KVLabError as e:
             return type(e), str(e)
     assert outcome(FastPrefixCache.tokens_of) == outcome(token_bytes)
+
+
+class BlindHasher:
+    """A stand-in for the tenant's hasher whose digest ignores the last token fed: blocks that differ only there
+    collide, so the walk must catch them by comparing tokens."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self.data = data
+
+    def copy(self) -> BlindHasher:
+        return BlindHasher(self.data)
+
+    def update(self, b: bytes) -> None:
+        self.data += bytes(b)
+
+    def digest(self) -> bytes:
+        return hashlib.blake2b(self.data[:-8], digest_size=16).digest()
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["blake2b", "colliding"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_fast_prefix_cache_walks_as_the_reference(blind, data):
+    """Chains stored, looked up (hits, misses, collisions), made stale behind the cache's back (unmarked,
+    swapped out, released, evicted, reallocated): FastPrefixCache over FastBlockPool and PrefixCache over
+    BlockPool find the same blocks and end in the same state."""
+    with pytest.MonkeyPatch.context() as mp:
+        if blind:
+            mp.setattr(prefix_mod, "_salted", lambda tenant: BlindHasher())
+        kw = dict(spec=KVSpec(block_size=2), with_storage=False)
+        pools = FastBlockPool(12, **kw), BlockPool(12, **kw)
+        caches = FastPrefixCache(pools[0]), PrefixCache(pools[1])
+        tokens = st.lists(st.integers(0, 2), min_size=2, max_size=8)
+        for _ in range(data.draw(st.integers(3, 25), label="steps")):
+            op = data.draw(st.sampled_from(["store", "match", "match", "stale", "evict"]), label="op")
+            if op == "store":
+                toks = data.draw(tokens, label="tokens")
+                n = len(toks) // 2
+                got = [outcome(p, "allocate", n) for p in pools]
+                assert got[0] == got[1]
+                if isinstance(got[0], list):
+                    ids = got[0]
+                    assert outcome(caches[0], "store_blocks", ids, toks[:2 * n]) == \
+                        outcome(caches[1], "store_blocks", ids, toks[:2 * n])
+                    keep = data.draw(st.booleans(), label="keep")
+                    for p in pools:
+                        p.free(ids if not keep else ids[1:])
+            elif op == "match":
+                toks = data.draw(tokens, label="tokens")
+                got = [outcome(c, "match", toks) for c in caches]
+                assert got[0] == got[1]
+                if isinstance(got[0], tuple) and got[0][0] and not isinstance(got[0][0], type):
+                    for p in pools:
+                        p.free(got[0][0])
+            elif op == "evict":
+                assert outcome(pools[0], "evict") == outcome(pools[1], "evict")
+            else:
+                b = data.draw(st.integers(0, 11), label="block")
+                how = data.draw(st.sampled_from(["unmark", "swap", "release"]), label="how")
+                for p in pools:
+                    if how == "unmark":
+                        outcome(p, "mark_reusable", [b], False)
+                    elif how == "swap":
+                        if outcome(p, "begin_eviction", [b]) is None:
+                            p.finish_eviction([b])
+                    else:
+                        outcome(p, "release_cached", b)
+            assert_same_state(pool_state(pools[1]), pool_state(pools[0]))
+            assert caches[0].entries() == caches[1].entries() and caches[0].get_stats() == caches[1].get_stats()
+            caches[0].check_invariants()
 
 
 def outcome_of(call, mgr: SequenceManager):
