@@ -36,4 +36,4 @@ html: $(STAMP)
 	$(BIN)/python -m kvlab html
 
 clean:
-	rm -rf $(VENV) build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so
+	rm -rf $(VENV) build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so kvlab/_paged_attention*.so

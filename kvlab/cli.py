@@ -10,8 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, KVLabError
+
+if TYPE_CHECKING:
+    from .workloads import Workload
 
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -33,8 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__, hotpath_compiled
 
     parser = argparse.ArgumentParser(prog="kvlab", description="See how a paged KV cache works.")
+    from .attention import DECODE_KERNEL_COMPILED
+
     fast = "compiled (kvlab/_fastpath.c)" if hotpath_compiled else "pure Python (no compiled kvlab/_fastpath.c)"
-    parser.add_argument("--version", action="version", version=f"kvlab {__version__}; FastBlockPool: {fast}")
+    decode = ("compiled (kvlab/_paged_attention.c)" if DECODE_KERNEL_COMPILED
+              else "gather + SDPA (no compiled kvlab/_paged_attention.c)")
+    parser.add_argument("--version", action="version",
+                        version=f"kvlab {__version__}; FastBlockPool: {fast}; CPU paged decode: {decode}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, configure, handler) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -74,21 +83,35 @@ def _sizes(text: str) -> list[int]:
 
 
 def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
-    """Where the requests come from: a generated scenario (``--workload``, ``--requests``, ``--seed``) or a trace."""
+    """Where the requests come from: a generated scenario (``--workload``, ``--requests``, ``--seed``) or a trace
+    (``--trace`` a bundled name or a file, ``--format``, ``--requests`` its first N)."""
+    from .traces import FORMATS, trace_names
     from .workloads import ALIASES, WORKLOADS
 
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="generated scenario (default: chat)")
-    src.add_argument("--trace", metavar="PATH", help="a JSONL or CSV trace file instead of a generated workload")
-    p.add_argument("--requests", type=_positive_int, default=requests, metavar="N", help="requests to generate")
+    src.add_argument("--trace", metavar="NAME|PATH",
+                     help=f"a bundled trace ({', '.join(trace_names())}) or a trace file (Azure CSV, Mooncake JSONL, "
+                          "kvlab JSONL/CSV; .gz too) instead of a generated workload")
+    p.add_argument("--format", choices=FORMATS, default=None, help="the trace file's format (default: detected)")
+    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+                   help=f"requests to generate (default: {requests}), or the first N of a trace (default: all)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.set_defaults(default_requests=requests)
 
 
-def _workload(args: argparse.Namespace, **kw: float):
-    from .workloads import make_workload, read_trace
+def _workload(args: argparse.Namespace, **kw: float) -> Workload:
+    from .traces import load_trace
+    from .workloads import Workload, make_workload
 
-    return read_trace(args.trace) if args.trace else make_workload(args.workload or "chat", args.requests,
-                                                                    args.seed, **kw)
+    if args.trace is None:
+        if args.format is not None:
+            raise ConfigError("--format describes a trace file: give it with --trace")
+        return make_workload(args.workload or "chat", args.requests or args.default_requests, args.seed, **kw)
+    workload = load_trace(args.trace, args.format)
+    if args.requests is not None:
+        workload = Workload(workload.name, workload.requests[:args.requests])
+    return workload
 
 
 # ---------------------------------------------------------------------------------------------------- sweep
@@ -131,35 +154,64 @@ def _sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- run, demo
 def _run_args(p: argparse.ArgumentParser) -> None:
     from .engine import EngineConfig
+    from .race import RACE_POLICIES
 
     d = EngineConfig()
     _workload_args(p, requests=1000)
-    p.add_argument("--rate", type=float, default=200.0, help="arrivals per second (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="arrivals per second of a generated workload (default: 200; a trace has its own times)")
     p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
     p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
-    p.add_argument("--policy", default=d.policy, choices=["lru", "fifo", "lfu", "random"], help="eviction policy")
+    p.add_argument("--policy", default=d.policy, choices=list(RACE_POLICIES),
+                   help="eviction policy (opt: Belady's, knowing the workload's future)")
     p.add_argument("--preemption", default=d.preemption, choices=["recompute", "swap"])
     p.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
                    help="longest sequence; the contiguous baseline reserves this much per request")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=d.max_batched_tokens,
+                   help="tokens computed per step, prompt chunks included (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--baseline", action="store_true", help="also run the contiguous max-length baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-@command("run", "run a workload through the paged serving engine (metadata mode) and print a summary table "
-                "(text 2.2.6)", _run_args)
+RUN_KEYS = ("requests", "finished", "prompt_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_hit_bound",
+            "preemptions", "utilisation", "usage_by_block", "usage_by_token", "wall_s")
+
+
+@command("run", "run a workload or a real trace through the paged serving engine (metadata mode) and print a "
+                "summary (text 2.2.6)", _run_args)
 def _run_cmd(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    import time
+
     from .engine import Engine, EngineConfig
     from .metrics import format_table
+    from .traces import prefix_hit_bound
 
-    workload = _workload(args, rate=args.rate)
-    cfg = dict(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy, preemption=args.preemption,
-               max_model_len=args.max_model_len, prefix_caching=not args.no_prefix_caching)
-    rows = {"paged": Engine(workload, EngineConfig(**cfg)).run(progress=not args.no_progress)}
+    if args.trace is not None and args.rate is not None:
+        raise ConfigError("--rate sets a generated workload's arrivals; a trace brings its own timestamps")
+    workload = _workload(args, rate=200.0 if args.rate is None else args.rate)
+    cfg = EngineConfig(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy,
+                       preemption=args.preemption, max_model_len=args.max_model_len,
+                       max_batched_tokens=args.max_batched_tokens, prefix_caching=not args.no_prefix_caching)
+    rows: dict[str, dict[str, Any]] = {}
+    for memory in ("paged", "contiguous") if args.baseline else ("paged",):
+        t0 = time.perf_counter()
+        summary = Engine(workload, dataclasses.replace(cfg, memory=memory)).run(progress=not args.no_progress)
+        summary["wall_s"] = time.perf_counter() - t0
+        rows[memory] = summary
+    paged = rows["paged"]
+    paged["prompt_tokens"] = sum(r.prompt_len for r in workload)
+    paged["prefix_hit_bound"] = prefix_hit_bound(workload, args.block_size) if cfg.prefix_caching else 0
+    if not args.json:
+        print(format_table(rows))
+        return 0
+    out = {"workload": workload.name, **{k: paged[k] for k in RUN_KEYS}, "summary": paged}
     if args.baseline:
-        rows["contiguous"] = Engine(workload, EngineConfig(**cfg, memory="contiguous")).run(
-            progress=not args.no_progress)
-    print(format_table(rows))
+        out["contiguous"] = rows["contiguous"]
+    print(json.dumps(out, sort_keys=False))
     return 0
 
 

@@ -74,6 +74,8 @@ def test_console_script_counts_only():
     (["sweep", "--workload", "chess"], "--workload"),
     (["sweep", "--goal", "fastest"], "--goal"),
     (["sweep", "--workload", "chat", "--trace", "t.jsonl"], "not allowed with"),
+    (["run", "--format", "yaml"], "--format"),
+    (["run", "--max-batched-tokens", "0"], "--max-batched-tokens"),
     (["frobnicate"], "invalid choice"),
     ([], "COMMAND"),
 ])
@@ -91,6 +93,39 @@ def test_bad_trace_exits_2_naming_the_line(tmp_path, capsys):
     assert "line 2" in capsys.readouterr().err
     assert cli.main(["sweep", "--trace", str(tmp_path / "none.csv"), "--no-progress"]) == 2
     assert "cannot read trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, word", [
+    (["run", "--format", "azure"], "--format describes a trace file"),
+    (["run", "--trace", "mooncake-conversation", "--rate", "5"], "brings its own timestamps"),
+    (["run", "--trace", "no-such-trace"], "mooncake-conversation"),  # the message lists the bundled names
+])
+def test_run_refuses_contradictory_trace_arguments(capsys, args, word):
+    assert cli.main([*args, "--no-progress"]) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_run_a_bundled_trace_as_json():
+    """``kvlab run --trace NAME --json``: stdout is one JSON object (the progress bar is on stderr) whose prompt
+    tokens and prefix-hit bound are those of the trace's first N requests, computed here from the library."""
+    import json
+
+    from kvlab import load_trace, prefix_hit_bound
+    from kvlab.workloads import Workload
+
+    p = run("run", "--trace", "mooncake-conversation", "--requests", "40", "--block-size", "16", "--blocks",
+            "60000", "--max-model-len", "131072", "--max-batched-tokens", "8192", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    first = Workload("first 40", load_trace("mooncake-conversation").requests[:40])
+    assert out["requests"] == out["finished"] == 40
+    assert out["prompt_tokens"] == sum(r.prompt_len for r in first)
+    assert out["prefix_hit_bound"] == prefix_hit_bound(first, 16) > 0
+    assert 0 < out["prefix_hit_tokens"] <= out["prefix_hit_bound"]
+    assert out["prefix_hit_rate"] == pytest.approx(out["prefix_hit_tokens"] / out["prompt_tokens"])
+    assert out["preemptions"] == 0  # 60,000 blocks hold everything these requests need
+    assert 0 < out["usage_by_token"] <= out["usage_by_block"] <= 1  # tokens never fill more than their blocks
+    assert out["wall_s"] > 0 and "req" in p.stderr
 
 
 def test_sweep_a_trace_and_save_the_figure(tmp_path, capsys):
