@@ -28,6 +28,7 @@ from .model import TinyConfig, TinyLlama
 from .perf import COMPILED as hotpath_compiled
 from .perf import FastBlockPool, PyFastBlockPool
 from .pool import BlockPool
+from .race import PolicyRace, race_policies
 from .prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
 from .preallocation import Preallocator
 from .refs import ReferenceManager
@@ -47,7 +48,7 @@ __all__ = [
     "exercises", "fast_mode", "sized",
     "Admitted", "Claim", "ContiguousAllocator", "ContiguousMemory", "CostModel", "Engine", "EngineConfig",
     "Finished", "MetricsLog", "Preempted", "RequestRecord", "StepMetrics", "SwappedIn", "TenantReclaimed",
-    "claims_report", "measure_claims", "prefetch_effect", "run_workload",
+    "PolicyRace", "race_policies", "claims_report", "measure_claims", "prefetch_effect", "run_workload",
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
     "PrefixStored", "Sequence", "SequenceManager", "Swapped", "TinyConfig", "TinyLlama", "contiguous_attention",
     "paged_attention",

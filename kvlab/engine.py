@@ -44,6 +44,7 @@ as ``swap_in_stall_s`` (and ``swap_stall_s``, which adds swap-outs) with and wit
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -53,6 +54,7 @@ from typing import Any
 from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import EngineEvent, Event
+from .eviction import FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .perf import FastBlockPool, FastSequenceManager
 from .prefix import PrefixCache
@@ -131,7 +133,14 @@ class CostModel:
 
 @dataclass
 class EngineConfig:
-    """Engine settings. ``memory="contiguous"`` runs the pre-paging baseline (max-length regions) instead."""
+    """Engine settings. ``memory="contiguous"`` runs the pre-paging baseline (max-length regions) instead.
+
+    ``shared_prefill`` says what a waiting request does when the block of its prompt that follows its cached
+    prefix is being computed right now by a running request (two users sending the same long document within a
+    second): ``"wait"`` (default) leaves it queued until that block is cached, then takes it as a hit, so nothing is
+    computed twice (SGLang's scheduler holds back such requests too); ``"duplicate"`` admits it at once and
+    computes the shared part again, as vLLM does. With ``"wait"`` and a pool that never evicts, the prefix hits
+    equal :func:`kvlab.prefix_hit_bound`."""
     num_blocks: int = 4096
     block_size: int = 16
     policy: str = "lru"
@@ -141,6 +150,7 @@ class EngineConfig:
     max_batched_tokens: int = 512
     preemption: str = "recompute"
     prefix_caching: bool = True
+    shared_prefill: str = "wait"
     prefetch: bool = True
     quotas: dict[str, int] = field(default_factory=dict)
     reservations: dict[str, int] = field(default_factory=dict)
@@ -155,6 +165,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.memory must be 'paged' or 'contiguous', got {self.memory!r}")
         if self.preemption not in ("recompute", "swap"):
             raise ConfigError(f"EngineConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if self.shared_prefill not in ("wait", "duplicate"):
+            raise ConfigError(f"EngineConfig.shared_prefill must be 'wait' or 'duplicate', got {self.shared_prefill!r}")
         bad = {t: v for d in (self.quotas, self.reservations) for t, v in d.items() if not isinstance(v, int) or v < 0}
         if bad:
             raise ConfigError(f"tenant quotas/reservations must be block counts >= 0, got {bad}")
@@ -193,10 +205,19 @@ class PagedMemory:
     ``promised`` blocks are owed to this step's batch and allocated when it runs (one ``pool.allocate``); the
     scheduler never promises more than :meth:`available` minus what is already promised."""
 
-    def __init__(self, cfg: EngineConfig, model: Any = None) -> None:
+    def __init__(self, cfg: EngineConfig, model: Any = None, requests: Iterable[Request] = ()) -> None:
         spec = (model.cfg.kv_spec(cfg.block_size, model.dtype, model.device) if model is not None
                 else KVSpec(block_size=cfg.block_size))
-        self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=cfg.policy,
+        self.vocab = model.cfg.vocab_size if model is not None else None  # metadata mode: ids are labels
+        self.future: FutureUses | None = None
+        policy: str | OPTPolicy = cfg.policy
+        if cfg.policy == "opt":  # Belady's: the whole workload's prompts, hashed as the cache will look them up
+            reqs = list(requests)
+            self.future = FutureUses.of_prompts([r.prompt_token_ids(self.vocab) for r in reqs], cfg.block_size,
+                                                [r.tenant for r in reqs])
+            self.arrival_index = {r.id: i for i, r in enumerate(reqs)}
+            policy = OPTPolicy(self._next_use)
+        self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=policy,
                                   with_storage=model is not None)
         self.manager = FastSequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
         self.cache: PrefixCache | None = self.manager.prefix_cache
@@ -204,7 +225,6 @@ class PagedMemory:
         self.events, self.clock = self.pool.events, self.pool.clock
         self.model, self.bs = model, cfg.block_size
         self.track_ids = self.cache is not None or model is not None  # else only counts matter
-        self.vocab = model.cfg.vocab_size if model is not None else None  # metadata mode: ids are labels
         self.capacity_slots = cfg.num_blocks * cfg.block_size
         self.promised = 0
 
@@ -249,8 +269,37 @@ class PagedMemory:
         revived = sum(1 for b in hits if not refs[b])
         return -(-(len(hits) * self.bs + n) // self.bs) - len(hits) + revived
 
+    def prefill_in_flight(self, job: Job, running: Iterable[Job]) -> bool:
+        """Whether a running request of ``job``'s tenant is still computing the prompt block that follows
+        ``job``'s cached prefix (so that waiting a step turns that block into a hit). Same chain, same block:
+        the other holds ``job``'s last hit block at the same position (or neither has a hit) and the next block's
+        tokens agree."""
+        B = self.bs
+        others = [o for o in running if o.req.tenant == job.req.tenant and o.seq is not None
+                  and o.seq.swapped is None and o.computed < len(o.tokens) - o.generated]
+        if self.cache is None or not others:
+            return False
+        hits = self.lookup(job)
+        k = len(hits)
+        if k >= (len(job.tokens) - 1) // B:
+            return False  # its cached prefix already covers every block it may take from the cache
+        nxt = job.tokens[k * B:(k + 1) * B]
+        for o in others:
+            if o.computed < (k + 1) * B <= len(o.tokens) - o.generated \
+                    and (k == 0 or (len(o.seq.block_table) >= k and o.seq.block_table[k - 1] == hits[-1])) \
+                    and o.tokens[k * B:(k + 1) * B] == nxt:
+                return True
+        return False
+
+    def _next_use(self, block_id: int) -> float:
+        """OPT's oracle: when the cached prefix ``block_id`` holds is next looked up (inf: never)."""
+        digest = self.cache.digest_of(block_id) if self.cache is not None else None
+        return math.inf if digest is None or self.future is None else self.future.next_use(digest)
+
     def admit(self, job: Job) -> None:
         """Create ``job``'s sequence; its prompt's cached prefix is referenced, not recomputed."""
+        if self.future is not None:  # OPT's clock: the request being admitted (a re-admission changes nothing)
+            self.future.advance(max(self.future.request, self.arrival_index[job.req.id]))
         job.seq = self.manager.create(job.tokens if self.cache is not None else None, tenant=job.req.tenant)
         job.computed = job.seq.num_tokens
 
@@ -373,7 +422,10 @@ class Engine:
         never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
         if never and cfg.memory == "paged":
             raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold")
-        self.memory: PagedMemory | ContiguousMemory = (PagedMemory(cfg, model) if cfg.memory == "paged"
+        if cfg.policy == "opt" and not (cfg.memory == "paged" and cfg.prefix_caching):
+            raise ConfigError("policy 'opt' ranks cached prefix blocks by their next lookup: it needs "
+                              "memory='paged' and prefix_caching=True")
+        self.memory: PagedMemory | ContiguousMemory = (PagedMemory(cfg, model, reqs) if cfg.memory == "paged"
                                                        else ContiguousMemory(cfg, model))
         self.events = self.memory.events
         self.model = model
@@ -474,6 +526,9 @@ class Engine:
 
     def add_requests(self, requests: Iterable[Request]) -> None:
         """Submit more requests (arrival times in the engine's seconds; past ones arrive at the next step)."""
+        if self.config.policy == "opt":
+            raise ConfigError("policy 'opt' was given the whole future when the engine was built: it cannot take "
+                              "requests added later")
         merged = sorted([*self._arrivals, *requests], key=lambda r: (r.arrival, r.id))
         self._arrivals = deque(merged)
 
@@ -568,6 +623,7 @@ class Engine:
 
     def _admit(self, batch: list[tuple[Job, int]], budget: int) -> None:
         cfg, mem, tried = self.config, self.memory, 0
+        paged_wait = cfg.memory == "paged" and cfg.prefix_caching and cfg.shared_prefill == "wait"
         while budget and len(self.running) < cfg.max_num_seqs and tried < len(self._rr):
             tenant = self._rr[0]
             self._rr.rotate(-1)
@@ -586,6 +642,9 @@ class Engine:
                 if not self._fits(tenant, mem.admission_need(job, hits, n)):
                     tried += 1
                     continue
+            if paged_wait and mem.prefill_in_flight(job, self.running):
+                tried += 1  # its next prompt block is being computed: take it as a hit next step
+                continue
             tried = 0
             q.popleft()
             mem.admit(job)

@@ -190,6 +190,11 @@ class PrefixCache:
         b = self.pool.check_id(block_id)  # a float would find the entry of its int
         return self._digest[b] is not None and self._valid(b)
 
+    def digest_of(self, block_id: int) -> bytes | None:
+        """The hash ``block_id`` is registered under, or None if it is not (or no longer) registered."""
+        b = self.pool.check_id(block_id)
+        return self._digest[b] if self._digest[b] is not None and self._valid(b) else None
+
     def _valid(self, b: int) -> bool:
         return self._status[b] == ALLOCATED and self._reusable[b] == 1 and self._stamp[b] == self._created[b]
 

@@ -105,13 +105,14 @@ def _real_requests() -> list[Request]:
                     prompt_tokens=shared + tuple((i * 7 + k) % 101 for k in range((i % 3) * 5))) for i in range(8)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_real_mode_tokens_equal_the_model_without_paging(mode):
+@pytest.mark.parametrize("mode, shared", [("recompute", "wait"), ("swap", "wait"), ("recompute", "duplicate"),
+                                          ("swap", "duplicate")])
+def test_real_mode_tokens_equal_the_model_without_paging(mode, shared):
     """The tiny decoder through the engine's paged KV tensor, with chunked prefill, prefix hits and preemption,
     generates exactly the tokens of full recomputation without any cache."""
     reqs = _real_requests()
-    e = Engine(reqs, model=MODEL, num_blocks=16, block_size=4, max_model_len=64, max_batched_tokens=16,
-               preemption=mode)
+    e = Engine(reqs, model=MODEL, num_blocks=16 if shared == "duplicate" else 12, block_size=4, max_model_len=64,
+               max_batched_tokens=16, preemption=mode, shared_prefill=shared)
     rec = EventRecorder(e.events, (Preempted,))
     s = e.run()
     assert s["finished"] == 8 and s["prefix_hit_tokens"] > 0 and mode in {ev.mode for ev in rec}
@@ -284,3 +285,51 @@ def test_generated_blocks_are_registered_at_release_and_serve_a_follow_up():
     assert first[0] == "PrefixStored" and first[-2:] == ["PrefixStored", "Finished"]  # prefill, then release
     assert len(steps_with_stores) == 2  # nothing in between: the decode steps stored no block
     assert e.log.requests[1].prefix_hit_tokens == 32  # the prompt's block and the block of prompt + reply
+
+
+def test_a_request_waits_for_a_shared_prefill_in_flight_and_then_hits_it():
+    """Two requests arriving together with the same 64-token document: with ``shared_prefill="wait"`` the second
+    is held back while the first computes the document, then takes all of it from the cache; with
+    ``"duplicate"`` (vLLM's behaviour) it computes the document a second time."""
+    doc = tuple(range(100, 164))
+    reqs = [Request(i, 0.0, 72, 2, prompt_tokens=doc + tuple(range(i * 8, i * 8 + 8))) for i in range(2)]
+    hits = {}
+    for shared in ("wait", "duplicate"):
+        e = Engine(reqs, num_blocks=64, block_size=8, max_batched_tokens=256, shared_prefill=shared)
+        rec = EventRecorder(e.events, (Admitted,))
+        s = e.run()
+        hits[shared] = (s["prefix_hit_tokens"], [(ev.request_id, ev.engine_step, ev.cached_tokens) for ev in rec])
+        _drained(e)
+    assert hits["wait"] == (64, [(0, 0, 0), (1, 1, 64)])  # admitted once request 0 has cached the document
+    assert hits["duplicate"] == (0, [(0, 0, 0), (1, 0, 0)])
+
+
+def test_with_a_pool_that_keeps_everything_hits_equal_the_bound():
+    """The first 400 Mooncake requests (real arrival times, shared conversation prefixes arriving together):
+    waiting for shared prefills reaches :func:`kvlab.prefix_hit_bound`; duplicating them falls short."""
+    from kvlab import load_trace, prefix_hit_bound
+    from kvlab.workloads import Workload
+
+    w = Workload("first 400", load_trace("mooncake-conversation").requests[:400])
+    cfg = dict(num_blocks=400_000, block_size=16, max_model_len=131072, max_batched_tokens=8192)
+    got = {shared: Engine(w, shared_prefill=shared, **cfg).run() for shared in ("wait", "duplicate")}
+    assert got["wait"]["evictions"] == got["wait"]["preemptions"] == 0
+    assert got["wait"]["prefix_hit_tokens"] == prefix_hit_bound(w, 16)
+    assert got["duplicate"]["prefix_hit_tokens"] < prefix_hit_bound(w, 16)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(policy="opt", prefix_caching=False), "prefix_caching=True"),
+    (dict(policy="opt", memory="contiguous"), "memory='paged'"),
+    (dict(shared_prefill="sometimes"), "shared_prefill"),
+])
+def test_engine_settings_that_cannot_work_are_refused(kwargs, word):
+    with pytest.raises(ConfigError, match=word):
+        Engine(make_workload("chat", 5, 0), EngineConfig(**kwargs))
+
+
+def test_opt_knows_the_future_so_it_takes_no_requests_added_later():
+    e = Engine(make_workload("chat", 5, 0), EngineConfig(policy="opt"))
+    with pytest.raises(ConfigError, match="cannot take requests added later"):
+        e.add_requests(make_workload("chat", 2, 1).requests)
+    assert e.run()["finished"] == 5
