@@ -24,18 +24,14 @@ block table, on ``torch.get_num_threads()`` threads). It computes what the gathe
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import shutil
-import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from .compiled import load_extension
 from .errors import ConfigError, KVDataError
 from .pool import BlockPool
 from .storage import KVStorage
@@ -186,26 +182,8 @@ def contiguous_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: 
 
 # --- Speed trick: the compiled decode kernel (kvlab/_paged_attention.c) -------------------------------------------
 
-def _load_decode_kernel(source: Path = Path(__file__).with_name("_paged_attention.c")) -> Callable[..., None] | None:
-    """The compiled ``decode`` function, or None: switched off (``KVLAB_PURE_PYTHON=1``), or not built -- with
-    one warning when it should have been (a binary older than its source, or a compiler but no binary)."""
-    if os.environ.get("KVLAB_PURE_PYTHON"):
-        return None
-    try:
-        from ._paged_attention import SOURCE_SHA256, decode  # type: ignore[import-untyped,import-not-found]
-    except ImportError:
-        if source.exists() and shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc"):
-            warnings.warn("kvlab/_paged_attention.c is not compiled although a C compiler is at hand; reinstall "
-                          "kvlab (`make install`). paged_attention gathers blocks for SDPA meanwhile.", stacklevel=3)
-        return None
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != SOURCE_SHA256:
-        warnings.warn(f"{source} changed after it was compiled; reinstall kvlab (`make install`) to rebuild it. "
-                      "paged_attention gathers blocks for SDPA meanwhile.", stacklevel=3)
-        return None
-    return decode  # type: ignore[no-any-return]
-
-
-_decode = _load_decode_kernel()
+_decode: Callable[..., None] | None = load_extension(
+    "_paged_attention", "decode", "paged_attention gathers blocks for SDPA meanwhile.")
 DECODE_KERNEL_COMPILED = _decode is not None
 _THREAD_FLOATS = 1 << 19  # K/V floats (2 MB, ~0.1 ms of work) per extra kernel thread: starting one costs 20-50 us
 

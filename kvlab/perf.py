@@ -23,12 +23,7 @@ down to the reference.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import warnings
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +31,7 @@ import numpy as np
 from . import events as ev
 from .block import BlockStatus
 from .clock import LogicalClock
+from .compiled import load_extension
 from .errors import OutOfBlocksError
 from .eviction import LRUPolicy
 from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, BlockPool, Ids
@@ -451,31 +447,11 @@ class PyFastSequenceManager(SequenceManager):
         return starts, filled, counts, owned
 
 
-def _load_fastpath(source: Path = Path(__file__).with_name("_fastpath.c")) -> type | None:
-    """The compiled base type, or None: switched off (``KVLAB_PURE_PYTHON=1``), or not built — with one warning
-    when it should have been (a binary older than its source, or a source checkout with a compiler but no
-    binary: reinstall)."""
-    if os.environ.get("KVLAB_PURE_PYTHON"):
-        return None
-    try:
-        from ._fastpath import SOURCE_SHA256, FastPath  # type: ignore[import-untyped,import-not-found]
-    except ImportError:
-        if source.exists() and shutil.which(os.environ.get("CC", "").split(" ")[0] or "cc"):
-            warnings.warn("kvlab/_fastpath.c is not compiled although a C compiler is at hand; reinstall kvlab "
-                          "(`make install`). FastBlockPool runs its Python paths meanwhile.", stacklevel=3)
-        return None
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != SOURCE_SHA256:
-        warnings.warn(f"{source} changed after it was compiled; reinstall kvlab (`make install`) to rebuild it. "
-                      "FastBlockPool runs its Python paths meanwhile.", stacklevel=3)
-        return None
-    return FastPath
-
-
-_FastPath = _load_fastpath()
+_FastPath: type | None = load_extension("_fastpath", "FastPath", "FastBlockPool runs its Python paths meanwhile.")
 COMPILED = _FastPath is not None
 
 if _FastPath is not None:
-    from ._fastpath import PoolLock as _PoolLock
+    from ._fastpath import PoolLock as _PoolLock  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from ._fastpath import apply_append as _apply_append
     from ._fastpath import plan_append as _plan_append
     from ._fastpath import token_bytes as _token_bytes
