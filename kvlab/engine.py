@@ -269,24 +269,25 @@ class PagedMemory:
         revived = sum(1 for b in hits if not refs[b])
         return -(-(len(hits) * self.bs + n) // self.bs) - len(hits) + revived
 
-    def prefill_in_flight(self, job: Job, running: Iterable[Job]) -> bool:
+    def prefill_in_flight(self, job: Job, running: Iterable[Job], hits: list[int] | None = None) -> bool:
         """Whether a running request of ``job``'s tenant is still computing the prompt block that follows
         ``job``'s cached prefix (so that waiting a step turns that block into a hit). Same chain, same block:
         the other holds ``job``'s last hit block at the same position (or neither has a hit) and the next block's
-        tokens agree."""
+        tokens agree. ``hits``: :meth:`lookup` of ``job`` if the caller has it already."""
         B = self.bs
         others = [o for o in running if o.req.tenant == job.req.tenant and o.seq is not None
-                  and o.seq.swapped is None and o.computed < len(o.tokens) - o.generated]
+                  and o.seq.swapped is None and o.computed < o.req.prompt_len]
         if self.cache is None or not others:
             return False
-        hits = self.lookup(job)
+        hits = self.lookup(job) if hits is None else hits
         k = len(hits)
         if k >= (len(job.tokens) - 1) // B:
             return False  # its cached prefix already covers every block it may take from the cache
         nxt = job.tokens[k * B:(k + 1) * B]
         for o in others:
-            if o.computed < (k + 1) * B <= len(o.tokens) - o.generated \
-                    and (k == 0 or (len(o.seq.block_table) >= k and o.seq.block_table[k - 1] == hits[-1])) \
+            table = o.seq.block_table if o.seq is not None else []
+            if o.computed < (k + 1) * B <= o.req.prompt_len \
+                    and (k == 0 or (len(table) >= k and table[k - 1] == hits[-1])) \
                     and o.tokens[k * B:(k + 1) * B] == nxt:
                 return True
         return False
@@ -623,7 +624,7 @@ class Engine:
 
     def _admit(self, batch: list[tuple[Job, int]], budget: int) -> None:
         cfg, mem, tried = self.config, self.memory, 0
-        paged_wait = cfg.memory == "paged" and cfg.prefix_caching and cfg.shared_prefill == "wait"
+        wait_shared = cfg.prefix_caching and cfg.shared_prefill == "wait"
         while budget and len(self.running) < cfg.max_num_seqs and tried < len(self._rr):
             tenant = self._rr[0]
             self._rr.rotate(-1)
@@ -636,13 +637,14 @@ class Engine:
                 job.tokens = mem.prompt_ids(job.req)
             # Price the hits only when the memory's bound on what admission takes does not fit (a cache walk
             # hashes every full block of the prompt).
+            hits: list[int] | None = None
             if not self._fits(tenant, mem.admission_bound(job)):
                 hits = mem.lookup(job)
                 n = min(len(job.tokens) - len(hits) * mem.bs, budget)
                 if not self._fits(tenant, mem.admission_need(job, hits, n)):
                     tried += 1
                     continue
-            if paged_wait and mem.prefill_in_flight(job, self.running):
+            if wait_shared and isinstance(mem, PagedMemory) and mem.prefill_in_flight(job, self.running, hits):
                 tried += 1  # its next prompt block is being computed: take it as a hit next step
                 continue
             tried = 0

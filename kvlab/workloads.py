@@ -799,19 +799,13 @@ def _azure_requests(text: str, where: str) -> list[Request]:
                                             f"{_show(','.join(header))}")
     col = {c: header.index(c) for c in AZURE_COLUMNS}
     requests: list[Request] = []
-    first = last = 0
+    arrival = _Arrivals(10**9, "row")
     for line, cells in rows:
         try:
             if len(cells) != len(header):
                 raise ConfigError(f"{len(cells)} cells for the {len(header)} columns {','.join(header)}")
-            ns = _azure_time(cells[col["TIMESTAMP"]])
-            if not requests:
-                first = last = ns
-            elif ns < last:
-                raise ConfigError(f"TIMESTAMP {cells[col['TIMESTAMP']].strip()} is earlier than the row before "
-                                  f"(arrivals must not go backwards)")
-            last = ns
-            requests.append(Request(len(requests), (ns - first) / 10**9,
+            stamp = cells[col["TIMESTAMP"]].strip()
+            requests.append(Request(len(requests), arrival(_azure_time(stamp), f"TIMESTAMP {stamp}"),
                                     _length(_cell_int(cells[col["ContextTokens"]], "ContextTokens"),
                                             "ContextTokens", 1),
                                     _length(_cell_int(cells[col["GeneratedTokens"]], "GeneratedTokens"),
@@ -847,11 +841,30 @@ def _azure_time(cell: str) -> int:
     return ((day * 24 + h) * 60 + mi) * 60 * 10**9 + s * 10**9 + int(frac.ljust(9, "0"))
 
 
+class _Arrivals:
+    """A trace's timestamps (``per_second`` ticks a second) as seconds since its first; a timestamp earlier than
+    the one before raises :class:`ConfigError` (arrivals must not go backwards)."""
+
+    def __init__(self, per_second: int, record: str) -> None:
+        self.per_second, self.record = per_second, record
+        self.first: float | None = None
+        self.last: float = 0
+        self.last_shown = ""
+
+    def __call__(self, t: float, shown: str) -> float:
+        if self.first is None:
+            self.first = t
+        elif t < self.last:
+            raise ConfigError(f"{shown} is earlier than the {self.record} before ({self.last_shown}); arrivals must "
+                              f"not go backwards")
+        self.last, self.last_shown = t, shown
+        return (t - self.first) / self.per_second
+
+
 def _mooncake_requests(text: str, where: str) -> list[Request]:
     """The requests of a Mooncake trace (module docstring), or the first bad line's error."""
     requests: list[Request] = []
-    first: int | float = 0
-    last: int | float = 0
+    arrival = _Arrivals(1000, "record")
     for line, rec in _jsonl_records(text, where):
         try:
             missing = [k for k in MOONCAKE_KEYS if k not in rec]
@@ -862,13 +875,7 @@ def _mooncake_requests(text: str, where: str) -> list[Request]:
             t = rec["timestamp"]
             if type(t) not in (int, float) or not math.isfinite(t):
                 raise ConfigError(f"timestamp must be a finite number of milliseconds, got {_show(t)}")
-            if not requests:
-                first = last = t
-            elif t < last:
-                raise ConfigError(f"timestamp {t} is earlier than the record before ({last}); arrivals must not "
-                                  f"go backwards")
-            last = t
-            requests.append(Request(len(requests), (t - first) / 1000,
+            requests.append(Request(len(requests), arrival(t, f"timestamp {t}"),
                                     _length(_json_int(rec["input_length"], "input_length"), "input_length", 1),
                                     _length(_json_int(rec["output_length"], "output_length"), "output_length", 0),
                                     hash_ids=_json_tokens(rec["hash_ids"], "hash_ids")))

@@ -358,12 +358,17 @@ def test_swap_in_of_a_partly_shared_sequence_restores_each_count(cls):
 
 
 # ---------------------------------------------------------------------------------------------------- prefix cache
-def test_prefix_store_hit_and_evict_events(cls):
+def _two_block_prompt(cls):
+    """An 8-block pool with a recorder, a manager with a prefix cache, a 9-token prompt and its two blocks' hashes."""
     pool, rec = make(cls, 8)
     mgr = SequenceManager(pool, prefix_cache=True)
     prompt = list(range(9))
     h0 = PrefixCache.block_hash(None, prompt[:4])
-    h1 = PrefixCache.block_hash(h0, prompt[4:8])
+    return pool, rec, mgr, prompt, h0, PrefixCache.block_hash(h0, prompt[4:8])
+
+
+def test_prefix_store_hit_and_evict_events(cls):
+    pool, rec, mgr, prompt, h0, h1 = _two_block_prompt(cls)
     s = check(pool, rec, lambda: mgr.create(prompt), [], ticks=0)  # an empty cache: no hit, nothing changes
     check(pool, rec, lambda: s.append(prompt), lambda t: [Allocated(t, (0, 1, 2), 0, -1, "ALLOCATED", "free")])
     # registering marks the chain's blocks reusable in one call (one tick) and publishes each hash at that step
@@ -385,11 +390,7 @@ def test_prefix_store_hit_and_evict_events(cls):
 
 
 def test_prefix_entries_leave_with_released_and_unmarked_blocks(cls):
-    pool, rec = make(cls, 8)
-    mgr = SequenceManager(pool, prefix_cache=True)
-    prompt = list(range(9))
-    h0 = PrefixCache.block_hash(None, prompt[:4])
-    h1 = PrefixCache.block_hash(h0, prompt[4:8])
+    pool, rec, mgr, prompt, h0, h1 = _two_block_prompt(cls)
     s = mgr.create(prompt)
     s.append(prompt)
     mgr.cache_full_blocks(s)

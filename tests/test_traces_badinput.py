@@ -116,6 +116,17 @@ BASE = {"id": 7, "arrival": 1.5, "prompt_len": 8, "output_len": 2}
 BAD_INT = [True, False, 8.0, 8.5, "8", [8], {"v": 8}, -1, 2**31, 2**63, 2**70, 10**30, "NaN", "Infinity"]
 
 
+def _json_lines(out: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
+    """Each named record as one JSON line, with the non-finite spellings JSON has unquoted."""
+    cases = []
+    for cid, rec in out:
+        text = json.dumps(rec)
+        for token in ("NaN", "Infinity", "-Infinity", "1e999"):  # JSON spellings json.dumps would quote
+            text = text.replace(f'"{token}"', token)
+        cases.append((cid, text.encode()))
+    return cases
+
+
 def _jsonl_field_cases():
     """(case id, raw JSON text of the record) for every wrong value of every field."""
     out = []
@@ -141,13 +152,7 @@ def _jsonl_field_cases():
     out.append(("hash_ids with prompt_tokens", {**BASE, "hash_ids": [1], "prompt_tokens": [1] * 8}))
     out.append(("unknown field", {**BASE, "priority": 1}))
     out.append(("missing field", {k: v for k, v in BASE.items() if k != "output_len"}))
-    cases = []
-    for cid, rec in out:
-        text = json.dumps(rec)
-        for token in ("NaN", "Infinity", "-Infinity", "1e999"):  # JSON spellings json.dumps would quote
-            text = text.replace(f'"{token}"', token)
-        cases.append((cid, text.encode()))
-    return cases
+    return _json_lines(out)
 
 
 JSONL_SYNTAX = [
@@ -362,13 +367,7 @@ def _mooncake_cases():
     for key in MOON:
         out.append((f"no {key}", {k: v for k, v in MOON.items() if k != key}))
     out.append(("unknown key", {**MOON, "session": 1}))
-    cases = []
-    for cid, rec in out:
-        text = json.dumps(rec)
-        for token in ("NaN", "Infinity", "-Infinity", "1e999"):  # JSON spellings json.dumps would quote
-            text = text.replace(f'"{token}"', token)
-        cases.append((cid, text.encode()))
-    return cases + [
+    return _json_lines(out) + [
         ("truncated", b'{"timestamp": 20, "input_length": 600,'),
         ("not an object", b"[20, 600, 3, [0, 1]]"),
         ("key twice", b'{"timestamp": 20, "timestamp": 21, "input_length": 600, "output_length": 3, '
