@@ -8,6 +8,7 @@ import pytest
 
 from kvlab import BlockStatus, ConfigError, KVSpec
 from kvlab import exercises as ex
+from kvlab.exercises import ch2_2_4, ch2_2_6
 
 S = BlockStatus
 
@@ -90,13 +91,13 @@ def test_unknown_exercise_names_the_known_ones():
 
 
 def test_long_sequence_truth_matches_the_spec():
-    spec = KVSpec(**ex.LONG_SPEC, dtype=__import__("torch").float16, device="cpu")
-    blocks, nbytes = ex._long_sequence_cost()
+    spec = KVSpec(**ch2_2_6.LONG_SPEC, dtype=__import__("torch").float16, device="cpu")
+    blocks, nbytes = ch2_2_6.long_sequence_cost()
     assert blocks == math.ceil(100_000 / spec.block_size) and nbytes == blocks * spec.bytes_per_block
 
 
 def test_fragmentation_cases_exercise_both_extremes():
-    values = {ex._fragmentation_case(s)[2] for s in range(40)}
+    values = {ch2_2_4.fragmentation_case(s)[2] for s in range(40)}
     assert 0 in values and max(values) > 0  # the checker would not catch a constant answer otherwise
 
 
