@@ -128,6 +128,18 @@ static PyTypeObject PoolLockType = {
     .tp_methods = plock_methods,
 };
 
+/* Where an event class (a slotted dataclass, kvlab.events) keeps its fields, in __init__'s order: an event is
+ * then built by filling its slots in place rather than through the class's Python __init__, which costs more
+ * than the allocation it reports whenever a live view listens. n == 0: build it by calling the class. */
+#define NLAYOUT 4
+#define MAXFIELDS 8
+typedef struct {
+    PyObject *cls;  /* borrowed: FastPath holds the class */
+    Py_ssize_t n, offset[MAXFIELDS];
+} Layout;
+
+static int layout_of(PyObject *cls, Layout *l);
+
 typedef struct {
     PyObject_HEAD
     long long lock_acquisitions;          /* the pool's counter (BlockPool.lock_acquisitions), shared with Python */
@@ -145,8 +157,9 @@ typedef struct {
     PyObject *stack, *frombytes;          /* free stack 0 (array('i')) and its frombytes */
     PyObject *clock, *tick;               /* the pool clock and its tick (called unless step_offset) */
     Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`: ticked in place */
-    PyObject *events, *publish;           /* the EventBus (a list of subscribers) and its publish */
+    PyObject *events;                     /* the pool's EventBus: the list of its subscribers */
     PyObject *allocated_cls, *freed_cls;  /* kvlab.events.Allocated / Freed */
+    Layout layout[NLAYOUT];               /* where the four event classes keep their fields */
     uint8_t *seen;                        /* num_blocks bytes, all 0 between calls: repeated ids in free() */
     Py_buffer buf[NFIELDS];
     int nbuf;
@@ -162,19 +175,20 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_set_owner); Py_VISIT(h->add); Py_VISIT(h->cached_cls);
     Py_VISIT(h->release); Py_VISIT(h->plock);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
-    Py_VISIT(h->publish); Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
+    Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
     return 0;
 }
 
 static int clear(FastPath *h) {
     h->bound = 0;
+    memset(h->layout, 0, sizeof h->layout);
     Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->py_set_token_counts); Py_CLEAR(h->acquire);
     Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
     Py_CLEAR(h->py_set_owner); Py_CLEAR(h->add); Py_CLEAR(h->cached_cls);
     Py_CLEAR(h->release); Py_CLEAR(h->plock);
     Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
-    Py_CLEAR(h->publish); Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
+    Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
     while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
     PyMem_Free(h->seen);
     h->seen = NULL;
@@ -238,11 +252,13 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     h->events = Py_NewRef(events);
     h->allocated_cls = Py_NewRef(allocated);
     h->freed_cls = Py_NewRef(freed);
+    PyObject *kinds[NLAYOUT] = {allocated, freed, refchanged, cached};
+    for (int i = 0; i < NLAYOUT; i++)
+        if (layout_of(kinds[i], &h->layout[i]) < 0) return NULL;
     if (!(h->acquire = PyObject_GetAttrString(lock, "acquire")) ||
         !(h->release = PyObject_GetAttrString(lock, "release")) ||
         !(h->frombytes = PyObject_GetAttrString(stack, "frombytes")) ||
-        !(h->tick = PyObject_GetAttrString(clock, "tick")) ||
-        !(h->publish = PyObject_GetAttrString(events, "publish")))
+        !(h->tick = PyObject_GetAttrString(clock, "tick")))
         return NULL;
     for (int f = 0; f < NFIELDS; f++) {
         Py_buffer *view = &h->buf[f];
@@ -337,14 +353,59 @@ static PyObject *ids_tuple(const int32_t *ids, Py_ssize_t n) {
     return t;
 }
 
-/* Build events_cls(*args) and publish it on the bus (only called while someone listens). */
+/* The layout of event class `cls`, if it is a slotted dataclass whose __init__ only stores its fields (no
+ * __post_init__, every field an object slot of a base of `cls`); otherwise n stays 0 and the class is called. */
+static int layout_of(PyObject *cls, Layout *l) {
+    l->cls = cls;
+    l->n = 0;
+    PyObject *names = PyObject_GetAttrString(cls, "__match_args__");
+    if (!names) return -1;
+    int plain = PyType_Check(cls) && PyTuple_Check(names) && PyTuple_GET_SIZE(names) <= MAXFIELDS &&
+                !PyObject_HasAttrString(cls, "__post_init__");
+    for (Py_ssize_t i = 0; plain && i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *d = PyObject_GetAttr(cls, PyTuple_GET_ITEM(names, i));
+        if (!d) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyMemberDef *m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
+        plain = m && m->type == T_OBJECT_EX && !(m->flags & READONLY) &&
+                PyType_IsSubtype((PyTypeObject *)cls, ((PyMemberDescrObject *)d)->d_common.d_type);
+        if (plain) l->offset[i] = m->offset;
+        Py_DECREF(d);
+    }
+    if (plain) l->n = PyTuple_GET_SIZE(names);
+    Py_DECREF(names);
+    return 0;
+}
+
+/* cls(*args), with its slots filled in place when its layout is known. */
+static PyObject *new_event(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
+    for (int i = 0; i < NLAYOUT; i++) {
+        Layout *l = &h->layout[i];
+        if (l->cls != cls || l->n != nargs) continue;
+        PyObject *e = ((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0);
+        for (Py_ssize_t j = 0; e && j < nargs; j++) *(PyObject **)((char *)e + l->offset[j]) = Py_NewRef(args[j]);
+        return e;
+    }
+    return PyObject_Vectorcall(cls, args, nargs, NULL);
+}
+
+/* Build cls(*args) and publish it on the bus (only called while someone listens): each subscriber in turn, as
+ * EventBus.publish does (indexing the list afresh each time, as its iterator does, so a subscriber may leave). */
 static int publish(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *e = PyObject_Vectorcall(cls, args, nargs, NULL);
+    PyObject *e = new_event(h, cls, args, nargs);
     if (!e) return -1;
-    PyObject *r = PyObject_CallOneArg(h->publish, e);
+    int ok = 0;
+    for (Py_ssize_t i = 0; !ok && i < PyList_GET_SIZE(h->events); i++) {
+        PyObject *fn = Py_NewRef(PyList_GET_ITEM(h->events, i));
+        PyObject *r = PyObject_CallOneArg(fn, e);
+        Py_DECREF(fn);
+        ok = r ? 0 : -1;
+        Py_XDECREF(r);
+    }
     Py_DECREF(e);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
+    return ok;
 }
 
 /* Whether allocate's arguments are (n) or (n, owner=o) with exact ints, n >= 1, o in -1..2**31-1. */

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import (BlockPool, DoubleFreeError, EventRecorder, FastBlockPool, IllegalTransitionError, KVLabError,
-                   KVSpec, UnknownBlockError)
+from kvlab import (Allocated, BlockPool, Cached, DoubleFreeError, EventRecorder, FastBlockPool, Freed,
+                   IllegalTransitionError, KVLabError, KVSpec, RefChanged, UnknownBlockError)
 from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
 import kvlab.prefix as prefix_mod
 from kvlab.prefix import PrefixCache, token_bytes
@@ -483,3 +483,25 @@ def test_the_pool_lock_is_reentrant_and_exclusive():
         t.start()
         t.join()
         assert out and lock.held()  # only the holder can release it
+
+
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+def test_events_built_in_place_are_the_classes_own(cls):
+    """The compiled path fills an event's slots without calling its ``__init__``: what a subscriber receives
+    must still be an instance of exactly the event class, with every field set, as the reference builds it; a
+    subscriber that unsubscribes itself mid-publish is called once, the next one still is (as EventBus does)."""
+    def run(pool_cls: type[BlockPool]) -> list[tuple]:
+        pool = pool_cls(64, with_storage=False)
+        got: list[tuple] = []
+        leave = pool.events.subscribe(lambda e: (got.append(("once", type(e), e.as_dict())), leave()))
+        pool.events.subscribe(lambda e: got.append(("always", type(e), e.as_dict(), repr(e))))
+        ids = pool.allocate(3, owner=7)
+        pool.incref(ids[:1])
+        pool.mark_reusable(ids[1:2])
+        pool.free(ids)  # one shared, one reusable, one plain: RefChanged, Cached and Freed
+        pool.free(pool.allocate(1))
+        return got
+    got = run(cls)
+    assert got == run(BlockPool)
+    assert [k for k, *_ in got].count("once") == 1
+    assert {t for _, t, *_ in got} == {Allocated, RefChanged, Cached, Freed}
