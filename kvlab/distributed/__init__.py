@@ -1,0 +1,21 @@
+"""kvlab beyond one machine (an extension of §2.2): the KV cache across processes on ``torch.distributed``.
+
+* :mod:`~kvlab.distributed.launch`: process groups (gloo on the CPU, NCCL on CUDA), spawned on 127.0.0.1, joined
+  from ``torchrun``, or as threads of one process; :class:`Link` bounds every wait and types every failure;
+* :mod:`~kvlab.distributed.connector`: the KV connector, split like a real engine's (scheduler / worker side),
+  one message per layer, prefix-cached blocks skipped, block sizes re-chunked;
+* :mod:`~kvlab.distributed.disagg`: disaggregated prefill and decode, checked against one process;
+* :mod:`~kvlab.distributed.tp`: tensor-parallel KV (each rank holds ``num_kv_heads / tp`` heads of every block).
+"""
+from .connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, LoadSpec, RemoteRequest,
+                        SaveSpec, TransferReport, spec_vector)
+from .disagg import DisaggResult, decode_rank, demo_batches, prefill_rank, reference, run_disagg
+from .errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
+from .launch import Link, backend_for, free_port, from_env, run_threads, spawn
+
+__all__ = [
+    "BlocksReceived", "BlocksSent", "BlocksSkipped", "KVReceiver", "KVSender", "LoadSpec", "RemoteRequest",
+    "SaveSpec", "TransferReport", "spec_vector", "DisaggResult", "decode_rank", "demo_batches", "prefill_rank",
+    "reference", "run_disagg", "PeerLostError", "SpecMismatchError", "TransferError", "TransferTimeoutError",
+    "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn",
+]

@@ -1,0 +1,236 @@
+"""Process groups on ``torch.distributed`` for kvlab's multi-rank lessons: gloo on the CPU, NCCL on CUDA.
+
+A :class:`Link` is one rank's handle on its group: point-to-point sends and receives, an all-reduce, and a
+bounded wait that turns the backend's failures into kvlab's typed errors (a closed connection is
+:class:`PeerLostError`, a silent peer :class:`TransferTimeoutError`). Three ways to get links:
+
+* :func:`spawn` starts ``world_size`` processes on 127.0.0.1 (a free port, gloo) and returns what each rank's
+  function returned; a rank that raised re-raises here, a rank that hangs is killed at the deadline;
+* :func:`from_env` joins the group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``), across machines too (see ``docs/distributed.md``);
+* :func:`run_threads` runs the ranks as threads of this process, each with its own gloo group over loopback
+  TCP (the notebook does this so one kernel can show both pools live).
+
+Nothing here is a transport of kvlab's own: every byte goes through the backend's ``send``/``recv``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, KVLabError
+from .errors import PeerLostError, TransferError, TransferTimeoutError
+
+DEFAULT_TIMEOUT = 30.0  # seconds any wait on a peer may take
+RankFn = Callable[..., Any]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def backend_for(device: torch.device | str) -> str:
+    """``"nccl"`` for CUDA tensors, ``"gloo"`` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+@dataclass
+class Link:
+    """One rank's handle on a process group. Every wait is bounded by ``timeout`` seconds."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    timeout: float = DEFAULT_TIMEOUT
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Start sending ``tensor`` (contiguous) to rank ``dst``; wait on the returned work with :meth:`wait`."""
+        return self._call(lambda: self.group.send([tensor], dst, tag), f"sending to rank {dst}")
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        """Start receiving into ``tensor`` (contiguous) from rank ``src``."""
+        return self._call(lambda: self.group.recv([tensor], src, tag), f"receiving from rank {src}")
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` at most ``timeout`` seconds; the backend's failure becomes a typed error."""
+        self._call(lambda: work.wait(datetime.timedelta(seconds=self.timeout)), what)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self.wait(self.isend(tensor, dst, tag), f"sending {tensor.numel() * tensor.element_size()} bytes to "
+                                                f"rank {dst}")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        self.wait(self.irecv(tensor, src, tag), f"receiving {tensor.numel() * tensor.element_size()} bytes from "
+                                                f"rank {src}")
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over all ranks, in place."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.wait(self._call(lambda: self.group.allreduce([tensor], opts), "all-reduce"), "all-reduce")
+
+    def send_json(self, obj: Any, dst: int, tag: int) -> None:
+        """Send a JSON-able value: its length, then its UTF-8 bytes (no pickle crosses ranks)."""
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        self.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag)
+        if data.numel():
+            self.send(data, dst, tag)
+
+    def recv_json(self, src: int, tag: int) -> Any:
+        n = torch.zeros(1, dtype=torch.int64)
+        self.recv(n, src, tag)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        if int(n):
+            self.recv(data, src, tag)
+        return json.loads(bytes(data.numpy()).decode())
+
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo and NCCL report every failure as a RuntimeError (DistBackendError)
+            msg = str(e)
+            low = msg.lower()
+            where = f"rank {self.rank}: {what}"
+            if "timed out" in low or "timeout" in low:
+                raise TransferTimeoutError(f"{where}: no answer within {self.timeout:g} s") from e
+            if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+                raise PeerLostError(f"{where}: the peer is gone ({msg.splitlines()[0][:160]})") from e
+            raise TransferError(f"{where}: {msg.splitlines()[0][:200]}") from e
+
+
+def _check_world(world_size: Any, timeout: Any) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
+        raise ConfigError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+
+
+def from_env(timeout: float = DEFAULT_TIMEOUT, device: torch.device | str = "cpu") -> Link:
+    """Join the process group ``torchrun`` set up (``env://`` rendezvous): NCCL for a CUDA ``device``, else gloo."""
+    _check_world(1, timeout)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"from_env needs torchrun's environment; {', '.join(missing)} not set")
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+    world = dist.group.WORLD
+    assert world is not None
+    return Link(world, dist.get_rank(), dist.get_world_size(), float(timeout))
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def _child(rank: int, world_size: int, port: int, timeout: float, fn: RankFn, kwargs: dict[str, Any],
+           results: Any) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores; one intra-op thread each
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        world = dist.group.WORLD
+        assert world is not None
+        out = fn(Link(world, rank, world_size, timeout), **kwargs)
+        results.put((rank, True, out))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises it
+        results.put((rank, False, e if isinstance(e, KVLabError) else
+                     TransferError(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fns: Sequence[RankFn], kwargs: Sequence[dict[str, Any]] | None = None, *,
+          timeout: float = DEFAULT_TIMEOUT, deadline: float | None = None) -> list[Any]:
+    """Run ``fns[r](link, **kwargs[r])`` in process ``r`` of a new gloo group on 127.0.0.1; return their results
+    in rank order. Functions and arguments must be picklable (module-level functions). ``timeout`` bounds every
+    wait inside a rank; ``deadline`` (default ``timeout`` + 60 s, for interpreter start-up) bounds the whole
+    run: ranks still alive then are killed and :class:`TransferTimeoutError` is raised. If a rank raised, its
+    error is re-raised here (the first in rank order)."""
+    world_size = len(fns)
+    _check_world(world_size, timeout)
+    kwargs = list(kwargs) if kwargs is not None else [{} for _ in fns]
+    if len(kwargs) != world_size:
+        raise ConfigError(f"spawn got {world_size} functions but {len(kwargs)} argument sets")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, float(timeout), fns[r], kwargs[r], results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    limit = timeout + 60.0 if deadline is None else deadline
+    got: dict[int, tuple[bool, Any]] = {}
+    start = time.monotonic()
+    try:
+        while len(got) < world_size:
+            left = limit - (time.monotonic() - start)
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.5))
+                got[rank] = (ok, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, limit - (time.monotonic() - start))))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [(r, got[r][1]) for r in sorted(got) if not got[r][0]]
+    if errors:
+        raise errors[0][1]
+    missing = [r for r in range(world_size) if r not in got]
+    if missing:
+        codes = [procs[r].exitcode for r in missing]
+        raise TransferTimeoutError(f"ranks {missing} gave no result within {limit:g} s: killed at the deadline"
+                                   if time.monotonic() - start >= limit else
+                                   f"ranks {missing} exited with codes {codes} before giving a result")
+    return [got[r][1] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------- threads
+def run_threads(fns: Sequence[RankFn], kwargs: Sequence[dict[str, Any]] | None = None, *,
+                timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    """Like :func:`spawn`, but rank ``r`` is a thread of this process with its own gloo group (an in-memory
+    rendezvous store, loopback TCP between the ranks): the objects the ranks build stay visible here."""
+    world_size = len(fns)
+    _check_world(world_size, timeout)
+    kwargs = list(kwargs) if kwargs is not None else [{} for _ in fns]
+    store = dist.HashStore()
+    got: dict[int, tuple[bool, Any]] = {}
+
+    def body(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, r, world_size, datetime.timedelta(seconds=timeout))
+            got[r] = (True, fns[r](Link(group, r, world_size, float(timeout)), **kwargs[r]))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            got[r] = (False, e)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"kvlab-rank-{r}")
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30.0)
+    errors = [got[r][1] for r in sorted(got) if not got[r][0]]
+    if errors:
+        raise errors[0]
+    if len(got) < world_size:
+        raise TransferTimeoutError(f"ranks {[r for r in range(world_size) if r not in got]} did not finish")
+    return [got[r][1] for r in range(world_size)]
