@@ -12,10 +12,11 @@ class KvReplayModel {
   save_changes() {}
   on(event, fn) { (this.handlers[event] = this.handlers[event] || []).push(fn); }
   off(event, fn) { this.handlers[event] = (this.handlers[event] || []).filter((h) => h !== fn); }
-  // "ready" is answered with the whole recording as history; other messages need a kernel and are ignored.
+  // "ready" is answered with the whole recording as history, shown at its last frame (the end of the run, as
+  // in the notebook); other messages need a kernel and are ignored.
   send(msg) {
     if (msg.type === "ready") {
-      for (const fn of this.handlers["msg:custom"] || []) fn({ type: "history", reset: true, index: 0 }, this.frames);
+      for (const fn of this.handlers["msg:custom"] || []) fn({ type: "history", reset: true }, this.frames);
     }
   }
 }
@@ -26,9 +27,12 @@ function kvBase64(s) {
   return out;
 }
 
-// Mount `render` on `el` with the frames (base64 strings) of a recording; returns the model.
+// Mount `render` on `el` with the frames (base64 strings) of a recording; returns the model. `el` gets the class
+// kv-replay, under which the page hides the controls that only a kernel can answer.
 function kvReplay(el, framesB64, render) {
-  const model = new KvReplayModel(framesB64.map(kvBase64), { frames_received: 0 });
+  const frames = framesB64.map(kvBase64);
+  const model = new KvReplayModel(frames);
+  el.classList.add("kv-replay");
   render({ model, el });
   return model;
 }

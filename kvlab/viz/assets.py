@@ -60,4 +60,40 @@ def esm_source(view: str) -> str:
 
 
 def css_source() -> str:
+    """The views' stylesheet (``kvlab.css``)."""
     return _read("kvlab.css")
+
+
+def replay_source() -> str:
+    """The replay model (``replay.js``) that stands in for a kernel in an exported replay."""
+    return _read("replay.js")
+
+
+# Latin faces first, then faces with the chapters' Chinese (Debian's fonts-noto-cjk, then macOS and Windows):
+# without a CJK face named, a browser may draw every Chinese character as a box.
+FONT_STACK = ('system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", "DejaVu Sans", "Noto Sans CJK SC", '
+              '"Source Han Sans SC", "PingFang SC", "Hiragino Sans GB", "Microsoft YaHei", "WenQuanYi Micro Hei", '
+              'sans-serif')
+
+VENDOR = Path(__file__).resolve().parent / "vendor"
+
+
+def vendored_files() -> dict[str, Path]:
+    """The pinned browser runtime a static page needs (the widget manager, anywidget's front end, require.js)
+    and its licences, by file name. Each file fetched from npm must match the sha256 that ``vendor/manifest.json``
+    recorded when ``vendor/refresh.py`` fetched it."""
+    import hashlib
+    import json
+
+    manifest = json.loads((VENDOR / "manifest.json").read_text(encoding="utf-8"))
+    files = {p.name: p for p in sorted(VENDOR.glob("LICENSE-*.txt"))}
+    for package, entry in manifest.items():
+        for name, digest in entry["files"].items():
+            path = VENDOR / name
+            if not path.is_file():
+                raise ConfigError(f"the vendored file {path} of {package} {entry['version']} is missing")
+            if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+                raise ConfigError(f"the vendored file {path} of {package} {entry['version']} does not match its "
+                                  f"recorded sha256 {digest}: run kvlab/viz/vendor/refresh.py")
+            files[name] = path
+    return files

@@ -1,6 +1,8 @@
 """Export a recorded run as one standalone HTML file: the view's JS and CSS inlined, the frames embedded as
-base64, and a replay model standing in for the kernel. It plays (slider, step, pause) offline, with no kernel and
-no network: a lecture demo that survives a dead projector laptop's kernel, or a run to hand in with an exercise.
+base64, and a replay model standing in for the kernel. It opens on the run's last frame and plays (play / pause,
+step, slider) offline, with no kernel and no network: a lecture demo that survives a dead projector laptop's
+kernel, or a run to hand in with an exercise. Controls that only a kernel can answer (the dashboard's run, step,
+speed and settings) are hidden.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import ConfigError
-from .assets import css_source, render_expr, script_source, _read
+from .assets import FONT_STACK, css_source, render_expr, replay_source, script_source
 from .frames import decode_frame
 from .live import Recording
 
@@ -21,8 +23,9 @@ _PAGE = """<!DOCTYPE html>
 <meta charset="utf-8">
 <title>{title}</title>
 <style>
-body {{ margin: 16px; font-family: system-ui, sans-serif; }}
+body {{ margin: 16px; font-family: {fonts}; }}
 {css}
+.kv-replay .kv-controls {{ display: none; }}
 </style>
 </head>
 <body>
@@ -53,8 +56,8 @@ def export_html(recording: Recording | Iterable[bytes], path: str | Path, *, vie
         except ConfigError as e:
             raise ConfigError(f"frame {i} of the recording is not valid: {e}") from None
     payload = json.dumps([base64.b64encode(f).decode("ascii") for f in frames])
-    page = _PAGE.format(title=html.escape(title), css=css_source(), frames=payload, script=script_source(view),
-                        replay=_read("replay.js"), render=render_expr(view))
+    page = _PAGE.format(title=html.escape(title), fonts=FONT_STACK, css=css_source(), frames=payload,
+                        script=script_source(view), replay=replay_source(), render=render_expr(view))
     out = Path(path)
     out.write_text(page, encoding="utf-8")
     return out
