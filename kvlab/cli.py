@@ -8,6 +8,8 @@ which), 1 any other kvlab error. Heavy modules are imported inside the handlers 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -53,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code. A user error ends
+    in one line on stderr and a non-zero code, never a traceback; a reader that closed the pipe
+    (``kvlab demo | head -1``) ends the command quietly with 141, as a shell's SIGPIPE would."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -61,6 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVLabError as e:  # bad input found after parsing: a trace file, a size the pool refuses
         print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError | ValueError) else 1
+    except BrokenPipeError:
+        # Python would complain again when it flushes stdout at exit: point stdout at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a file the command was told to read or write: missing, unwritable, a full disk
+        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvlab {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -71,6 +85,63 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
+
+
+def _device(text: str) -> str:
+    """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), checked before any work starts."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: kvlab runs on cpu or cuda devices")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """A file to write: its folder must exist and be writable, so a long run does not fail at its last step."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} is not writable")
+    return text
+
+
+def _figure_file(text: str) -> str:
+    """:func:`_output_file` in a format matplotlib writes (by its suffix: .png, .svg, .pdf, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(text)[1].lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(f"{text!r}: a figure is written as one of {', '.join(sorted(formats))}")
+    return _output_file(text)
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed (0 <= seed < 2**32)")
     return value
 
 
@@ -96,7 +167,7 @@ def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--format", choices=FORMATS, default=None, help="the trace file's format (default: detected)")
     p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
                    help=f"requests to generate (default: {requests}), or the first N of a trace (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="workload seed (default: 0)")
     p.set_defaults(default_requests=requests)
 
 
@@ -114,6 +185,25 @@ def _workload(args: argparse.Namespace, **kw: float) -> Workload:
     return workload
 
 
+def _print_json(obj: Any) -> None:
+    """Print ``obj`` as one line of strict JSON: numpy scalars as numbers, tuples as lists, NaN and infinities
+    (a figure that was not measured) as null, which every JSON reader accepts."""
+    import json
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and not isinstance(v, str | bytes):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    print(json.dumps(plain(obj), allow_nan=False, default=str))
+
+
 # ---------------------------------------------------------------------------------------------------- sweep
 def _sweep_args(p: argparse.ArgumentParser) -> None:
     from .sizing import DEFAULT_SIZES, GOALS
@@ -123,15 +213,19 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
                    help="block sizes in tokens (default: %(default)s)")
     p.add_argument("--goal", choices=GOALS, default="balanced", help="cost weights for the recommendation")
     p.add_argument("--no-attention", action="store_true", help="skip timing paged attention (counts only)")
-    p.add_argument("--rounds", type=_positive_int, default=5, help="attention timing rounds (best of)")
-    p.add_argument("--device", default=None, help="torch device for the attention timing (default: kvlab's)")
-    p.add_argument("--plot", metavar="PNG", help="also save the sweep's figure to this file")
+    p.add_argument("--rounds", type=_positive_int, default=5, help="attention timing rounds (median of)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="torch device for the attention timing (default: kvlab's)")
+    p.add_argument("--plot", type=_figure_file, metavar="PNG", help="also save the sweep's figure to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 @command("sweep", "measure internal waste, bookkeeping, prefix-sharing loss and attention time per block "
                   "size on a workload, and recommend a block size (text 2.2.1)", _sweep_args)
 def _sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .sizing import GOALS, ChunkSizeOptimizer, plot_sweep
 
     workload = _workload(args)
@@ -139,6 +233,17 @@ def _sweep(args: argparse.Namespace) -> int:
     result = opt.sweep(workload, args.sizes, attention=not args.no_attention, progress=not args.no_progress,
                        rounds=args.rounds, device=args.device)
     stats = opt.sequence_length_stats
+    if args.plot:
+        plot_sweep(result, args.goal).savefig(args.plot, dpi=100)
+    if args.json:
+        _print_json({"workload": result.workload, "requests": result.requests, "attention": result.attention,
+                          "goal": args.goal, "recommended": result.recommend(args.goal),
+                          "recommendations": {g: result.recommend(g) for g in GOALS},
+                          "rule_of_thumb": {g: opt.recommend_chunk_size(g) for g in GOALS},
+                          "sequence_lengths": stats, "costs": result.costs(args.goal),
+                          "rows": [{**dataclasses.asdict(r), "waste": r.waste, "prefix_loss": r.prefix_loss}
+                                   for r in result.rows], "figure": args.plot})
+        return 0
     print(result.to_markdown(args.goal))
     print(f"\nsequence lengths: mean {stats['mean']:.0f}, median {stats['median']:.0f}, p95 {stats['p95']:.0f}, "
           f"max {stats['max']}")
@@ -146,7 +251,6 @@ def _sweep(args: argparse.Namespace) -> int:
     print("measured recommendation:    " + ", ".join(f"{g} {result.recommend(g)}" for g in GOALS))
     print(f"recommended block size ({args.goal}): {result.recommend(args.goal)}")
     if args.plot:
-        plot_sweep(result, args.goal).savefig(args.plot, dpi=100)
         print(f"figure written to {args.plot}")
     return 0
 
@@ -158,7 +262,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
     d = EngineConfig()
     _workload_args(p, requests=1000)
-    p.add_argument("--rate", type=float, default=None,
+    p.add_argument("--rate", type=_positive_float, default=None,
                    help="arrivals per second of a generated workload (default: 200; a trace has its own times)")
     p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
     p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
@@ -183,7 +287,6 @@ RUN_KEYS = ("requests", "finished", "prompt_tokens", "prefix_hit_tokens", "prefi
                 "summary (text 2.2.6)", _run_args)
 def _run_cmd(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
     import time
 
     from .engine import Engine, EngineConfig
@@ -211,22 +314,37 @@ def _run_cmd(args: argparse.Namespace) -> int:
     out = {"workload": workload.name, **{k: paged[k] for k in RUN_KEYS}, "summary": paged}
     if args.baseline:
         out["contiguous"] = rows["contiguous"]
-    print(json.dumps(out, sort_keys=False))
+    _print_json(out)
     return 0
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("names", nargs="*", help="benchmarks to run (default: all of benchmarks/bench_*.py)")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all; see --list)")
+    p.add_argument("--list", action="store_true", help="name the benchmarks and where they were found, run none")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test that they run, not a measurement")
-    p.add_argument("--json", default=None, help="where to write the rows (default bench-results/bench.json)")
+    p.add_argument("--json", action="store_true", help="print the rows, machine and versions as one JSON object")
+    p.add_argument("--out", type=_output_file, default=None, metavar="JSON",
+                   help="also write that JSON object to this file (nothing is written unless asked)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-@command("bench", "run the benchmarks: one table of figures, baselines, ratios and goals, also written as JSON",
+@command("bench", "run the benchmarks (shipped with kvlab): one table of figures, baselines, ratios and goals",
          _bench_args)
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+    from . import bench
 
-    bench_main(args.names or None, quick=args.quick, json_path=args.json)
+    if args.list:
+        print(f"# in {bench.benchmarks_dir()}")
+        print("\n".join(bench.available()))
+        return 0
+    result = bench.run_all(args.names or None, quick=args.quick, progress=not args.no_progress)
+    if args.json:
+        _print_json(result)
+    else:
+        print(bench.report(result))
+    if args.out:
+        bench.write_json(result, args.out)
+        print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -29,8 +29,9 @@ retrieval queries alone (10-100)       ~71     512               256            
 =====================================  ======  ================  ===================  ========
 
 The measured sweep disagrees: on these workloads the balanced cost is lowest at 32-128 tokens (run
-``kvlab sweep --workload NAME``; which of them moves with the attention timings of the machine), because
-internal waste and prefix-sharing loss grow with the block while the per-block overhead shrinks only as ``1/B``.
+``kvlab sweep --workload NAME``), because internal waste, prefix-sharing loss and the slots a block-wise
+attention read touches grow with the block while the per-block overhead shrinks only as ``1/B``. Every term of
+the cost is a count, so the recommendation is the same on every machine and in every run.
 
 :func:`sweep` replaces the guess by a measurement. It runs a workload through a :class:`~kvlab.BlockPool` of
 each block size, every request resident at its final length (the moment a batch holds the most), and reads:
@@ -42,17 +43,24 @@ each block size, every request resident at its final length (the moment a batch 
 * **prefix loss** -- of the shared-prefix tokens in requests that find their prefix already cached, the share
   sitting in the prefix's last, partly filled block: only full blocks can be shared, so those tokens are
   stored (and computed) again by every request;
-* **attention ms** -- one decode step of :func:`kvlab.attention.paged_attention` over a sample of the workload's
-  sequences (evenly spaced quantiles of their lengths), best of several rounds that visit the sizes in turn.
+* **attention slots** -- token slots one decode step over every resident request reads when attention fetches
+  whole blocks (kvlab's gather path copies each block of a sequence's table, ``ceil(n / B) * B`` slots for an
+  ``n``-token sequence; a shared block is read once per request that uses it). Slots past a sequence's length
+  are read and masked, so this grows with ``B`` while the tokens stay the same;
+* **attention ms** (shown, not in the cost) -- one decode step of :func:`kvlab.attention.paged_attention` over a
+  sample of the workload's sequences (evenly spaced quantiles of their lengths): the median of several rounds
+  that visit the sizes in turn, with the fastest and slowest round. On a CPU shared with other work the spread
+  between rounds is larger than the differences between sizes, which is why timings do not drive the choice.
 
 Cost model (lower is better), each term in [0, 1]::
 
     cost(B) = a * waste(B) + b * prefix_loss(B)
             + c * (entries(B) + calls(B)) / max over swept B
-            + d * attention_ms(B) / max over swept B
+            + d * attention_slots(B) / max over swept B
 
-with ``(a, b, c, d)`` per goal in :data:`WEIGHTS`. The two overhead terms are normalised by the worst size in
-the sweep, so the recommendation is relative to the sizes swept. Memory terms are fractions already.
+with ``(a, b, c, d)`` per goal in :data:`WEIGHTS` (:meth:`SweepResult.with_weights` tries others). The two
+overhead terms are normalised by the worst size in the sweep, so the recommendation is relative to the sizes
+swept. Memory terms are fractions already.
 """
 from __future__ import annotations
 
@@ -73,7 +81,7 @@ from .workloads import Workload
 GOALS = ("memory_efficient", "performance_optimal", "balanced")
 BALANCED_SIZES = (64, 128, 256, 512, 1024)
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# (waste, prefix loss, per-block overhead, attention time) weights of the cost model, per goal.
+# (waste, prefix loss, per-block overhead, attention slots) weights of the cost model, per goal.
 WEIGHTS: dict[str, tuple[float, float, float, float]] = {
     "memory_efficient": (1.0, 1.0, 0.1, 0.1),
     "performance_optimal": (0.25, 0.25, 0.5, 1.0),
@@ -147,7 +155,9 @@ class SweepRow:
     alloc_calls: int
     prefix_tokens: int  # shared-prefix tokens of requests whose prefix was already cached
     prefix_lost: int  # of those, tokens in the prefix's partly filled last block (stored again)
-    attention_ms: float = math.nan
+    attention_slots: int  # slots a whole-block attention read touches, one decode step over every request
+    attention_ms: float = math.nan  # median over rounds (shown, not in the cost)
+    attention_spread: tuple[float, float] = (math.nan, math.nan)  # fastest and slowest round
 
     @property
     def slots(self) -> int:
@@ -203,7 +213,7 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
         entries += len(table)
         tables.append(table)
     row = SweepRow(B, pool.num_blocks - pool.num_free_blocks, int(pool.arrays.tokens.sum()), entries, calls,
-                   prefix_tokens, prefix_lost)
+                   prefix_tokens, prefix_lost, entries * B)
     for table in tables:
         pool.free(table)
     assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks, "a request leaked blocks"
@@ -214,8 +224,9 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
 
 def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batch: int = 8, max_len: int = 4096,
                          num_heads: int = 8, head_dim: int = 64, rounds: int = 5, device: Any = None,
-                         seed: int = 0, on_step: Callable[[], Any] | None = None) -> dict[int, float]:
-    """Best-of-``rounds`` milliseconds of one decode step of :func:`kvlab.attention.paged_attention` (fp32, one
+                         seed: int = 0, on_step: Callable[[], Any] | None = None
+                         ) -> dict[int, tuple[float, float, float]]:
+    """(median, fastest, slowest) over ``rounds`` of the milliseconds of one decode step of :func:`kvlab.attention.paged_attention` (fp32, one
     layer, ``num_heads`` x ``head_dim``) at each block size, over ``batch`` sequences whose lengths are evenly
     spaced quantiles of the workload's (clipped to ``max_len``), their blocks scattered over the pool in a
     seeded random order. Each round visits every size in turn, so a burst of load elsewhere on the machine
@@ -224,13 +235,15 @@ def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batc
         raise ConfigError(f"workload {workload.name!r} has no requests")
     lens = np.sort(workload.sequence_lengths())
     lens = np.minimum(lens[np.linspace(0, lens.size - 1, min(batch, lens.size)).round().astype(int)], max_len)
-    best = dict.fromkeys(block_sizes, math.inf)
+    if type(rounds) is not int or rounds < 1:
+        raise ConfigError(f"rounds must be a positive int, got {rounds!r}")
+    times: dict[int, list[float]] = {bs: [] for bs in block_sizes}
     for _ in range(rounds):
-        for bs in best:
-            best[bs] = min(best[bs], _decode_step_ms(lens.tolist(), bs, num_heads, head_dim, device, seed))
+        for bs, seen in times.items():
+            seen.append(_decode_step_ms(lens.tolist(), bs, num_heads, head_dim, device, seed))
             if on_step is not None:
                 on_step()
-    return best
+    return {bs: (float(np.median(t)), min(t), max(t)) for bs, t in times.items()}
 
 
 def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, device: Any, seed: int) -> float:
@@ -274,10 +287,20 @@ class SweepResult:
         """``cost(B)`` of the module docstring's model for every swept block size."""
         a, b, c, d = self.weights[_check_goal(goal)]
         over = np.array([r.table_entries + r.alloc_calls for r in self.rows], dtype=float)
-        attn = np.array([r.attention_ms for r in self.rows])
-        attn_term = attn / attn.max() if np.isfinite(attn).all() and attn.max() > 0 else np.zeros(len(self.rows))
-        return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o / over.max() + d * t)
-                for r, o, t in zip(self.rows, over, attn_term)}
+        reads = np.array([r.attention_slots for r in self.rows], dtype=float)
+        return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o / over.max() + d * t / reads.max())
+                for r, o, t in zip(self.rows, over, reads)}
+
+    def with_weights(self, goal: str, weights: Sequence[float]) -> SweepResult:
+        """The same rows with ``goal``'s cost weights (waste, prefix loss, overhead, attention slots) replaced:
+        what a student moves to watch the recommendation change. Weights are finite numbers >= 0, not all 0."""
+        _check_goal(goal)
+        w = tuple(weights)
+        if len(w) != 4 or any(type(x) not in (int, float) or not math.isfinite(x) or x < 0 for x in w) \
+                or not any(w):
+            raise ConfigError(f"weights for {goal!r} must be 4 finite numbers >= 0, not all 0; got {weights!r}")
+        a, b, c, d = (float(x) for x in w)
+        return replace(self, weights={**self.weights, goal: (a, b, c, d)})
 
     def recommend(self, goal: str = "balanced") -> int:
         """The swept block size of lowest cost for ``goal`` (the smaller size on a tie)."""
@@ -288,13 +311,15 @@ class SweepResult:
         """The measured table as Markdown, with the cost for ``goal`` and the recommended size marked."""
         costs, best = self.costs(goal), self.recommend(goal)
         lines = [f"workload `{self.workload}`, {self.requests} requests; attention: {self.attention}", "",
-                 "| block | blocks | waste % | table entries | alloc calls | prefix loss % | attention ms | "
-                 f"cost ({goal}) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| block | blocks | waste % | table entries | alloc calls | prefix loss % | attention slots | "
+                 f"attention ms, median [min-max] | cost ({goal}) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows:
-            ms = "-" if math.isnan(r.attention_ms) else f"{r.attention_ms:.3f}"
+            lo, hi = r.attention_spread
+            ms = "-" if math.isnan(r.attention_ms) else f"{r.attention_ms:.3f} [{lo:.3f}-{hi:.3f}]"
             mark = " **<-**" if r.block_size == best else ""
             lines.append(f"| {r.block_size} | {r.blocks} | {100 * r.waste:.1f} | {r.table_entries} | "
-                         f"{r.alloc_calls} | {100 * r.prefix_loss:.1f} | {ms} | {costs[r.block_size]:.3f}{mark} |")
+                         f"{r.alloc_calls} | {100 * r.prefix_loss:.1f} | {r.attention_slots} | {ms} | "
+                         f"{costs[r.block_size]:.3f}{mark} |")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -304,7 +329,8 @@ class SweepResult:
 def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, attention: bool = True,
           progress: bool = True, **attention_kwargs: Any) -> SweepResult:
     """Measure ``workload`` at every block size (see the module docstring). Attention timing needs the KV
-    tensor and can be turned off (``attention=False``); ``attention_kwargs`` go to :func:`measure_attention_ms`."""
+    tensor, is shown beside the cost but does not enter it, and can be turned off (``attention=False``);
+    ``attention_kwargs`` go to :func:`measure_attention_ms`."""
     from tqdm.auto import tqdm
 
     sizes = list(block_sizes)
@@ -324,8 +350,10 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
             return SweepResult(workload.name, len(workload), rows)
         ms = measure_attention_ms(workload, sizes, on_step=bar.update, **kw)
     how = (f"paged_attention decode, {kw['batch']} seqs (<= {kw['max_len']} tokens), "
-           f"{kw['num_heads']}x{kw['head_dim']} fp32, {kw['device'] or default_device()}, best of {kw['rounds']}")
-    return SweepResult(workload.name, len(workload), [replace(r, attention_ms=ms[r.block_size]) for r in rows], how)
+           f"{kw['num_heads']}x{kw['head_dim']} fp32, {kw['device'] or default_device()}, "
+           f"median of {kw['rounds']} rounds")
+    rows = [replace(r, attention_ms=ms[r.block_size][0], attention_spread=ms[r.block_size][1:]) for r in rows]
+    return SweepResult(workload.name, len(workload), rows, how)
 
 
 def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
@@ -342,8 +370,15 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     ax[1].plot(sizes, [r.table_entries for r in result.rows], "o-", label="block-table entries")
     ax[1].plot(sizes, [r.alloc_calls for r in result.rows], "s--", label="allocation calls")
     ax[1].set(yscale="log", title="bookkeeping")
-    ax[2].plot(sizes, [r.attention_ms for r in result.rows], "o-", color="C2")
-    ax[2].set(ylabel="ms per decode step (best of rounds)", title="paged attention")
+    reads = [r.attention_slots / max(q.attention_slots for q in result.rows) for r in result.rows]
+    ax[2].plot(sizes, reads, "o-", color="C2", label="slots read (in the cost), / max")
+    if not any(math.isnan(r.attention_ms) for r in result.rows):
+        top = max(r.attention_spread[1] for r in result.rows)
+        ax[2].errorbar(sizes, [r.attention_ms / top for r in result.rows],
+                       yerr=[[(r.attention_ms - r.attention_spread[0]) / top for r in result.rows],
+                             [(r.attention_spread[1] - r.attention_ms) / top for r in result.rows]],
+                       fmt="s--", color="C4", capsize=3, label="measured ms, median [min-max], / max")
+    ax[2].set(ylabel="relative to the largest", title="paged attention (one decode step)")
     costs, best = result.costs(goal), result.recommend(goal)
     ax[3].plot(sizes, [costs[s] for s in sizes], "o-", color="C3")
     ax[3].axvline(best, color="k", ls=":", label=f"recommended: {best}")

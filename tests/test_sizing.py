@@ -164,48 +164,54 @@ def test_sweep_counts_and_cost_model_by_hand():
     assert [r.block_size for r in res.rows] == [2, 4, 8]
     assert res.rows == [measure_block_size(TINY, b) for b in (2, 4, 8)]
     # entries + calls: 21, 14, 9 -> normalised by 21; waste 3/24, 9/32, 13/40; prefix loss 0, 1/3, 1
-    assert res.costs("balanced") == pytest.approx({2: 3 / 24 + 0.5 * 1,
-                                                   4: 9 / 32 + 0.5 / 3 + 0.5 * 14 / 21,
-                                                   8: 13 / 40 + 0.5 * 1 + 0.5 * 9 / 21})
-    assert res.costs("memory_efficient") == pytest.approx({2: 3 / 24 + 0.1, 4: 9 / 32 + 1 / 3 + 0.1 * 14 / 21,
-                                                           8: 13 / 40 + 1 + 0.1 * 9 / 21})
+    # attention slots (entries x B): 30, 36, 40 -> normalised by 40
+    assert [r.attention_slots for r in res.rows] == [30, 36, 40]
+    assert res.costs("balanced") == pytest.approx({2: 3 / 24 + 0.5 * 1 + 0.5 * 30 / 40,
+                                                   4: 9 / 32 + 0.5 / 3 + 0.5 * 14 / 21 + 0.5 * 36 / 40,
+                                                   8: 13 / 40 + 0.5 * 1 + 0.5 * 9 / 21 + 0.5 * 40 / 40})
+    assert res.costs("memory_efficient") == pytest.approx({2: 3 / 24 + 0.1 + 0.1 * 30 / 40,
+                                                           4: 9 / 32 + 1 / 3 + 0.1 * 14 / 21 + 0.1 * 36 / 40,
+                                                           8: 13 / 40 + 1 + 0.1 * 9 / 21 + 0.1})
     assert res.recommend("balanced") == res.recommend("memory_efficient") == 2
     md = res.to_markdown()
-    assert "| 2 | 12 | 12.5 | 15 | 6 | 0.0 | - | 0.625 **<-** |" in md and md.count("**<-**") == 1
+    assert "| 2 | 12 | 12.5 | 15 | 6 | 0.0 | 30 | - | 1.000 **<-** |" in md and md.count("**<-**") == 1
     with pytest.raises(ConfigError):
         res.recommend("smallest")
 
 
-def test_attention_term_enters_the_cost():
-    rows = [SweepRow(b, 1, b, 1, 1, 0, 0, ms) for b, ms in ((16, 4.0), (32, 1.0))]
-    res = SweepResult("x", 1, rows, "fake timings")
+def test_attention_slots_enter_the_cost_and_timings_do_not():
+    rows = [SweepRow(b, 1, b, 1, 1, 0, 0, slots) for b, slots in ((16, 64), (32, 16))]
+    res = SweepResult("x", 1, rows)
     assert res.costs("performance_optimal") == pytest.approx({16: 0.5 + 1.0, 32: 0.5 + 0.25})
     assert res.recommend("performance_optimal") == 32
     assert res.costs("balanced") == pytest.approx({16: 0.5 + 0.5, 32: 0.5 + 0.5 * 0.25})
     assert res.costs("memory_efficient") == pytest.approx({16: 0.1 + 0.1, 32: 0.1 + 0.1 * 0.25})
+    for fast, slow in ((1.0, 9.0), (9.0, 1.0)):  # any timings, in either order: the same costs
+        timed = SweepResult("x", 1, [replace(rows[0], attention_ms=fast, attention_spread=(fast, fast)),
+                                     replace(rows[1], attention_ms=slow, attention_spread=(slow, slow))])
+        assert all(timed.costs(g) == res.costs(g) for g in GOALS)
 
 
-def test_balanced_cost_with_attention_on_by_hand():
-    """TINY's counts (see test_sweep_counts_and_cost_model_by_hand) with attention timings: every balanced weight
-    (waste 1, prefix loss 0.5, overhead 0.5, attention 0.5) shows in the cost, and attention moves the choice."""
-    rows = [replace(measure_block_size(TINY, b), attention_ms=ms) for b, ms in ((2, 8.0), (4, 1.0), (8, 2.0))]
-    res = SweepResult("tiny", 3, rows, "fake timings")
-    assert res.costs("balanced") == pytest.approx({2: 3 / 24 + 0.5 * 0 + 0.5 * 21 / 21 + 0.5 * 8 / 8,
-                                                   4: 9 / 32 + 0.5 / 3 + 0.5 * 14 / 21 + 0.5 * 1 / 8,
-                                                   8: 13 / 40 + 0.5 * 1 + 0.5 * 9 / 21 + 0.5 * 2 / 8}, abs=1e-12)
-    assert res.recommend("balanced") == 4  # 2 without attention (see the by-hand test)
-    assert res.costs("performance_optimal") == pytest.approx({2: 0.25 * 3 / 24 + 0.5 + 1.0,
-                                                              4: 0.25 * (9 / 32 + 1 / 3) + 0.5 * 14 / 21 + 1 / 8,
-                                                              8: 0.25 * (13 / 40 + 1) + 0.5 * 9 / 21 + 2 / 8},
-                                                             abs=1e-12)
+def test_with_weights_moves_the_recommendation_and_refuses_bad_weights():
+    res = sweep(TINY, [2, 4, 8], attention=False, progress=False)
+    assert res.recommend("balanced") == 2
+    heavy_overhead = res.with_weights("balanced", (0, 0, 1, 0))
+    assert heavy_overhead.recommend("balanced") == 8 and heavy_overhead.weights["balanced"] == (0.0, 0.0, 1.0, 0.0)
+    assert heavy_overhead.recommend("memory_efficient") == res.recommend("memory_efficient")
+    assert res.weights["balanced"] == (1.0, 0.5, 0.5, 0.5)  # the original is untouched
+    for bad in [(1, 2, 3), (0, 0, 0, 0), (1, -1, 0, 0), (1, float("nan"), 0, 0), (1, True, 0, 0), ("1", 0, 0, 0)]:
+        with pytest.raises(ConfigError, match="weights"):
+            res.with_weights("balanced", bad)
+    with pytest.raises(ConfigError, match="'fast'"):
+        res.with_weights("fast", (1, 1, 1, 1))
 
 
 def balanced_by_hand(res: SweepResult) -> dict[int, float]:
     """The balanced cost of measured rows, with the weights written out (waste, prefix loss, overhead, attention)."""
     over = max(r.table_entries + r.alloc_calls for r in res.rows)
-    attn = max(r.attention_ms for r in res.rows)
+    reads = max(r.attention_slots for r in res.rows)
     return {r.block_size: 1.0 * r.waste + 0.5 * r.prefix_loss + 0.5 * (r.table_entries + r.alloc_calls) / over
-            + 0.5 * r.attention_ms / attn for r in res.rows}
+            + 0.5 * r.attention_slots / reads for r in res.rows}
 
 
 @pytest.mark.parametrize("sizes", [[], [16, 16], [0, 16], [16.0], [True]])
@@ -219,6 +225,8 @@ def test_measure_rejects_bad_block_size_and_empty_workload():
         measure_block_size(TINY, 0)
     with pytest.raises(ConfigError, match="no requests"):
         measure_block_size(Workload("empty", []), 16)
+    with pytest.raises(ConfigError, match="rounds"):
+        measure_attention_ms(TINY, [2], rounds=0)
 
 
 def test_sweep_times_real_paged_attention():
@@ -226,18 +234,15 @@ def test_sweep_times_real_paged_attention():
     steps = []
     ms = measure_attention_ms(w, [16, 64], batch=3, num_heads=2, head_dim=16, rounds=2, device="cpu",
                               on_step=lambda: steps.append(1))
-    assert len(steps) == 4 and all(0 < v < math.inf for v in ms.values())
+    assert len(steps) == 4 and all(0 < lo <= med <= hi < math.inf for med, lo, hi in ms.values())
     opt = ChunkSizeOptimizer()
-    # 16 against 1024 (chat, 40 requests, seed 0): without attention balanced costs 0.563 vs 1.277 and
-    # memory_efficient 0.178 vs 1.741. The attention term (relative to the slower size, weight 0.5 resp. 0.1)
-    # moves a cost by at most its weight, so no timing, however noisy the machine, can change these choices
-    res = opt.sweep(w, [16, 1024], progress=False, batch=3, num_heads=2, head_dim=16, rounds=2, device="cpu")
-    assert all(0 < r.attention_ms < math.inf for r in res.rows)
-    assert "paged_attention" in res.attention and "2x16" in res.attention and "best of 2" in res.attention
+    res = opt.sweep(w, [16, 1024], progress=False, batch=3, num_heads=2, head_dim=16, rounds=3, device="cpu")
+    assert all(0 < r.attention_spread[0] <= r.attention_ms <= r.attention_spread[1] < math.inf for r in res.rows)
+    assert "paged_attention" in res.attention and "2x16" in res.attention and "median of 3 rounds" in res.attention
     assert set(opt.performance_metrics) == {16, 1024} and opt.sequence_length_stats["max"] > 0
-    assert res.costs("balanced") == pytest.approx(balanced_by_hand(res), abs=1e-12)  # attention on
-    no_attention = sweep(w, [16, 1024], attention=False, progress=False).costs("balanced")
-    assert no_attention == pytest.approx({16: 0.5634615, 1024: 1.2772716}, abs=1e-6)
+    assert res.costs("balanced") == pytest.approx(balanced_by_hand(res), abs=1e-12)
+    no_attention = sweep(w, [16, 1024], attention=False, progress=False)
+    assert all(no_attention.costs(g) == res.costs(g) for g in GOALS)  # timings are shown, never counted
     assert res.recommend() == res.recommend("balanced") == 16
     assert res.recommend("memory_efficient") == 16
 
