@@ -9,7 +9,7 @@ from .allocator import (AllocationAbandoned, AllocationQueued, AllocationRecord,
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
 from .block import BlockStatus, KVBlock
 from .baseline import ContiguousAllocator, ContiguousMemory
-from .claims import Claim, claims_report, measure_claims, prefetch_effect
+from .claims import BASELINES, Claim, claims_report, measure_claims, prefetch_effect, prefix_hit_share, verdicts
 from .clock import LogicalClock, WallClock
 from .device import default_device
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
@@ -48,7 +48,8 @@ __all__ = [
     "exercises", "fast_mode", "sized",
     "Admitted", "Claim", "ContiguousAllocator", "ContiguousMemory", "CostModel", "Engine", "EngineConfig",
     "Finished", "MetricsLog", "Preempted", "RequestRecord", "StepMetrics", "SwappedIn", "TenantReclaimed",
-    "PolicyRace", "race_policies", "claims_report", "measure_claims", "prefetch_effect", "run_workload",
+    "PolicyRace", "race_policies", "BASELINES", "claims_report", "measure_claims", "prefetch_effect",
+    "prefix_hit_share", "verdicts", "run_workload",
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
     "PrefixStored", "Sequence", "SequenceManager", "Swapped", "TinyConfig", "TinyLlama", "contiguous_attention",
     "paged_attention",

@@ -98,13 +98,15 @@ class ContiguousMemory:
     """The engine's memory when ``EngineConfig.memory == "contiguous"``: every admitted request reserves
     ``max_model_len`` contiguous slots up front (its output length is unknown), so it never grows, never needs a
     block later and is never preempted; admission waits until a long enough free run exists. Metadata only.
-    Same interface as :class:`kvlab.engine.PagedMemory`."""
+    Same interface as :class:`kvlab.engine.PagedMemory`. With ``memory == "contiguous-exact"`` a request reserves
+    exactly its prompt plus output length instead: an oracle that knows the output length, the strongest
+    contiguous baseline (the PagedAttention paper's "Orca (Oracle)"); only external fragmentation is left."""
 
     def __init__(self, cfg, model=None) -> None:  # cfg: kvlab.engine.EngineConfig (no import: it imports us)
         if model is not None:
             raise ConfigError("the contiguous baseline runs metadata-only: pass no model")
         self.bs, self.region = cfg.block_size, cfg.max_model_len
-        self.region_blocks = -(-self.region // self.bs)
+        self.exact = cfg.memory == "contiguous-exact"
         self.arena = ContiguousAllocator(cfg.num_blocks * cfg.block_size)
         self.capacity_slots = self.arena.capacity
         self.events, self.clock = EventBus(), LogicalClock()  # the clock ticks per reservation and release
@@ -119,8 +121,12 @@ class ContiguousMemory:
         """Blocks' worth of slots in the longest free run: only a contiguous run can take a request."""
         return self.arena.largest_free // self.bs
 
+    def slots_for(self, job) -> int:
+        """The slots ``job``'s region reserves: the context limit, or (exact) its own prompt + output length."""
+        return job.req.total_len if self.exact else self.region
+
     def held(self, job) -> int:
-        return self.region_blocks if job.req.id in self.arena.regions else 0
+        return -(-self.slots_for(job) // self.bs) if job.req.id in self.arena.regions else 0
 
     def blocks_for(self, job, n: int) -> int:
         return 0
@@ -129,13 +135,13 @@ class ContiguousMemory:
         return []
 
     def admission_bound(self, job) -> int:
-        return self.region_blocks
+        return -(-self.slots_for(job) // self.bs)
 
     def admission_need(self, job, hits, n: int) -> int:
-        return self.region_blocks
+        return -(-self.slots_for(job) // self.bs)
 
     def admit(self, job) -> None:
-        self.arena.reserve(job.req.id, self.region)
+        self.arena.reserve(job.req.id, self.slots_for(job))
         self.clock.tick()
         job.computed = 0
 

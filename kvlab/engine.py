@@ -133,7 +133,8 @@ class CostModel:
 
 @dataclass
 class EngineConfig:
-    """Engine settings. ``memory="contiguous"`` runs the pre-paging baseline (max-length regions) instead.
+    """Engine settings. ``memory="contiguous"`` runs the pre-paging baseline (max-length regions) instead;
+    ``memory="contiguous-exact"`` the same with regions of exactly each request's prompt + output length.
 
     ``shared_prefill`` says what a waiting request does when the block of its prompt that follows its cached
     prefix is being computed right now by a running request (two users sending the same long document within a
@@ -161,8 +162,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"EngineConfig.{name} must be a positive int, got {v!r}")
-        if self.memory not in ("paged", "contiguous"):
-            raise ConfigError(f"EngineConfig.memory must be 'paged' or 'contiguous', got {self.memory!r}")
+        if self.memory not in ("paged", "contiguous", "contiguous-exact"):
+            raise ConfigError(f"EngineConfig.memory must be 'paged', 'contiguous' or 'contiguous-exact', "
+                              f"got {self.memory!r}")
         if self.preemption not in ("recompute", "swap"):
             raise ConfigError(f"EngineConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.shared_prefill not in ("wait", "duplicate"):
@@ -497,7 +499,8 @@ class Engine:
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(self.log.requests) + len(self._arrivals), unit="req", desc=self.config.memory)
+            bar = tqdm(total=len(self.log.requests) + len(self._arrivals), unit="req", desc=self.config.memory,
+                       disable=None)  # None: off when stderr is not a terminal (a log, a pipe)
         seen = 0
         while (max_steps is None or self.step_count < max_steps) and self.step():
             if bar is not None and self.step_count % 64 == 0:
