@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,22 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+class Group(Protocol):
+    """What a link needs of a group: ``torch.distributed``'s ProcessGroup, or a backend such as
+    ``ProcessGroupGloo`` built directly (as :func:`run_threads` does)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], /) -> dist.Work: ...
+
+
 @dataclass
 class Link:
     """One rank's handle on a process group. Every wait is bounded by ``timeout`` seconds."""
 
-    group: dist.ProcessGroup
+    group: Group
     rank: int
     world_size: int
     timeout: float = DEFAULT_TIMEOUT
@@ -81,9 +92,7 @@ class Link:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over all ranks, in place."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self.wait(self._call(lambda: self.group.allreduce([tensor], opts), "all-reduce"), "all-reduce")
+        self.wait(self._call(lambda: self.group.allreduce([tensor]), "all-reduce"), "all-reduce")  # SUM: the default
 
     def send_json(self, obj: Any, dst: int, tag: int) -> None:
         """Send a JSON-able value: its length, then its UTF-8 bytes (no pickle crosses ranks)."""
@@ -217,7 +226,8 @@ def run_threads(fns: Sequence[RankFn], kwargs: Sequence[dict[str, Any]] | None =
 
     def body(r: int) -> None:
         try:
-            group = dist.ProcessGroupGloo(store, r, world_size, datetime.timedelta(seconds=timeout))
+            # a gloo backend built directly (its stubs type it apart from ProcessGroup; it has what Group needs)
+            group = cast(Group, dist.ProcessGroupGloo(store, r, world_size, datetime.timedelta(seconds=timeout)))
             got[r] = (True, fns[r](Link(group, r, world_size, float(timeout)), **kwargs[r]))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             got[r] = (False, e)

@@ -1,0 +1,244 @@
+"""The KV cache across ranks: disaggregated prefill/decode and tensor-parallel KV on torch.distributed (gloo,
+127.0.0.1). Each test is one 2-process group (``spawn``) or two ranks as threads of this process (``run_threads``,
+each with its own gloo group over loopback), every wait bounded by the link's timeout."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from kvlab import BlockStatus, EventRecorder, TinyConfig
+from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, PeerLostError,
+                               RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
+                               decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
+from kvlab.distributed import backend_for
+from kvlab.distributed.connector import TAG_ANNOUNCE, TAG_PLAN
+from kvlab.distributed.disagg import make_manager
+from kvlab.distributed.tp import head_split, run_tp, single_process
+from kvlab.errors import ConfigError
+
+CFG = TinyConfig()
+BATCHES = demo_batches(3, 70, 40)  # two batches; 40 shared tokens = 2 full blocks of 16 cached on the decode rank
+
+
+def _pending(manager) -> int:
+    return int((manager.pool.arrays.status == int(BlockStatus.PENDING)).sum())
+
+
+def test_two_processes_decode_what_one_process_decodes():
+    res = run_disagg(BATCHES, 5, timeout=20)
+    check = res.compare(reference(BATCHES, 5))
+    assert check["tokens_equal"] and check["max_logit_diff"] <= 1e-4
+    # batch 2 finds the shared prefix (2 blocks per prompt) in the decode rank's cache and does not receive it
+    assert res.received.blocks_skipped == 3 * 2 and res.received.tokens_skipped == 3 * 32
+    assert res.sent.blocks_sent == res.received.blocks_received == 3 * 5 + 3 * 3
+    assert res.sent.bytes == res.received.bytes == res.sent.blocks_sent * CFG.kv_spec(16).bytes_per_block
+    assert res.sent.messages == 2 * CFG.num_layers  # one message per layer and step, not one per block
+
+
+@pytest.mark.parametrize("decode_block_size", [8, 32])
+def test_other_block_size_on_the_decode_rank_is_rechunked(decode_block_size):
+    res = run_disagg(BATCHES, 4, decode_block_size=decode_block_size, threads=True, timeout=20)
+    check = res.compare(reference(BATCHES, 4))
+    assert check["tokens_equal"] and check["max_logit_diff"] <= 1e-4
+    assert res.received.rechunked and res.sent.rechunked
+    assert res.received.tokens_skipped == 3 * (40 // decode_block_size * decode_block_size)
+    assert res.sent.tokens_moved == res.received.tokens_moved == 2 * 3 * 70 - res.received.tokens_skipped
+
+
+def test_events_name_every_block_sent_received_and_skipped():
+    managers = (make_manager(CFG, 16, 128), make_manager(CFG, 16, 128))
+    recs = [EventRecorder(m.pool.events, (BlocksSent, BlocksReceived, BlocksSkipped)) for m in managers]
+    res = run_disagg(BATCHES, 3, threads=True, managers=managers, timeout=20)
+    sent, received = recs[0].of(BlocksSent), recs[1].of(BlocksReceived)
+    skipped = recs[1].of(BlocksSkipped)
+    assert len(sent) == len(received) == 6 * CFG.num_layers  # per request and layer
+    assert sum(len(e.block_ids) for e in sent) == res.sent.blocks_sent * CFG.num_layers
+    assert sum(len(e.block_ids) for e in received) == res.received.blocks_received * CFG.num_layers
+    assert sum(e.nbytes for e in received) == res.received.bytes
+    assert [e.request_id for e in skipped] == [3, 4, 5] and all(e.tokens == 32 for e in skipped)
+    # the skipped blocks are the ones the decode rank received for the first batch: its own cached prefix
+    first = {b for e in received if e.request_id == 0 for b in e.block_ids[:2]}
+    assert all(set(e.block_ids) == first for e in skipped)
+    for m in managers:
+        m.check_invariants()
+        assert len(m) == 0 and _pending(m) == 0
+
+
+def test_mismatched_specs_are_refused_on_both_ranks_before_anything_moves():
+    a, b = make_manager(CFG, 16, 64), make_manager(TinyConfig(num_layers=3), 16, 64)
+    got = {}
+
+    def rank(link, manager, cls):
+        try:
+            cls(link, manager, 1 - link.rank)
+        except SpecMismatchError as e:
+            got[link.rank] = str(e)
+
+    run_threads([rank, rank], [{"manager": a, "cls": KVSender}, {"manager": b, "cls": KVReceiver}], timeout=10)
+    assert set(got) == {0, 1} and all("layers" in m for m in got.values())
+    for m in (a, b):
+        assert m.pool.num_free_blocks == m.pool.num_blocks and m.pool.clock.now() == 0
+
+
+def _survivor(link, **kw):
+    """The decode rank, reporting how it failed and what its pool looks like afterwards."""
+    manager = make_manager(CFG, 16, 128)
+    t0 = time.monotonic()
+    try:
+        decode_rank(link, manager=manager, **kw)
+        error = None
+    except TransferError as e:
+        error = type(e).__name__
+    manager.check_invariants()
+    return {"error": error, "seconds": time.monotonic() - t0, "pending": _pending(manager), "live": len(manager),
+            "free": manager.pool.num_free_blocks, "cached": manager.pool.num_cached_blocks}
+
+
+def _dies_after_one_layer(link, batches):
+    """A prefill rank whose process exits after sending layer 0 of its first batch."""
+    manager = make_manager(CFG, 16, 128)
+    conn = KVSender(link, manager, 1)
+    from kvlab import TinyLlama
+    model = TinyLlama(CFG)
+    seqs = [manager.create(p) for p in batches[0]]
+    out = model.step(manager, seqs, [list(p) for p in batches[0]])
+    for i, (s, p) in enumerate(zip(seqs, batches[0])):
+        conn.request_finished(RemoteRequest(i, tuple(p), int(out[i].argmax())), s)
+    conn.start_save(conn.build_connector_meta())
+    conn.save_kv_layer(0)  # layer 0 is in flight; layer 1 never comes
+    os._exit(3)
+
+
+def _survivor_to_file(link, path, **kw):
+    with open(path, "w") as f:
+        json.dump(_survivor(link, **kw), f)
+
+
+def test_a_peer_exiting_mid_transfer_is_a_typed_error_and_the_pool_stays_consistent(tmp_path):
+    out = tmp_path / "survivor.json"
+    with pytest.raises(TransferError, match="exited with codes \\[3\\]"):
+        spawn([_dies_after_one_layer, _survivor_to_file], [{"batches": BATCHES},
+                                                           {"path": str(out), "max_new_tokens": 3}], timeout=15)
+    got = json.loads(out.read_text())
+    assert got["error"] == "PeerLostError"
+    assert got["pending"] == 0 and got["live"] == 0 and got["free"] == 128 and got["cached"] == 0
+
+
+def test_the_surviving_rank_frees_what_the_dead_peer_was_sending():
+    got = {}
+
+    def dying(link, batches):  # as _dies_after_one_layer, but a thread cannot exit the process: it returns
+        manager = make_manager(CFG, 16, 128)
+        conn = KVSender(link, manager, 1)
+        from kvlab import TinyLlama
+        seqs = [manager.create(p) for p in batches[0]]
+        out = TinyLlama(CFG).step(manager, seqs, [list(p) for p in batches[0]])
+        for i, (s, p) in enumerate(zip(seqs, batches[0])):
+            conn.request_finished(RemoteRequest(i, tuple(p), int(out[i].argmax())), s)
+        conn.start_save(conn.build_connector_meta())
+        conn.save_kv_layer(0)
+        conn.wait_for_save()
+
+    def survivor(link):
+        got.update(_survivor(link, max_new_tokens=3))
+
+    run_threads([dying, survivor], [{"batches": BATCHES}, {}], timeout=10)
+    assert got["error"] == "PeerLostError"
+    assert got["pending"] == 0 and got["live"] == 0 and got["free"] == 128 and got["cached"] == 0
+
+
+def test_a_silent_peer_is_a_timeout_and_the_pool_stays_consistent():
+    got = {}
+
+    def silent(link, batches):
+        manager = make_manager(CFG, 16, 128)
+        conn = KVSender(link, manager, 1)
+        link.send_json([[0, list(batches[0][0]), 1, None]], 1, TAG_ANNOUNCE)  # one request, then nothing
+        link.recv_json(1, TAG_PLAN)
+        time.sleep(2.5)
+        del conn
+
+    def survivor(link):
+        got.update(_survivor(link, max_new_tokens=3))
+
+    run_threads([silent, survivor], [{"batches": BATCHES}, {}], timeout=1.0)
+    assert got["error"] == "TransferTimeoutError"
+    assert got["pending"] == 0 and got["live"] == 0 and got["free"] == 128
+
+
+def test_the_sender_frees_its_blocks_when_the_receiver_goes_away():
+    got = {}
+
+    def sender(link):
+        manager = make_manager(CFG, 16, 128)
+        try:
+            prefill_rank(link, BATCHES, manager=manager)
+        except TransferError as e:
+            got["error"] = type(e).__name__
+        manager.check_invariants()
+        got["live"], got["pending"] = len(manager), _pending(manager)
+
+    def leaves(link):
+        KVReceiver(link, make_manager(CFG, 16, 128), 0).poll_requests()
+
+    run_threads([sender, leaves], timeout=10)
+    assert got["error"] in ("PeerLostError", "TransferTimeoutError") and got["live"] == 0 and got["pending"] == 0
+
+
+def test_bad_input_is_refused_with_typed_errors():
+    with pytest.raises(ConfigError, match="batch 0, prompt 1"):
+        run_disagg([[[1, 2], [1, 500]]], threads=True)
+    with pytest.raises(ConfigError, match="non-empty list of batches"):
+        run_disagg([], threads=True)
+    with pytest.raises(ConfigError, match="shared prefix 9"):
+        demo_batches(2, 9, 9)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        run_threads([decode_rank], [{"max_new_tokens": 0}], timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+PROMPTS = demo_batches(3, 40, 20)[0]
+
+
+def _same_as_one_process(results, ref):
+    for r in results:
+        assert r["tokens"] == ref["tokens"]
+        assert float((torch.tensor(r["logits"]) - torch.tensor(ref["logits"])).abs().max()) <= 1e-4
+
+
+def test_tensor_parallel_processes_equal_one_process():
+    res = run_tp(PROMPTS, 4, tp=2, timeout=20)
+    ref = single_process(PROMPTS, 4)
+    _same_as_one_process(res, ref)
+    assert [r["kv_heads"] for r in res] == [[0], [1]]
+    assert all(r["bytes_per_block"] * 2 == ref["bytes_per_block"] for r in res)  # a block is 1/tp as large
+
+
+@pytest.mark.parametrize("heads,kv,tp,held", [(4, 1, 2, [[0], [0]]), (8, 2, 4, [[0], [0], [1], [1]])])
+def test_tp_above_the_kv_heads_replicates_them(heads, kv, tp, held):
+    cfg = TinyConfig(num_heads=heads, num_kv_heads=kv)
+    res = run_tp(PROMPTS, 3, tp=tp, cfg=cfg, threads=True, timeout=20)
+    _same_as_one_process(res, single_process(PROMPTS, 3, cfg=cfg))
+    assert [r["kv_heads"] for r in res] == held
+
+
+@pytest.mark.parametrize("tp,match", [(3, "does not divide the 4 query heads"), (0, "positive int"),
+                                      (True, "positive int")])
+def test_tp_that_does_not_fit_is_refused_before_any_rank_starts(tp, match):
+    with pytest.raises(ConfigError, match=match):
+        run_tp(PROMPTS, 2, tp=tp)
+
+
+def test_replication_needs_tp_a_multiple_of_the_kv_heads():
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        head_split(TinyConfig(num_heads=12, dim=96, num_kv_heads=4), 6, 0)
+    with pytest.raises(ConfigError, match="does not divide the 4 kv heads"):
+        head_split(TinyConfig(num_heads=12, dim=96, num_kv_heads=4), 3, 0)
+
+
+def test_the_backend_follows_the_device():
+    assert backend_for("cuda:0") == "nccl" and backend_for("cpu") == "gloo"
