@@ -53,9 +53,9 @@ class PolicyRace:
 
     def plot(self) -> Any:
         """A matplotlib Figure: hit rate against pool size per policy, the never-evicting bound dashed."""
-        from matplotlib.figure import Figure
+        from .viz.static import Picture  # a figure that displays as an image in any kernel
 
-        fig = Figure(figsize=(7, 4.2), layout="constrained")
+        fig = Picture(figsize=(7, 4.2), layout="constrained")
         ax = fig.subplots()
         for name, rates in self.hit_rate.items():
             ax.plot(self.sizes, [100 * r for r in rates], "o-" if name != "opt" else "k^--", label=name)

@@ -359,10 +359,10 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
 def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     """A 2x2 matplotlib figure of a sweep: memory (waste, prefix loss), bookkeeping (entries, calls),
     attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure."""
-    from matplotlib.figure import Figure
+    from .viz.static import Picture  # a figure that displays as an image in any kernel
 
     sizes = [r.block_size for r in result.rows]
-    fig = Figure(figsize=(10, 6.5), layout="constrained")
+    fig = Picture(figsize=(10, 6.5), layout="constrained")
     ax = fig.subplots(2, 2).ravel()
     ax[0].plot(sizes, [100 * r.waste for r in result.rows], "o-", label="internal waste")
     ax[0].plot(sizes, [100 * r.prefix_loss for r in result.rows], "s--", label="prefix-sharing loss")

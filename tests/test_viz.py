@@ -20,7 +20,9 @@ from kvlab import BlockPool, ConfigError, DoubleFreeError
 from kvlab.viz import (PRESETS, FrameBuilder, LiveRun, Pacer, RandomWorkload, Recording, build_frame, decode_frame,
                        export_html, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool, record)
 from kvlab.viz import frames as fr
-from kvlab.viz.static import GAUGES, MAP_RGB, STATE_RGB, VICTIM_RGB, figure_png, pool_colors
+from kvlab.viz import palette
+from kvlab.viz.palette import STATE_RGB
+from kvlab.viz.static import Picture, figure_png, map_colors, pool_colors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -318,10 +320,115 @@ def test_dashboard_controls_selectors_and_bad_settings():
         d.start()  # resume
         d.stop()
         await asyncio.gather(d.run.task, return_exceptions=True)
-        assert d.run.task.done() and d.status == "stopped"
+        assert d.run.task.done() and d.run.state == "stopped" and d.status == "idle"  # it can run afresh
 
     asyncio.run(live())
     assert not old.events.subscribers
+
+
+def test_dashboard_presets_pick_panels_controls_and_workload():
+    from kvlab.viz import Dashboard
+    from kvlab.viz.views import DASHBOARD_PRESETS
+    assert sorted(DASHBOARD_PRESETS) == ["block_size", "engine", "eviction", "fragmentation"]
+    seen = {}
+    for name, setup in DASHBOARD_PRESETS.items():
+        d = Dashboard(preset=name, num_blocks=64)
+        assert (d.preset, d.panels, d.controls, d.workload) == (name, setup["panels"], setup["controls"],
+                                                              setup["workload"])
+        assert set(d.controls) <= {"policy", "block_size", "workload"} and d.status == "idle"
+        data, _ = d._repr_mimebundle_()
+        seen[name] = base64.b64decode(data["image/png"])
+        assert seen[name][:4] == b"\x89PNG"
+    assert DASHBOARD_PRESETS["eviction"]["panels"] == ["pool", "eviction"]
+    assert Dashboard(preset="eviction", workload="steady", policy="fifo").pool.policy.name == "fifo"
+    with pytest.raises(ConfigError, match="unknown dashboard preset 'pie'"):
+        Dashboard(preset="pie")
+    with pytest.raises(ConfigError, match="unknown eviction policy 'mru'"):
+        Dashboard(policy="mru")
+    with pytest.raises(ConfigError, match="panels must name"):
+        plot_dashboard(BlockPool(16, with_storage=False), panels=["pie"])
+
+
+class Handle:
+    """An IPython display handle: records the bundles it is updated with."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict] = []
+
+    def update(self, data, metadata=None, raw=False) -> None:
+        assert raw
+        self.updates.append(data)
+
+
+def test_a_view_follows_its_run_and_its_pause_pauses_the_workload():
+    from kvlab.viz import PoolView
+    p = BlockPool(64, with_storage=False)
+    view = PoolView(p)
+    assert view.status == ""  # no run: the browser's play button replays pictures locally
+    run = view.live(RandomWorkload(p, seed=3, steps=40), steps_per_second=400)
+    assert view.run is run and view.status == "idle"
+    view.displays.append(handle := Handle())
+    view._on_msg(view, {"type": "control", "action": "step"}, [])
+    assert run.steps == 1 and view.status == "paused" and decode_frame(view.frame).tail["run"] == \
+        {"step": 1, "steps": 40}
+    view._on_msg(view, {"type": "control", "action": "explode"}, [])  # not one of ours: ignored
+    assert run.steps == 1 and not handle.updates
+
+    async def main() -> None:
+        view._on_msg(view, {"type": "control", "action": "run"}, [])
+        await asyncio.sleep(0.01)
+        assert view.status == "running"
+        view._on_msg(view, {"type": "control", "action": "pause"}, [])
+        frozen = run.steps
+        await asyncio.sleep(0.01)
+        assert view.status == "paused" and run.steps == frozen  # the workload paused, not just the picture
+        assert decode_frame(view.frame).tail["run"]["step"] == frozen  # and the view shows where it stopped
+        view._on_msg(view, {"type": "control", "action": "run"}, [])
+        await run
+
+    asyncio.run(main())
+    assert run.state == view.status == "done" and run.steps == 40
+    assert view.history is run.recording  # shown again, the view replays the whole run
+    (bundle,) = handle.updates  # the displays were redrawn once, from the final frame
+    assert base64.b64decode(bundle["image/png"]) == figure_png(view.figure())
+    last = decode_frame(view.frame)
+    assert last.when == "step 40 of 40" and last.step == p.clock.now()
+
+
+def test_frames_count_workload_steps_and_evictions_say_when():
+    p = BlockPool(16, with_storage=False)
+    calls = [0]
+
+    def step() -> bool:
+        calls[0] += 1
+        ids = p.allocate(2)
+        p.mark_reusable(ids)
+        p.free(ids)  # two more cached blocks
+        return calls[0] < 30
+
+    rec = record(p, step, 50)
+    frames = [decode_frame(f) for f in rec]
+    assert [f.tail["run"]["step"] for f in frames] == list(range(31)) and frames[-1].when == "step 30 of 50"
+    assert frames[0].when == "step 0 of 50" and frames[-1].step > 30  # the pool clock is another count
+    evictions = [(f.tail["run"]["step"], e) for f in frames for e in f.evictions]
+    assert evictions and all(at == e["at"] for at, e in evictions)
+    assert decode_frame(build_frame(p)).when == f"the pool after {p.clock.now()} operations"
+
+
+def test_infinite_scores_travel_as_json_the_browser_can_parse():
+    from kvlab.eviction import OPTPolicy
+    p = BlockPool(4, with_storage=False, eviction_policy=OPTPolicy(lambda b: float("inf")))
+    with FrameBuilder(p) as b:
+        ids = p.allocate(4)
+        p.mark_reusable(ids)
+        p.free(ids)
+        p.allocate(1)
+        data = b.build()
+    text = data[-fr.HEADER.unpack_from(data)[-1]:].decode()  # the JSON tail, which JSON.parse must accept
+    assert "Infinity" in text and json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    (e,) = decode_frame(data).evictions
+    assert [s for _, s in e["candidates"]] == ["-Infinity"] * len(e["candidates"])
+    assert palette.fmt_score(palette.shown_score("opt", float(e["candidates"][0][1]))) == "∞"
 
 
 def test_every_view_carries_a_png_and_static_figures_render():
@@ -329,9 +436,13 @@ def test_every_view_carries_a_png_and_static_figures_render():
     p = BlockPool(128, with_storage=False)
     rec = record(p, RandomWorkload(p, preset="bursty", seed=2, steps=400), 400, every=20)
     for cls in (PoolView, EvictionView, FragmentationView):
-        data, _ = cls(recording=rec)._repr_mimebundle_()
+        view = cls(recording=rec)
+        data, _ = view._repr_mimebundle_()
         assert base64.b64decode(data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
         assert "application/vnd.jupyter.widget-view+json" in data
+        assert view.frame == rec[len(rec) - 1]  # the PNG is drawn from the final frame, not the first
+    assert base64.b64decode(PoolView(recording=rec)._repr_mimebundle_()[0]["image/png"]) == \
+        figure_png(plot_pool(rec[len(rec) - 1]))
     data, _ = Dashboard(num_blocks=64)._repr_mimebundle_()
     assert base64.b64decode(data["image/png"])[:4] == b"\x89PNG"
     f = decode_frame(rec[len(rec) - 1])
@@ -339,27 +450,43 @@ def test_every_view_carries_a_png_and_static_figures_render():
     assert evictions
     for fig in (plot_pool(p), plot_pool(f), plot_evictions(evictions), plot_evictions([]),
                 plot_fragmentation(rec[0], [(0.1, 0, 0.2, 0.3)] * 3), plot_dashboard(f)):
-        assert figure_png(fig)[:4] == b"\x89PNG"
+        assert isinstance(fig, Picture) and fig._repr_png_()[:4] == b"\x89PNG"
     with pytest.raises(ConfigError, match="expected a BlockPool"):
         plot_pool(42)
 
 
-def test_static_colours_are_the_widget_colours():
-    js = "\n".join((REPO / "widgets" / n).read_text() for n in ("common.js", "fragmentation.js", "eviction.js"))
-    def table(name: str) -> dict[str, tuple[int, ...]]:
-        body = re.search(r"const %s = \{(.*?)\};" % name, js, re.S).group(1)
-        return {k: tuple(map(int, v.split(","))) for k, v in re.findall(r"(\w+): \[(\d+, \d+, \d+)\]", body)}
-
-    assert {k: v for k, v in table("KV_RGB").items() if k != "GAP"} == STATE_RGB
-    assert table("KV_MAP") == MAP_RGB
-    assert re.search(r"KV_VICTIM = \[%d, %d, %d\]" % VICTIM_RGB, js)
-    for name, _, c in GAUGES:
-        assert f'["{name}", ' in js and "[%d, %d, %d]]" % c in js
+def test_one_palette_for_python_and_every_widget_module():
+    from kvlab.viz.assets import VIEWS, esm_source
+    for view in VIEWS:  # every module starts with the palette, generated from kvlab.viz.palette
+        first = esm_source(view).split("\n", 1)[0]
+        assert first == palette.palette_js().rstrip("\n")
+        data = json.loads(first.removeprefix("const KV_PALETTE_DATA = ").removesuffix(";"))
+        assert {k: tuple(v) for k, v in data["state"].items() if k != "GAP"} == STATE_RGB
+        assert [g[0] for g in data["gauges"]] == [g[0] for g in palette.GAUGES]
+    js = "\n".join((REPO / "widgets" / n).read_text() for n in ("common.js", "pool.js", "fragmentation.js",
+                                                                "eviction.js", "dashboard.js"))
+    assert not re.findall(r"\[\s*\d+\s*,\s*\d+\s*,\s*\d+\s*\]", js)  # no colour copied into the JS
+    assert set(palette.OKABE_ITO.values()) >= {STATE_RGB[k] for k in ("PENDING", "ALLOC1", "EVICTING", "CACHED")}
+    # "just allocated" (the flash) is not the pending colour, and no two states share a colour
+    assert palette.FLASH_RGB[fr.FLASH_ALLOCATED] != STATE_RGB["PENDING"]
+    assert len(set(STATE_RGB.values())) == len(STATE_RGB) and palette.RUN_RGB not in STATE_RGB.values()
     p = BlockPool(16, with_storage=False)
-    p.allocate(2)
+    p.allocate(3)
     p.incref([1] * 7)
-    colors = pool_colors(decode_frame(build_frame(p)))
+    p.mark_reusable([2])
+    p.free([2])
+    f = decode_frame(build_frame(p))
+    colors, mapped = pool_colors(f), map_colors(f)
     assert colors[0].tolist() == list(STATE_RGB["ALLOC1"]) and colors[1].tolist() == list(STATE_RGB["ALLOC8"])
+    assert colors[2].tolist() == list(STATE_RGB["CACHED"]) == mapped[2].tolist()  # same state, same colour
+    assert mapped[3].tolist() == list(palette.RUN_RGB) and colors[3].tolist() == list(STATE_RGB["FREE"])
+
+
+def test_every_policy_score_is_explained():
+    from kvlab.eviction import POLICIES
+    assert set(POLICIES) <= set(palette.SCORES)
+    assert palette.shown_score("opt", -12.0) == 12 and palette.fmt_score(float("inf")) == "∞"
+    assert palette.shown_score("lru", 446.0) == 446 and palette.fmt_score(0.25) == "0.250"
 
 
 def test_export_html_embeds_everything(tmp_path):
@@ -396,3 +523,25 @@ def test_wheel_ships_the_widget_modules(wheel):
     for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "replay.js", "kvlab.css"):
         assert f"kvlab/_widgets/{f}" in names, f
     assert "kvlab/viz/assets.py" in names
+
+
+def test_figure_helpers_show_as_images_in_a_fresh_kernel(tmp_path):
+    """The 2.2.4 bug: a bare matplotlib Figure in a kernel that never imported pyplot shows as text."""
+    import nbformat
+    from nbclient import NotebookClient
+    cells = [
+        "import sys\nfrom kvlab import BlockPool, PolicyRace, SweepResult, SweepRow, plot_sweep\n"
+        "from kvlab.viz import build_frame, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool\n"
+        "p = BlockPool(64, with_storage=False); p.allocate(20); p.free([3, 4, 5])\n"
+        "assert 'matplotlib.pyplot' not in sys.modules",
+        "plot_fragmentation(build_frame(p))", "plot_pool(p)", "plot_evictions([])", "plot_dashboard(p)",
+        "PolicyRace('w', 1, 16, (8, 16), {'lru': (0.1, 0.2)}, 0.3, {'lru': (0, 0)}).plot()",
+        "plot_sweep(SweepResult('w', 1, [SweepRow(b, 4, 30, 4, 4, 10, 1, 64, 1.0) for b in (8, 16)]))",
+        "assert 'matplotlib.pyplot' not in sys.modules",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for cell in nb.cells[1:-1]:
+        (out,) = cell.outputs
+        assert "image/png" in out["data"], (cell.source, out["data"].get("text/plain"))
+        assert base64.b64decode(out["data"]["image/png"])[:4] == b"\x89PNG"

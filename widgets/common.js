@@ -1,17 +1,15 @@
-// kvlab widgets, shared part: frame decoding, colours, the block grid and the frame history player.
-// The Python side concatenates this file with the view files and appends the `export default` line, so
-// anywidget receives one self-contained ES module (no build step, no relative imports).
+// kvlab widgets, shared part: frame decoding, colours, legends, the block grid and the player.
+// The Python side puts the palette (KV_PALETTE_DATA, from kvlab/viz/palette.py) first, then this file and the view
+// files, then the `export default` line, so anywidget receives one self-contained ES module (no build step).
 
 const KV_HEADER = 48; // see kvlab/viz/frames.py for the layout
 const KV_STATES = ["FREE", "PENDING", "ALLOCATED", "EVICTING", "CACHED"];
 const KV_FLASHES = ["", "allocated", "freed", "evicted", "moved in", "moved out"];
-const KV_RGB = {
-  FREE: [232, 232, 232], PENDING: [242, 193, 78], ALLOC1: [74, 134, 200], ALLOC8: [20, 52, 110],
-  EVICTING: [214, 69, 69], CACHED: [127, 191, 127], GAP: [255, 255, 255],
-};
-const KV_FLASH_RGB = [null, [255, 212, 0], [255, 255, 255], [255, 0, 255], [0, 229, 255], [255, 255, 255]];
-const KV_FLASH_WEIGHT = [1, 0.6, 0.35, 0.15]; // a flash fades over the 3 frames after the one it happened in
+const KV_RGB = KV_PALETTE_DATA.state;
+const KV_FLASH_RGB = KV_PALETTE_DATA.flash;
+const KV_FLASH_WEIGHT = KV_PALETTE_DATA.flashWeight; // a flash fades over the 3 frames after the one it happened in
 const KV_MAX_HISTORY_BYTES = 192 * 1024 * 1024;
+const KV_PLAY_FPS = 12; // replaying received pictures in the browser
 
 function kvBytes(v) {
   if (!v) return new Uint8Array(0);
@@ -28,7 +26,7 @@ function kvDecode(v) {
   const n = dv.getUint32(8, true), flags = dv.getUint32(40, true), tailLen = dv.getUint32(44, true);
   const f = {
     seq: dv.getUint32(4, true), n, blockSize: dv.getUint32(12, true), step: dv.getFloat64(16, true),
-    utilisation: dv.getFloat32(24, true), external: dv.getFloat32(28, true), waste: dv.getFloat32(32, true),
+    utilisation: dv.getFloat32(24, true), external: dv.getFloat32(28, true), internal_waste: dv.getFloat32(32, true),
     scatter: dv.getFloat32(36, true), bytes: u8.length, dv, details: -1,
     state: u8.subarray(KV_HEADER, KV_HEADER + n), refs: u8.subarray(KV_HEADER + n, KV_HEADER + 2 * n),
     meta: u8.subarray(KV_HEADER + 2 * n, KV_HEADER + 3 * n),
@@ -37,6 +35,14 @@ function kvDecode(v) {
   if (flags & 1) { f.details = o; o += 14 * n; }
   f.tail = tailLen ? JSON.parse(new TextDecoder().decode(u8.subarray(o, o + tailLen))) : {};
   return f;
+}
+
+// Where a frame stands, in the words the cells use: the workload's step (and of how many), or for a frame built
+// outside a run, how many operations the pool has done (its clock).
+function kvStepText(f) {
+  const r = f.tail.run;
+  if (r) return r.steps ? `step ${r.step} of ${r.steps}` : `step ${r.step}`;
+  return `the pool after ${f.step} operations`;
 }
 
 function kvBlockInfo(f, i) {
@@ -53,15 +59,20 @@ function kvBlockInfo(f, i) {
 }
 
 function kvInfoText(info) {
-  const parts = [`block ${info.block}`, info.state, `refcount ${info.refcount}${info.refcount === 255 ? "+" : ""}`,
-    `class ${info.size_class} (${info.capacity} tokens)`];
-  if (info.tokens !== undefined) parts.push(`tokens ${info.tokens}`, `owner ${info.owner}`, `last access ${info.last_access}`);
+  const parts = [`block ${info.block}`, info.state.toLowerCase(),
+    `${info.refcount}${info.refcount === 255 ? "+" : ""} reference${info.refcount === 1 ? "" : "s"}`,
+    `holds up to ${info.capacity} tokens`];
+  if (info.tokens !== undefined) {
+    parts.push(`${info.tokens} tokens`, info.owner >= 0 ? `sequence ${info.owner}` : "no owner",
+      `last used at pool tick ${info.last_access}`);
+  }
   if (info.flash) parts.push(`just ${info.flash}`);
   return parts.join(" · ");
 }
 
 const kvPack = (c) => (255 << 24 | c[2] << 16 | c[1] << 8 | c[0]) >>> 0; // RGBA bytes in a little-endian u32
 const kvMix = (a, b, w) => a.map((x, j) => Math.round(x + (b[j] - x) * w));
+const kvCss = (c) => `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
 
 // Colour of (state, refcount) as packed RGBA; ALLOCATED darkens with its refcount (1 .. 8+).
 const KV_PALETTE = (() => {
@@ -70,6 +81,7 @@ const KV_PALETTE = (() => {
     p[s * 256 + r] = kvPack(s === 2 ? kvMix(KV_RGB.ALLOC1, KV_RGB.ALLOC8, Math.min(Math.max(r, 1) - 1, 7) / 7) : base[s]);
   return p;
 })();
+const kvStateColor = (f, b) => KV_PALETTE[f.state[b] << 8 | f.refs[b]];
 
 function kvLayout(n, maxWidth) {
   let cols = 1;
@@ -77,6 +89,12 @@ function kvLayout(n, maxWidth) {
   const cell = Math.max(1, Math.min(40, Math.floor(maxWidth / cols)));
   const rows = Math.ceil(n / cols);
   return { n, cols, rows, cell, gap: cell >= 6 ? 1 : 0, w: cols * cell, h: rows * cell };
+}
+
+// The width a panel may use: its container's, once it is on the page (views scale to the notebook cell).
+function kvRoom(el, maxWidth) {
+  const w = el.getBoundingClientRect().width;
+  return w > 0 ? Math.min(maxWidth, Math.floor(w)) : maxWidth;
 }
 
 // Paint one packed colour per block into an ImageData-backed canvas (fast for 65,536 blocks).
@@ -91,17 +109,17 @@ function kvPaint(ctx, g, colors) {
   ctx.putImageData(img, 0, 0);
 }
 
-// Colours of frame hist[i]: state/refcount palette, then flashes of frames i-3..i (newest wins).
-function kvColors(hist, i, palette) {
+// Colours of frame hist[i]: the panel's base colour, then flashes of frames i-3..i (newest wins).
+function kvColors(hist, i, color) {
   const f = hist[i], out = new Uint32Array(f.n);
-  for (let b = 0; b < f.n; b++) out[b] = palette(f, b);
+  for (let b = 0; b < f.n; b++) out[b] = color(f, b);
   for (let age = Math.min(3, i); age >= 0; age--) {
     const meta = hist[i - age].meta;
     if (hist[i - age].n !== f.n) continue;
     for (let b = 0; b < f.n; b++) {
       const fl = meta[b] & 7;
       if (fl) {
-        const base = palette(f, b), rgb = [base & 255, base >> 8 & 255, base >> 16 & 255];
+        const base = color(f, b), rgb = [base & 255, base >> 8 & 255, base >> 16 & 255];
         out[b] = kvPack(kvMix(rgb, KV_FLASH_RGB[fl], KV_FLASH_WEIGHT[age]));
       }
     }
@@ -117,30 +135,77 @@ function kvEl(tag, cls, parent, text) {
   return e;
 }
 
-// Mount panels on a model: keep every received frame (pause, step back and scrub work while Python is busy),
-// count frames, and draw the selected one. Returns the cleanup function anywidget calls on removal.
+// A legend: one entry per colour, flash, blend, line or outline the panel can draw. Each entry is
+// [key, words, kind, colour(s)]; kind is "swatch", "ramp" [from, to], "flash" [colour], "outline", "line" [colour,
+// dash], "arrow" or "note". data-key names the palette entry, so tests can match a swatch to the cells it explains.
+function kvLegend(parent, entries) {
+  const box = kvEl("div", "kv-legend", parent);
+  for (const [key, words, kind, a, b] of entries) {
+    const item = kvEl("span", "kv-key", box);
+    item.dataset.key = key; item.dataset.kind = kind;
+    const sw = kvEl(kind === "line" || kind === "arrow" ? "canvas" : "span", "kv-swatch", item);
+    if (kind === "swatch") sw.style.background = kvCss(a);
+    else if (kind === "ramp") sw.style.background = `linear-gradient(90deg, ${kvCss(a)}, ${kvCss(b)})`;
+    else if (kind === "flash") { sw.style.background = kvCss(a); sw.classList.add("kv-flash"); }
+    else if (kind === "outline") { sw.style.border = `2px solid ${kvCss(a)}`; sw.style.background = "transparent"; }
+    else if (kind === "note") sw.classList.add("kv-note");
+    else { // a line (dash pattern from the palette) or an arrow, drawn as the panel draws it
+      sw.width = 28; sw.height = 14;
+      const c = sw.getContext("2d");
+      c.strokeStyle = c.fillStyle = kvCss(a); c.lineWidth = 2; c.setLineDash(b || []);
+      c.beginPath(); c.moveTo(1, 7); c.lineTo(kind === "arrow" ? 21 : 27, 7); c.stroke();
+      if (kind === "arrow") { c.setLineDash([]); c.beginPath(); c.moveTo(27, 7); c.lineTo(20, 3); c.lineTo(20, 11); c.fill(); }
+    }
+    kvEl("span", "kv-words", item, words);
+  }
+  return box;
+}
+
+const KV_W = KV_PALETTE_DATA.words, KV_SW = KV_PALETTE_DATA.stateWords;
+const kvStateEntries = () => [["FREE", KV_SW.FREE, "swatch", KV_RGB.FREE],
+  ["PENDING", KV_SW.PENDING, "swatch", KV_RGB.PENDING], ["ALLOC1", KV_SW.ALLOC1, "swatch", KV_RGB.ALLOC1],
+  ["ALLOC8", KV_SW.ALLOC8, "ramp", KV_RGB.ALLOC1, KV_RGB.ALLOC8], ["EVICTING", KV_SW.EVICTING, "swatch", KV_RGB.EVICTING],
+  ["CACHED", KV_SW.CACHED, "swatch", KV_RGB.CACHED]];
+const kvFlashEntries = () => [...KV_PALETTE_DATA.flashWords.map(([words, code]) =>
+  [`FLASH${code}`, words, "flash", KV_FLASH_RGB[code]]), ["FADE", KV_W.FADE, "note"]];
+
+const KV_STATUS_WORDS = { idle: "ready to run", running: "running", paused: "paused", stopping: "stopping",
+  done: "finished", stopped: "stopped", failed: "failed: see the cell's error" };
+const kvKernelRun = (status) => ["idle", "running", "paused", "stopping"].includes(status);
+
+// Mount panels on a model: keep every received frame (step back and scrub work while Python is busy), count
+// frames, and draw the selected one. The one play / pause button pauses the workload in the kernel when a live run
+// drives the view (its `status` trait), and otherwise plays the received pictures in the browser.
+// Returns the cleanup function anywidget calls on removal.
 function kvMount(model, el, makePanels, extra) {
   const root = kvEl("div", "kv-root", el), top = kvEl("div", "kv-top", root);
   const body = kvEl("div", "kv-body", root), bar = kvEl("div", "kv-player", root);
   const hist = [];
-  let idx = -1, live = true, received = 0, histBytes = 0;
+  let idx = -1, live = true, received = 0, histBytes = 0, timer = 0;
   const btn = (act, label, title) => { const b = kvEl("button", "kv-btn", bar, label); b.dataset.act = act; b.title = title; return b; };
-  const back = btn("back", "◀", "step back"), toggle = btn("toggle", "pause", "pause / follow live");
-  const fwd = btn("fwd", "▶", "step forward");
+  const back = btn("back", "◀", "one picture back");
+  const toggle = btn("toggle", "pause", "pause or resume");
+  const fwd = btn("fwd", "▶", "one picture forward (at the latest picture of a paused run: one step of the workload)");
   const slider = kvEl("input", "kv-slider", bar);
   slider.type = "range"; slider.min = 0; slider.max = 0; slider.value = 0;
   const label = kvEl("span", "kv-label", bar);
   const panels = makePanels(body, model);
   const ctl = extra ? extra(top, model) : null;
+  const status = () => model.get("status") || "";
 
   function report() {
     root.dataset.framesReceived = received;
     root.dataset.framesSent = model.get("frames_sent") ?? received;
     root.dataset.index = idx;
     root.dataset.live = live ? "1" : "0";
-    const f = hist[idx];
-    label.textContent = f ? `frame ${idx + 1}/${hist.length} · step ${f.step} · seq ${f.seq} · received ${received}/${root.dataset.framesSent}` : "no frame yet";
-    toggle.textContent = live ? "pause" : "live";
+    root.dataset.status = status();
+    root.dataset.playing = timer ? "1" : "0";
+    const f = hist[idx], s = status();
+    const words = s ? KV_STATUS_WORDS[s] || s : hist.length > 1 ? "replay" : "";
+    const where = idx < hist.length - 1 ? ` · an earlier picture (${idx + 1} of ${hist.length})` : "";
+    label.textContent = f ? `${kvStepText(f)}${words ? " · " + words : ""}${where}` : "waiting for the first picture";
+    toggle.textContent = kvKernelRun(s) ? (s === "running" ? "❚❚ pause" : "▶ run") : (timer ? "❚❚ pause" : "▶ play");
+    toggle.dataset.does = kvKernelRun(s) ? (s === "running" ? "pause" : "run") : (timer ? "stop-replay" : "replay");
   }
   function show(i) {
     if (!hist.length) return report();
@@ -156,8 +221,10 @@ function kvMount(model, el, makePanels, extra) {
     if (hist.length && hist[hist.length - 1].n !== f.n) { hist.length = 0; histBytes = 0; } // new pool
     hist.push(f); histBytes += f.bytes;
     while (histBytes > KV_MAX_HISTORY_BYTES && hist.length > 1) { histBytes -= hist.shift().bytes; idx--; }
-    if (draw) { if (live) show(hist.length - 1); else { slider.max = hist.length - 1; report(); } }
+    if (draw) { if (live && !timer) show(hist.length - 1); else { slider.max = hist.length - 1; report(); } }
   }
+  const stopReplay = () => { clearInterval(timer); timer = 0; };
+  const control = (action) => { stopReplay(); live = true; model.send({ type: "control", action }); show(hist.length - 1); };
   const onFrame = () => {
     received++;
     push(model.get("frame"), true);
@@ -168,24 +235,42 @@ function kvMount(model, el, makePanels, extra) {
     if (msg.type === "history") {
       if (msg.reset) { hist.length = 0; histBytes = 0; }
       for (const b of buffers || []) push(b, false);
-      live = false; show(msg.index ?? 0);
+      const at = msg.index ?? hist.length - 1;
+      live = at >= hist.length - 1; show(at);
     } else if (msg.type === "inspect") for (const p of panels) if (p.inspect) p.inspect(msg);
   };
-  const onSent = () => report();
-  back.onclick = () => { live = false; show(idx - 1); };
-  fwd.onclick = () => { live = false; show(idx + 1); };
-  toggle.onclick = () => { live = !live; show(live ? hist.length - 1 : idx); };
-  slider.oninput = () => { live = Number(slider.value) === hist.length - 1 && live; if (!live) show(Number(slider.value)); };
+  const onStatus = () => report();
+  back.onclick = () => { stopReplay(); live = false; show(idx - 1); };
+  fwd.onclick = () => {
+    stopReplay();
+    if (idx < hist.length - 1) { live = idx + 1 === hist.length - 1; show(idx + 1); }
+    else if (kvKernelRun(status()) && status() !== "running") control("step");
+  };
+  toggle.onclick = () => {
+    const does = toggle.dataset.does;
+    if (does === "pause" || does === "run") return control(does);
+    if (does === "stop-replay") { stopReplay(); return report(); }
+    live = false;
+    if (idx >= hist.length - 1) show(0);
+    timer = setInterval(() => {
+      if (idx >= hist.length - 1) { stopReplay(); live = true; report(); } else show(idx + 1);
+    }, 1000 / KV_PLAY_FPS);
+    report();
+  };
+  slider.oninput = () => { stopReplay(); const i = Number(slider.value); live = i === hist.length - 1; show(i); };
   slider.onchange = slider.oninput;
   model.on("change:frame", onFrame);
-  model.on("change:frames_sent", onSent);
+  model.on("change:frames_sent", onStatus);
+  model.on("change:status", onStatus);
   model.on("msg:custom", onMsg);
   if (kvBytes(model.get("frame")).length) { received++; push(model.get("frame"), true); }
   else report();
   model.send({ type: "ready" });
   root.kv = { hist, show, get index() { return idx; }, get live() { return live; }, panels };
   return () => {
-    model.off("change:frame", onFrame); model.off("change:frames_sent", onSent); model.off("msg:custom", onMsg);
+    stopReplay();
+    model.off("change:frame", onFrame); model.off("change:frames_sent", onStatus); model.off("change:status", onStatus);
+    model.off("msg:custom", onMsg);
     for (const p of panels) if (p.destroy) p.destroy();
   };
 }

@@ -1,11 +1,9 @@
-// FragmentationView panel: the arena as a memory map (used dark, free light, the largest free run bright green),
+// FragmentationView panel: the arena as a memory map (the pool's state colours, the largest free run in yellow),
 // gauges for utilisation / external fragmentation / internal waste / free-space scatter, their time series,
 // and the moves of a compaction drawn as arrows from old to new block, animated when they arrive live.
 
-const KV_MAP = { USED: [90, 90, 90], CACHED: [150, 150, 150], FREE: [200, 228, 200], RUN: [56, 160, 60] };
-const KV_GAUGES = [["utilisation", "utilisation", [74, 134, 200]], ["external fragmentation", "external", [230, 140, 40]],
-  ["internal waste", "waste", [150, 90, 200]], ["free-space scatter", "scatter", [60, 170, 170]]];
-const KV_GAUGE_ROW = 20, KV_GAUGE_LABEL = 160;
+const KV_GAUGES = KV_PALETTE_DATA.gauges; // [label, frame field, colour, dash]
+const KV_SERIES_LEN = 300; // pictures in the time series
 
 // Start and length of the longest run of FREE blocks.
 function kvLargestRun(f) {
@@ -19,22 +17,32 @@ function kvLargestRun(f) {
 
 function kvFragPanel(parent, model, maxWidth = 768) {
   const box = kvEl("div", "kv-frag", parent);
+  const caption = kvEl("div", "kv-title", box, "memory map");
   const map = kvEl("canvas", "kv-map", box), mctx = map.getContext("2d", { willReadFrequently: true });
-  const gauges = kvEl("canvas", "kv-gauges", box), gctx = gauges.getContext("2d", { willReadFrequently: true });
+  kvLegend(box, [...kvStateEntries().slice(0, 1), ["RUN", KV_W.RUN, "swatch", KV_PALETTE_DATA.run],
+    ...kvStateEntries().slice(1), ...kvFlashEntries(), ["MOVE", KV_W.MOVE, "arrow", KV_PALETTE_DATA.move]]);
+  const gauges = kvEl("div", "kv-gauges", box), rows = {};
+  for (const [name, key, rgb] of KV_GAUGES) {
+    const row = kvEl("div", "kv-gauge", gauges);
+    row.dataset.key = key;
+    kvEl("span", "kv-gauge-name", row, name).title = KV_PALETTE_DATA.gaugeWords[key];
+    const track = kvEl("span", "kv-track", row), fill = kvEl("span", "kv-fill", track);
+    track.style.background = kvCss(KV_PALETTE_DATA.track); fill.style.background = kvCss(rgb);
+    rows[key] = [fill, kvEl("span", "kv-gauge-value", row)];
+  }
+  kvEl("div", "kv-caption", box, `the four gauges over the last ${KV_SERIES_LEN} pictures (0 to 100%)`);
   const series = kvEl("canvas", "kv-series", box), sctx = series.getContext("2d", { willReadFrequently: true });
-  gauges.width = series.width = Math.min(maxWidth, 480);
-  gauges.height = KV_GAUGE_ROW * KV_GAUGES.length + 4; series.height = 110;
+  kvLegend(box, KV_GAUGES.map(([name, key, rgb, dash]) => [`LINE_${key}`, name, "line", rgb, dash]));
   let g = null, anim = 0;
 
   function drawMap(hist, i, t) {
-    const f = hist[i], [at, len] = kvLargestRun(f);
-    const free = kvPack(KV_MAP.FREE), run = kvPack(KV_MAP.RUN), used = kvPack(KV_MAP.USED), cached = kvPack(KV_MAP.CACHED);
-    kvPaint(mctx, g, kvColors(hist, i, (fr, b) => fr.state[b] === 0 ? (b >= at && b < at + len ? run : free)
-      : fr.state[b] === 4 ? cached : used));
+    const f = hist[i], [at, len] = kvLargestRun(f), run = kvPack(KV_PALETTE_DATA.run);
+    kvPaint(mctx, g, kvColors(hist, i, (fr, b) => fr.state[b] === 0 && b >= at && b < at + len ? run : kvStateColor(fr, b)));
     const centre = (b) => [(b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.5) * g.cell];
+    const move = KV_PALETTE_DATA.move;
     for (let age = Math.min(3, i); age >= 0; age--) {
       const moves = hist[i - age].tail.moves || [];
-      mctx.strokeStyle = `rgba(0,150,190,${KV_FLASH_WEIGHT[age]})`; mctx.fillStyle = "rgb(0,150,190)";
+      mctx.strokeStyle = `rgba(${move[0]},${move[1]},${move[2]},${KV_FLASH_WEIGHT[age]})`; mctx.fillStyle = kvCss(move);
       mctx.lineWidth = Math.max(1, g.cell / 6);
       for (const [s, d] of moves) {
         const [x0, y0] = centre(s), [x1, y1] = centre(d);
@@ -48,7 +56,10 @@ function kvFragPanel(parent, model, maxWidth = 768) {
 
   function draw(hist, i) {
     const f = hist[i];
-    if (!g || g.n !== f.n) { g = kvLayout(f.n, maxWidth); map.width = g.w; map.height = g.h; }
+    if (!g || g.n !== f.n) {
+      g = kvLayout(f.n, kvRoom(box, maxWidth)); map.width = g.w; map.height = g.h;
+      series.width = Math.max(200, Math.min(g.w, 480)); series.height = 120;
+    }
     cancelAnimationFrame(anim);
     drawMap(hist, i, 1);
     if ((f.tail.moves || []).length && i === hist.length - 1) { // animate fresh moves for 400 ms
@@ -56,28 +67,25 @@ function kvFragPanel(parent, model, maxWidth = 768) {
       const tick = (now) => { const t = (now - t0) / 400; drawMap(hist, i, t); if (t < 1) anim = requestAnimationFrame(tick); };
       anim = requestAnimationFrame(tick);
     }
-    gctx.fillStyle = "#fff"; gctx.fillRect(0, 0, gauges.width, gauges.height);
-    gctx.font = "12px sans-serif"; gctx.textBaseline = "middle";
-    const room = gauges.width - KV_GAUGE_LABEL - 50;
-    KV_GAUGES.forEach(([name, key, rgb], r) => {
-      const y = 2 + r * KV_GAUGE_ROW, v = Math.max(0, Math.min(1, f[key]));
-      gctx.fillStyle = "#111"; gctx.fillText(name, 4, y + KV_GAUGE_ROW / 2);
-      gctx.fillStyle = "#eee"; gctx.fillRect(KV_GAUGE_LABEL, y + 3, room, KV_GAUGE_ROW - 6);
-      gctx.fillStyle = `rgb(${rgb})`; gctx.fillRect(KV_GAUGE_LABEL, y + 3, Math.round(room * v), KV_GAUGE_ROW - 6);
-      gctx.fillStyle = "#111"; gctx.fillText(`${(100 * v).toFixed(1)}%`, KV_GAUGE_LABEL + room + 6, y + KV_GAUGE_ROW / 2);
-    });
+    const [, len] = kvLargestRun(f);
+    caption.textContent = `memory map · largest free run ${len} block${len === 1 ? "" : "s"}`;
+    for (const [, key] of KV_GAUGES) {
+      const v = Math.max(0, Math.min(1, f[key])), [fill, value] = rows[key];
+      fill.style.width = `${100 * v}%`; value.textContent = `${(100 * v).toFixed(1)}%`;
+    }
     sctx.fillStyle = "#fff"; sctx.fillRect(0, 0, series.width, series.height);
-    sctx.strokeStyle = "#ccc"; sctx.strokeRect(0.5, 0.5, series.width - 1, series.height - 1);
-    const from = Math.max(0, i - 299), W = series.width - 2, H = series.height - 4;
-    for (const [, key, rgb] of KV_GAUGES) {
-      sctx.strokeStyle = `rgb(${rgb})`; sctx.lineWidth = 1.5; sctx.beginPath();
+    sctx.strokeStyle = "#ccc"; sctx.setLineDash([]); sctx.lineWidth = 1; sctx.strokeRect(0.5, 0.5, series.width - 1, series.height - 1);
+    const from = Math.max(0, i - KV_SERIES_LEN + 1), W = series.width - 2, H = series.height - 4;
+    for (const [, key, rgb, dash] of KV_GAUGES) {
+      sctx.strokeStyle = kvCss(rgb); sctx.lineWidth = 2; sctx.setLineDash(dash); sctx.beginPath();
       for (let j = from; j <= i; j++) {
         const x = 1 + (i === from ? W : (j - from) * W / (i - from)), y = 2 + H * (1 - hist[j][key]);
         j === from ? sctx.moveTo(x, y) : sctx.lineTo(x, y);
       }
       sctx.stroke();
     }
-    box.dataset.largestRun = kvLargestRun(f)[1];
+    sctx.setLineDash([]);
+    box.dataset.largestRun = len;
   }
   return { draw, canvas: map, gauges, series, layout: () => g, destroy: () => cancelAnimationFrame(anim) };
 }

@@ -1,34 +1,31 @@
-// PoolView panel: one cell per base block. Colour = state (cached blocks green, ALLOCATED darker with more
+// PoolView panel: one cell per base block. Colour = state (cached blocks bluish green, ALLOCATED darker with more
 // references), refcount printed in large cells, size classes outlined, fresh changes flashing; hover for details.
 
-const kvPoolColor = (f, b) => KV_PALETTE[f.state[b] << 8 | f.refs[b]];
+const KV_MIN_TEXT_PX = 14; // numbers in cells are drawn only when they stay readable on a projector
 
 function kvPoolPanel(parent, model, maxWidth = 768) {
   const box = kvEl("div", "kv-pool", parent);
   const canvas = kvEl("canvas", "kv-grid", box), ctx = canvas.getContext("2d", { willReadFrequently: true });
-  const tip = kvEl("div", "kv-tip", box), legend = kvEl("div", "kv-legend", box);
-  for (const [name, rgb] of [["free", KV_RGB.FREE], ["pending", KV_RGB.PENDING], ["allocated", KV_RGB.ALLOC1],
-    ["shared", KV_RGB.ALLOC8], ["evicting", KV_RGB.EVICTING], ["cached", KV_RGB.CACHED]]) {
-    const s = kvEl("span", "kv-key", legend, name);
-    s.style.setProperty("--c", `rgb(${rgb})`);
-  }
+  const tip = kvEl("div", "kv-tip", box);
+  kvLegend(box, [...kvStateEntries(), ...kvFlashEntries(), ["OUTLINE", KV_W.OUTLINE, "outline", KV_PALETTE_DATA.outline]]);
   let g = null, shown = null, hover = -1, asked = -1;
 
   function draw(hist, i) {
     const f = hist[i];
     if (!g || g.n !== f.n) {
-      g = kvLayout(f.n, maxWidth);
+      g = kvLayout(f.n, kvRoom(box, maxWidth));
       canvas.width = g.w; canvas.height = g.h;
     }
-    kvPaint(ctx, g, kvColors(hist, i, kvPoolColor));
-    if (g.cell >= 18) { // refcounts as numbers when they fit
-      ctx.font = `${Math.floor(g.cell * 0.5)}px sans-serif`; ctx.textAlign = "center"; ctx.textBaseline = "middle";
+    kvPaint(ctx, g, kvColors(hist, i, kvStateColor));
+    const font = Math.floor(g.cell * 0.5);
+    if (font >= KV_MIN_TEXT_PX) { // refcounts as numbers when they are readable
+      ctx.font = `${font}px sans-serif`; ctx.textAlign = "center"; ctx.textBaseline = "middle";
       for (let b = 0; b < f.n; b++) if (f.state[b] === 2 || f.state[b] === 4) {
         ctx.fillStyle = f.state[b] === 2 && f.refs[b] > 2 ? "#fff" : "#111";
         ctx.fillText(String(f.refs[b]), (b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.55) * g.cell);
       }
     }
-    ctx.strokeStyle = "#222"; ctx.lineWidth = 1; // size classes > 0: outline each block's span
+    ctx.strokeStyle = kvCss(KV_PALETTE_DATA.outline); ctx.lineWidth = 1; // size classes > 0: outline each span
     for (let b = 0; b < f.n; b++) {
       const k = f.meta[b] >> 3;
       if (k && b % (1 << k) === 0) {
@@ -63,7 +60,7 @@ function kvPoolPanel(parent, model, maxWidth = 768) {
   function inspect(msg) {
     if (msg.block === hover && shown) {
       tip.textContent = kvInfoText(kvBlockInfo(shown, hover)) +
-        ` · now: tokens ${msg.tokens}, owner ${msg.owner}, last access ${msg.last_access}`;
+        ` · now: ${msg.tokens} tokens, sequence ${msg.owner}, last used at pool tick ${msg.last_access}`;
     }
   }
   return { draw, inspect, canvas, layout: () => g };

@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import ConfigError
+from .palette import palette_js
 
 _PKG = Path(__file__).resolve().parent.parent
 
@@ -43,9 +44,10 @@ def _check(view: str) -> tuple[tuple[str, ...], str]:
 
 
 def script_source(view: str) -> str:
-    """The view's code without an export: ``common.js`` and its panel files."""
+    """The view's code without an export: the palette (:func:`~kvlab.viz.palette.palette_js`), ``common.js``
+    and its panel files."""
     files, _ = _check(view)
-    return "\n".join(_read(f) for f in ("common.js", *files))
+    return "\n".join([palette_js(), *(_read(f) for f in ("common.js", *files))])
 
 
 def render_expr(view: str) -> str:

@@ -11,7 +11,14 @@ Layout (little endian)::
             utilisation f32, external f32, internal_waste f32, scatter f32, flags u32, tail_len u32
     body    state u8[n] | refcount u8[n] (saturating at 255) | meta u8[n] = size_class << 3 | flash
     details (flags & 1, small pools only) tokens u16[n] | owner i32[n] | last_access f64[n]
-    tail    UTF-8 JSON {"evictions": [...], "evictions_total": k, "moves": [[src, dst], ...]}
+    tail    UTF-8 JSON {"evictions": [...], "evictions_total": k, "moves": [[src, dst], ...],
+                        "run": {"step": s, "steps": total or null}}
+
+``step`` in the header is the pool's clock (it ticks once per pool operation); ``run`` in the tail is the step of
+the workload driving the pool, the count the cells print ("step 507 of 600"), present when a live run or
+:func:`~kvlab.viz.record` built the frame. Each eviction carries ``at``, the workload step it happened in (or
+null), next to ``step``, the pool clock; an infinite score (OPT's "never used again") is the string
+``"Infinity"``/``"-Infinity"``, since JSON has no infinities.
 
 The state byte distinguishes *cached* blocks (ALLOCATED with refcount 0: reusable, evictable) from referenced
 ones, the distinction the text's ``evict_block`` needed and missed. Flashes are collected from the pool's event
@@ -20,6 +27,7 @@ stream between two frames, so a frame sent after many unsent steps still shows e
 from __future__ import annotations
 
 import json
+import math
 import struct
 from itertools import count
 from dataclasses import dataclass
@@ -77,6 +85,15 @@ class Frame:
     def moves(self) -> list[list[int]]:
         return self.tail.get("moves", [])
 
+    @property
+    def when(self) -> str:
+        """Where the frame stands, in the words the views use: "step 507 of 600" (the workload's steps), or
+        "the pool after 67 operations" for a frame built outside a run."""
+        run = self.tail.get("run")
+        if run:
+            return f"step {run['step']} of {run['steps']}" if run.get("steps") else f"step {run['step']}"
+        return f"the pool after {self.step:g} operations"
+
 
 def frame_states(status: np.ndarray, refs: np.ndarray) -> np.ndarray:
     """State codes per base block: the pool's status with cached blocks (ALLOCATED, refcount 0) as CACHED."""
@@ -85,10 +102,17 @@ def frame_states(status: np.ndarray, refs: np.ndarray) -> np.ndarray:
     return state
 
 
+def _score(s: float) -> float | str:
+    return s if math.isfinite(s) else ("Infinity" if s > 0 else "-Infinity")
+
+
 class FrameBuilder:
     """Builds frames of one pool. While open it listens to the pool's events to collect flashes, evictions and
     moves; each :meth:`build` consumes what was collected since the previous one. Call :meth:`close` (or use it
-    as a context manager) to unsubscribe: a listening pool builds an event object for every mutation."""
+    as a context manager) to unsubscribe: a listening pool builds an event object for every mutation.
+
+    Whoever drives the workload sets :attr:`step` (the step being taken, then the last one taken) and
+    :attr:`steps` (how many the workload will take, None if unknown); frames then say "step 507 of 600"."""
 
     def __init__(self, pool: BlockPool, *, details_limit: int = DETAILS_LIMIT) -> None:
         self.pool = pool
@@ -98,6 +122,8 @@ class FrameBuilder:
         self._evictions: list[dict[str, Any]] = []
         self._evictions_total = 0
         self._moves: list[list[int]] = []
+        self.step: int | None = None
+        self.steps: int | None = None
         self._unsubscribe = pool.events.subscribe(self._on_event)
 
     def __enter__(self) -> "FrameBuilder":
@@ -124,8 +150,8 @@ class FrameBuilder:
         elif isinstance(e, ev.Evicted):
             self._mark((e.block_id,), FLASH_EVICTED)
             self._evictions_total += 1
-            self._evictions.append({"step": e.step, "victim": e.block_id, "policy": e.policy, "reason": e.reason,
-                                    "candidates": [[b, s] for b, s in e.candidates]})
+            self._evictions.append({"step": e.step, "at": self.step, "victim": e.block_id, "policy": e.policy,
+                                    "reason": e.reason, "candidates": [[b, _score(s)] for b, s in e.candidates]})
             del self._evictions[:-MAX_EVICTIONS]
         elif isinstance(e, ev.Migrated):
             self._mark(e.src, FLASH_MOVED_OUT)
@@ -157,7 +183,9 @@ class FrameBuilder:
         free = n - n_used
         scatter = 1 - int(runs.max()) / free if free else 0.0
         waste = 1 - tokens / (n_used * p.block_size) if n_used else 0.0
-        tail = {}
+        tail: dict[str, Any] = {}
+        if self.step is not None:
+            tail["run"] = {"step": self.step, "steps": self.steps}
         if self._evictions or self._evictions_total:
             tail["evictions"], tail["evictions_total"] = self._evictions, self._evictions_total
         if self._moves:

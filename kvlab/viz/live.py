@@ -29,7 +29,8 @@ from .frames import ALLOCATED, FREE, FrameBuilder
 
 
 class FrameSink(Protocol):
-    """Anything that shows frames: every view (``show_frame(bytes)``)."""
+    """Anything that shows frames: every view (``show_frame(bytes)``). A sink that also has ``follow(run)``
+    is told which :class:`LiveRun` drives it, so its pause button can pause the workload."""
 
     def show_frame(self, data: bytes) -> None: ...
 
@@ -82,6 +83,9 @@ class LiveRun:
     """Run ``step_fn`` (one step of a workload on ``pool``; returns False when the workload is done) and stream
     paced frames to ``views``. Every sent frame is kept in ``recording`` (up to ``record_bytes``).
 
+    Frames say which step of the workload they show and of how many: ``total_steps``, else ``max_steps``, else
+    the ``steps`` of a :class:`RandomWorkload`. Functions in ``on_state`` are called with each new state.
+
     Invariants: at most one frame per ``1/fps`` seconds, each built from the pool at send time; the state after
     the last step is always sent (also on stop, pause and failure); once :meth:`stop` returns or the task ends,
     no task of this run is left on the loop.
@@ -89,19 +93,40 @@ class LiveRun:
 
     def __init__(self, pool: BlockPool, step_fn: StepFn, views: Iterable[FrameSink] = (), *, fps: float = 30.0,
                  steps_per_second: float | None = None, max_steps: int | None = None,
-                 record_bytes: int | None = 256 << 20, clock: Callable[[], float] = time.perf_counter) -> None:
+                 total_steps: int | None = None, record_bytes: int | None = 256 << 20,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.pool, self.step_fn, self.views = pool, step_fn, list(views)
         self.pacer = Pacer(fps, clock)
         self.steps_per_second = steps_per_second
         self.max_steps = max_steps
         self.builder = FrameBuilder(pool)
+        if total_steps is None:
+            total_steps = max_steps if max_steps is not None else (
+                step_fn.steps if isinstance(step_fn, RandomWorkload) else None)
+        self.builder.step, self.builder.steps = 0, total_steps
         self.recording = Recording(max_bytes=record_bytes)
         self.steps = self.frames_sent = 0
-        self.state = "idle"  # idle | running | paused | done | stopped | failed
+        self.on_state: list[Callable[[str], None]] = []
+        self._state = "idle"  # idle | running | paused | stopping | done | stopped | failed
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
         self._resume = asyncio.Event()
         self._resume.set()
+        for v in self.views:
+            follow = getattr(v, "follow", None)
+            if callable(follow):
+                follow(self)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if value != self._state:
+            self._state = value
+            for fn in self.on_state:
+                fn(value)
 
     # ------------------------------------------------------------------ frames
     def send(self, force: bool = False) -> bool:
@@ -123,14 +148,15 @@ class LiveRun:
 
     def _one(self) -> bool:
         """One step; False when the workload (or ``max_steps``) is done."""
+        self.builder.step = self.steps + 1  # events of this step belong to it
         more = bool(self.step_fn())
         self.steps += 1
         return more and (self.max_steps is None or self.steps < self.max_steps)
 
     def _end(self, state: str) -> None:
-        self.state = state
         self.send(force=True)
         self.builder.close()
+        self.state = state  # last: whoever hears of the end finds the final frame already sent
 
     def step(self) -> bool:
         """Exactly one step now, its frame always sent (the Step button). False once the run is over."""
@@ -249,8 +275,10 @@ def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Reco
         raise ConfigError(f"steps and every must be >= 1, got steps={steps!r}, every={every!r}")
     rec = Recording()
     with FrameBuilder(pool) as b:
+        b.step, b.steps = 0, steps
         rec.append(b.build())
         for i in range(1, steps + 1):
+            b.step = i
             more = step_fn()
             if i % every == 0 or not more or i == steps:
                 rec.append(b.build())
@@ -390,7 +418,7 @@ class RandomWorkload:
             self.pool.free([self.shared.pop(self.rng.randrange(len(self.shared)))])
 
     def _evict(self) -> None:
-        self.pool.evict_block("demo")
+        self.pool.evict_block("the workload trims the cache")
 
     def _swap(self) -> None:
         cand = self.pool.policy.rank(1)

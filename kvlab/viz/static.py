@@ -1,12 +1,15 @@
 """Static figures with matplotlib: the same views as the widgets, for print, for notebooks exported without widget
-state, and as the PNG in every widget's display bundle. Colours and grid layout match ``widgets/*.js``.
+state, and as the PNG in every widget's display bundle. Colours and words come from :mod:`kvlab.viz.palette`, as
+the widgets' do, and the grid layout matches ``widgets/*.js``.
 
 Every function accepts a pool, a frame's bytes or a decoded :class:`~kvlab.viz.frames.Frame`, and returns a
-``matplotlib.figure.Figure`` built without pyplot (no backend is touched, nothing is shown implicitly).
+:class:`Picture`: a matplotlib figure built without pyplot (no backend is touched, nothing is shown twice) that
+displays as an image wherever it is the value of a cell, even in a fresh kernel where pyplot was never imported.
 """
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,16 +20,17 @@ from matplotlib.patches import Patch
 from ..errors import ConfigError
 from ..pool import BlockPool
 from .frames import Frame, build_frame, decode_frame
+from .palette import (CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB,
+                      STATE_WORDS, VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
 
-# Same values as KV_RGB / KV_MAP / KV_GAUGES in widgets/*.js (a test checks they agree).
-STATE_RGB = {"FREE": (232, 232, 232), "PENDING": (242, 193, 78), "ALLOC1": (74, 134, 200), "ALLOC8": (20, 52, 110),
-             "EVICTING": (214, 69, 69), "CACHED": (127, 191, 127)}
-MAP_RGB = {"USED": (90, 90, 90), "CACHED": (150, 150, 150), "FREE": (200, 228, 200), "RUN": (56, 160, 60)}
-GAUGES = (("utilisation", "utilisation", (74, 134, 200)), ("external fragmentation", "external", (230, 140, 40)),
-          ("internal waste", "internal_waste", (150, 90, 200)), ("free-space scatter", "scatter", (60, 170, 170)))
-LEGEND = {"FREE": "free", "PENDING": "pending", "ALLOC1": "allocated", "ALLOC8": "shared (8+ refs)",
-          "EVICTING": "evicting", "CACHED": "cached"}
-VICTIM_RGB, CANDIDATE_RGB = (214, 69, 69), (160, 160, 160)
+
+class Picture(Figure):
+    """A matplotlib figure that shows itself as a PNG (``_repr_png_``): Jupyter shows a bare ``Figure`` as its
+    text form (``<Figure size 900x450 with 3 Axes>``) unless pyplot's inline backend happens to be loaded."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self, dpi=100)
+
 
 FrameLike = BlockPool | bytes | bytearray | memoryview | Frame
 
@@ -42,10 +46,6 @@ def as_frame(x: FrameLike) -> Frame:
     raise ConfigError(f"expected a BlockPool, frame bytes or a Frame, got {type(x).__name__}")
 
 
-def _rgb(c: tuple[int, int, int]) -> tuple[float, float, float]:
-    return (c[0] / 255, c[1] / 255, c[2] / 255)
-
-
 def grid_shape(n: int) -> tuple[int, int]:
     """(rows, cols) of the widgets' grid: power-of-two columns >= sqrt(n)."""
     cols = 1
@@ -56,7 +56,7 @@ def grid_shape(n: int) -> tuple[int, int]:
 
 def pool_colors(f: Frame) -> np.ndarray:
     """RGB uint8 ``[n, 3]`` per base block, as the PoolView paints it (without flashes)."""
-    table = np.array([STATE_RGB[k] for k in ("FREE", "PENDING", "ALLOC1", "EVICTING", "CACHED")], np.float64)
+    table = np.array([STATE_RGB[k] for k in STATE_KEYS], np.float64)
     out = table[f.state]
     alloc = f.state == 2
     t = (np.clip(f.refcount[alloc].astype(np.int64), 1, 8) - 1)[:, None] / 7
@@ -65,17 +65,14 @@ def pool_colors(f: Frame) -> np.ndarray:
 
 
 def map_colors(f: Frame) -> np.ndarray:
-    """RGB uint8 ``[n, 3]`` of the memory map: used, cached, free, and the largest free run highlighted."""
-    out = np.empty((f.num_blocks, 3), np.uint8)
-    out[:] = MAP_RGB["USED"]
-    out[f.state == 4] = MAP_RGB["CACHED"]
+    """RGB uint8 ``[n, 3]`` of the memory map: the pool's state colours, the largest free run highlighted."""
+    out = pool_colors(f)
     free = f.state == 0
-    out[free] = MAP_RGB["FREE"]
     edges = np.flatnonzero(np.diff(np.concatenate(([0], free.astype(np.int8), [0]))))
     if edges.size:
         starts, lens = edges[::2], edges[1::2] - edges[::2]
         k = int(np.argmax(lens))  # first of the longest, as the widget picks it
-        out[starts[k]:starts[k] + lens[k]] = MAP_RGB["RUN"]
+        out[starts[k]:starts[k] + lens[k]] = RUN_RGB
     return out
 
 
@@ -88,51 +85,75 @@ def _image(colors: np.ndarray) -> np.ndarray:
 
 def _draw_grid(ax: Any, colors: np.ndarray, title: str) -> None:
     ax.imshow(_image(colors), interpolation="nearest")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
+def legend(fig: Figure, panels: Sequence[str]) -> None:
+    """One legend at the figure's right for every colour the ``panels`` draw (in the widgets' words)."""
+    handles = [Patch(facecolor=rgb01(STATE_RGB[k]), edgecolor="0.6", label=STATE_WORDS[k]) for k in STATE_RGB]
+    if "fragmentation" in panels:
+        handles.append(Patch(facecolor=rgb01(RUN_RGB), edgecolor="0.6", label=OTHER_WORDS["RUN"]))
+    if "eviction" in panels:
+        handles += [Patch(color=rgb01(VICTIM_RGB), label=OTHER_WORDS["VICTIM"]),
+                    Patch(color=rgb01(CANDIDATE_RGB), label=OTHER_WORDS["CANDIDATE"])]
+    if "pool" not in panels and "fragmentation" not in panels:
+        handles = handles[-2:]
+    fig.legend(handles=handles, loc="outside right upper", fontsize=9, frameon=False)
+
+
 def draw_pool(ax: Any, f: Frame) -> None:
     counts = np.bincount(f.state, minlength=5)
-    _draw_grid(ax, pool_colors(f), f"{f.num_blocks} blocks at step {f.step:g}: {counts[2]} referenced, "
+    _draw_grid(ax, pool_colors(f), f"{f.num_blocks} blocks, {f.when}\n{counts[2]} referenced, "
                                    f"{counts[4]} cached, {counts[0]} free")
-    ax.legend(handles=[Patch(color=_rgb(STATE_RGB[k]), label=label) for k, label in LEGEND.items()],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+
+
+def _when(e: dict[str, Any]) -> str:
+    return f"step {e['at']}" if e.get("at") is not None else f"pool tick {e['step']:g}"
 
 
 def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
+    """The latest eviction's candidates, bars from zero of the quantity the policy ranks by."""
     if not evictions:
-        ax.set_title("no eviction yet", fontsize=9)
+        ax.set_title("no eviction yet", fontsize=10)
         ax.set_axis_off()
         return
     e = evictions[-1]
+    words = score_words(e["policy"])
     ids = [c[0] for c in e["candidates"]]
-    scores = np.array([c[1] for c in e["candidates"]], np.float64)
-    span = (scores.max() - scores.min()) or 1.0
-    colors = [_rgb(VICTIM_RGB if b == e["victim"] else CANDIDATE_RGB) for b in ids]
-    ax.barh(range(len(ids)), 0.05 + (scores - scores.min()) / span, color=colors)
-    ax.set_yticks(range(len(ids)), [f"block {b} ({s:g})" for b, s in zip(ids, scores)], fontsize=7)
+    shown = [shown_score(e["policy"], float(c[1])) for c in e["candidates"]]
+    top = max((abs(v) for v in shown if math.isfinite(v)), default=0.0) or 1.0
+    lengths = [top if not math.isfinite(v) else abs(v) for v in shown]  # never again: the longest bar
+    colors = [rgb01(VICTIM_RGB if b == e["victim"] else CANDIDATE_RGB) for b in ids]
+    ax.barh(range(len(ids)), lengths, color=colors)
+    ax.set_yticks(range(len(ids)), [f"{'evicted' if b == e['victim'] else f'#{r + 1}'} · block {b} · {fmt_score(v)}"
+                                    for r, (b, v) in enumerate(zip(ids, shown))], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xticks([])
-    ax.set_title(f"step {e['step']:g}: {e['policy']} evicted block {e['victim']} ({e['reason']})", fontsize=9)
+    ax.set_xlim(0, top * 1.05)
+    ax.set_xlabel(f"{words['what']}; {words['order']}", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_title(f"{_when(e)}: {e['policy'].upper()} evicted block {e['victim']}\nreason: {e['reason']}",
+                 fontsize=10)
 
 
 def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
                        series: Sequence[Sequence[float]] = ()) -> None:
-    _draw_grid(map_ax, map_colors(f), f"memory map: largest free run {int(f.num_blocks and _largest(f))} blocks")
-    vals = [getattr(f, key) for _, key, _ in GAUGES]
-    gauge_ax.barh(range(len(GAUGES)), vals, color=[_rgb(c) for *_, c in GAUGES])
-    gauge_ax.set_yticks(range(len(GAUGES)), [f"{name} {100 * v:.1f}%" for (name, _, _), v in zip(GAUGES, vals)],
-                        fontsize=7)
+    _draw_grid(map_ax, map_colors(f), f"memory map, {f.when}\nlargest free run "
+                                      f"{int(f.num_blocks and _largest(f))} blocks")
+    vals = [getattr(f, key) for _, key, _, _ in GAUGES]
+    gauge_ax.barh(range(len(GAUGES)), vals, color=[rgb01(c) for _, _, c, _ in GAUGES])
+    gauge_ax.set_yticks(range(len(GAUGES)), [f"{name} {100 * v:.1f}%" for (name, *_), v in zip(GAUGES, vals)],
+                        fontsize=8)
     gauge_ax.set_xlim(0, 1)
     gauge_ax.invert_yaxis()
     data = np.array(list(series) or [vals], np.float64)
-    for j, (name, _, c) in enumerate(GAUGES):
-        series_ax.plot(data[:, j], color=_rgb(c), label=name, lw=1.2)
+    for j, (name, _, c, dash) in enumerate(GAUGES):
+        series_ax.plot(data[:, j], color=rgb01(c), label=name, lw=1.5, dashes=dash or (None, None))
     series_ax.set_ylim(0, 1)
-    series_ax.set_xlabel("frame", fontsize=7)
-    series_ax.tick_params(labelsize=7)
+    series_ax.set_xlabel("picture", fontsize=8)
+    series_ax.tick_params(labelsize=8)
+    series_ax.legend(fontsize=7, loc="upper left", ncols=2, frameon=False)
 
 
 def _largest(f: Frame) -> int:
@@ -141,44 +162,57 @@ def _largest(f: Frame) -> int:
     return int((edges[1::2] - edges[::2]).max()) if edges.size else 0
 
 
-def plot_pool(x: FrameLike) -> Figure:
-    fig = Figure(figsize=(6.4, 5))
+def plot_pool(x: FrameLike) -> Picture:
+    """The pool grid of a pool or frame, with the legend of its colours."""
+    fig = Picture(figsize=(9, 5), layout="constrained")
     draw_pool(fig.add_subplot(), as_frame(x))
-    fig.tight_layout()
+    legend(fig, ["pool"])
     return fig
 
 
-def plot_evictions(evictions: Sequence[dict[str, Any]]) -> Figure:
-    """The latest eviction's ranked candidates (the victim red); ``evictions`` as in frame tails."""
-    fig = Figure(figsize=(6, 3))
+def plot_evictions(evictions: Sequence[dict[str, Any]]) -> Picture:
+    """The latest eviction's ranked candidates, bars from zero, the victim black; ``evictions`` as in frame
+    tails."""
+    fig = Picture(figsize=(10, 4), layout="constrained")
     draw_evictions(fig.add_subplot(), evictions)
-    fig.tight_layout()
+    legend(fig, ["eviction"])
     return fig
 
 
-def plot_fragmentation(x: FrameLike, series: Sequence[Sequence[float]] = ()) -> Figure:
+def plot_fragmentation(x: FrameLike, series: Sequence[Sequence[float]] = ()) -> Picture:
     """Memory map, gauges and (given ``series`` rows of utilisation, external, waste, scatter) time series."""
-    fig = Figure(figsize=(9, 4.5))
-    gs = fig.add_gridspec(2, 2, width_ratios=(1.2, 1))
+    fig = Picture(figsize=(13, 5), layout="constrained")
+    gs = fig.add_gridspec(2, 2, width_ratios=(1.5, 1))
     draw_fragmentation(fig.add_subplot(gs[:, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, 1]),
                        as_frame(x), series)
-    fig.tight_layout()
+    legend(fig, ["fragmentation"])
     return fig
 
 
 def plot_dashboard(x: FrameLike, series: Sequence[Sequence[float]] = (),
-                   evictions: Sequence[dict[str, Any]] = ()) -> Figure:
+                   evictions: Sequence[dict[str, Any]] = (),
+                   panels: Sequence[str] = ("pool", "fragmentation", "eviction")) -> Picture:
+    """The dashboard's ``panels`` (``pool``, ``fragmentation``, ``eviction``) of one frame, side by side."""
+    unknown = set(panels) - {"pool", "fragmentation", "eviction"}
+    if unknown or not panels:
+        raise ConfigError(f"panels must name some of pool, fragmentation, eviction, got {list(panels)!r}")
     f = as_frame(x)
-    fig = Figure(figsize=(12, 6))
-    gs = fig.add_gridspec(3, 3, width_ratios=(1.3, 1.1, 1))
-    draw_pool(fig.add_subplot(gs[:, 0]), f)
-    draw_fragmentation(fig.add_subplot(gs[:2, 1]), fig.add_subplot(gs[0, 2]), fig.add_subplot(gs[1, 2]), f, series)
-    draw_evictions(fig.add_subplot(gs[2, 1:]), list(evictions) or f.evictions)
-    fig.tight_layout()
+    fig = Picture(figsize=(5 * len(panels) + 3, 5.5), layout="constrained")
+    gs = fig.add_gridspec(2, 2 * len(panels))
+    for k, name in enumerate(panels):
+        if name == "pool":
+            draw_pool(fig.add_subplot(gs[:, 2 * k:2 * k + 2]), f)
+        elif name == "eviction":
+            draw_evictions(fig.add_subplot(gs[:, 2 * k:2 * k + 2]), list(evictions) or f.evictions)
+        else:
+            draw_fragmentation(fig.add_subplot(gs[:, 2 * k]), fig.add_subplot(gs[0, 2 * k + 1]),
+                               fig.add_subplot(gs[1, 2 * k + 1]), f, series)
+    legend(fig, panels)
     return fig
 
 
 def figure_png(fig: Figure, dpi: int = 80) -> bytes:
+    """The figure as PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()

@@ -3,8 +3,12 @@ and a Dashboard that runs a workload live (§2.2.3 allocation and release, §2.2
 
 A view holds one synced binary trait, ``frame`` (see :mod:`kvlab.viz.frames`), set together with ``frames_sent``
 under ``hold_sync()`` so each frame is exactly one message. The browser keeps every frame it receives, so its
-player (pause, step back, scrub) works on its own; it reports ``frames_received`` back. A recording loaded into
-a view is sent as history when the browser asks for it (``ready``), so it arrives whenever the view is shown.
+player (step back, scrub) works on its own; it reports ``frames_received`` back. A recording loaded into a view
+is sent as history when the browser asks for it (``ready``), so it arrives whenever the view is shown.
+
+A view driven by a :class:`LiveRun` follows it: its ``status`` trait is the run's state, and its one pause
+button pauses the workload (a ``control`` message), not just the picture. When the run ends, the view's
+displays are refreshed, so the notebook's saved ``image/png`` is the final frame, not the first.
 """
 from __future__ import annotations
 
@@ -23,9 +27,11 @@ from ..pool import BlockPool
 from .assets import css_source, esm_source
 from .frames import build_frame, decode_frame
 from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn
-from .static import figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
+CONTROLS = ("run", "pause", "step", "stop")  # what the browser's buttons send
+ENDED = ("done", "stopped", "failed")
 
 
 class FrameView(anywidget.AnyWidget):
@@ -37,14 +43,17 @@ class FrameView(anywidget.AnyWidget):
     frame = traitlets.Bytes(b"").tag(sync=True)
     frames_sent = traitlets.Int(0).tag(sync=True)
     frames_received = traitlets.Int(0).tag(sync=True)  # written by the browser
+    status = traitlets.Unicode("").tag(sync=True)  # the state of the LiveRun driving the view; "" for none
 
     def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.pool = pool
+        self.run: LiveRun | None = None
         self.history: Recording | None = None
         self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
         self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
+        self.displays: list[Any] = []  # IPython display handles of this view, refreshed when a run ends
         self.on_msg(self._on_msg)
         if recording is not None:
             self.load(recording)
@@ -72,7 +81,8 @@ class FrameView(anywidget.AnyWidget):
         self.show_frame(build_frame(self.pool))
 
     def load(self, recording: Recording | Iterable[bytes]) -> None:
-        """Show a recording: the browser gets all frames (slider from the first) and the last frame is current."""
+        """Show a recording: the browser gets all frames (opening on the last, the slider reaching back to the
+        first)."""
         rec = recording if isinstance(recording, Recording) else Recording(recording)
         if not len(rec):
             raise ConfigError("the recording holds no frame")
@@ -87,10 +97,50 @@ class FrameView(anywidget.AnyWidget):
         self._send_history()
 
     def live(self, step_fn: StepFn, **kwargs: Any) -> LiveRun:
-        """A :class:`LiveRun` of ``step_fn`` on this view's pool, streaming to this view."""
+        """A :class:`LiveRun` of ``step_fn`` on this view's pool, streaming to this view (which follows it)."""
         if self.pool is None:
             raise ConfigError(f"this {type(self).__name__} has no pool to run on")
         return LiveRun(self.pool, step_fn, [self], **kwargs)
+
+    # ------------------------------------------------------------------ the run it follows
+    def follow(self, run: LiveRun) -> None:
+        """Be driven by ``run`` (a :class:`LiveRun` calls this): ``status`` tracks its state and the view's
+        pause button pauses it."""
+        self.run = run
+        run.on_state.append(self._run_state)
+        self.status = run.state
+
+    def _run_state(self, state: str) -> None:
+        self.status = state
+        if state in ENDED and self.run is not None:
+            self.history = self.run.recording  # a view shown again replays the whole run
+            self.refresh_displays()
+
+    def start(self) -> None:
+        """Run (or resume) the workload as a task on the running event loop."""
+        run = self.run
+        if run is None or run.finished:
+            return
+        if run.state == "paused" and run.task is not None:
+            run.resume()
+        elif run.state != "running":
+            run.start()
+
+    def pause(self) -> None:
+        """Pause the workload (its current state is sent)."""
+        if self.run is not None:
+            self.run.pause()
+
+    def step(self) -> None:
+        """One step (pausing a running workload first), its frame always sent."""
+        if self.run is not None and not self.run.finished:
+            self.run.pause()
+            self.run.step()
+
+    def stop(self) -> None:
+        """End the run (its final state is sent)."""
+        if self.run is not None:
+            self.run.stop()
 
     # ------------------------------------------------------------------ browser messages
     def _send_history(self) -> None:
@@ -100,7 +150,7 @@ class FrameView(anywidget.AnyWidget):
         size, first = 0, True
         for data in list(self.history) + [b""]:
             if chunk and (not data or size + len(data) > HISTORY_CHUNK):
-                self.send({"type": "history", "reset": first, "index": 0}, buffers=chunk)
+                self.send({"type": "history", "reset": first, "index": len(self.history) - 1}, buffers=chunk)
                 chunk, size, first = [], 0, False
             if data:
                 chunk.append(bytes(data))
@@ -112,6 +162,9 @@ class FrameView(anywidget.AnyWidget):
             self._send_history()
         elif kind == "inspect":
             self._inspect(content.get("block"))
+        elif kind == "control" and content.get("action") in CONTROLS:
+            action = content["action"]  # anything else is not ours to act on
+            (self.start if action == "run" else getattr(self, action))()
 
     def _inspect(self, block: Any) -> None:
         """Answer a hover on a large pool (frames carry no details) with the block's live fields."""
@@ -122,8 +175,8 @@ class FrameView(anywidget.AnyWidget):
                    "last_access": p.fields.last_access[block], "hits": p.fields.hits[block]})
 
     # ------------------------------------------------------------------ static fallback
-    def figure(self):
-        """The view as a matplotlib figure of the current frame."""
+    def figure(self) -> Picture:
+        """The view as a matplotlib figure of its latest frame."""
         if not self.frame:
             raise ConfigError(f"this {type(self).__name__} has no frame yet")
         return plot_pool(self.frame)
@@ -133,6 +186,22 @@ class FrameView(anywidget.AnyWidget):
         if self.frame:
             data["image/png"] = base64.b64encode(figure_png(self.figure())).decode()
         return data, meta
+
+    def _ipython_display_(self) -> None:
+        """Display with a display id, so the picture can be brought up to date when a run ends."""
+        from IPython.display import display
+        data, meta = self._repr_mimebundle_()
+        handle = display(data, metadata=meta, raw=True, display_id=True)
+        if handle is not None:
+            self.displays.append(handle)
+
+    def refresh_displays(self) -> None:
+        """Redraw every display of this view from its latest frame (widget and ``image/png``)."""
+        if not self.displays:
+            return
+        data, meta = self._repr_mimebundle_()
+        for handle in self.displays:
+            handle.update(data, metadata=meta, raw=True)
 
 
 class PoolView(FrameView):
@@ -146,7 +215,7 @@ class EvictionView(FrameView):
 
     view = "eviction"
 
-    def figure(self):
+    def figure(self) -> Picture:
         return plot_evictions(list(self.evictions))
 
 
@@ -156,36 +225,66 @@ class FragmentationView(FrameView):
 
     view = "fragmentation"
 
-    def figure(self):
+    def figure(self) -> Picture:
         if not self.frame:
             raise ConfigError("this FragmentationView has no frame yet")
         return plot_fragmentation(self.frame, list(self.series))
 
 
-class Dashboard(FrameView):
-    """All views over one live run, with run / pause / step / stop / speed and policy, block size and workload.
+DASHBOARD_PRESETS: dict[str, dict[str, Any]] = {
+    # per chapter topic: the panels shown, the setup controls offered, and the workload / policy to start with
+    "block_size": {"panels": ["pool", "fragmentation"], "controls": ["block_size", "workload"],
+                   "workload": "steady", "policy": "lru"},
+    "eviction": {"panels": ["pool", "eviction"], "controls": ["policy", "workload"], "workload": "sharing",
+                 "policy": "lru"},
+    "fragmentation": {"panels": ["pool", "fragmentation"], "controls": ["workload"], "workload": "defrag",
+                      "policy": "lru"},
+    "engine": {"panels": ["pool", "fragmentation", "eviction"], "controls": ["policy", "block_size", "workload"],
+               "workload": "bursty", "policy": "lru"},
+}
 
-    The dashboard owns its pool (or starts from ``pool``) and a :class:`RandomWorkload`; changing the policy,
-    block size or workload stops the run and builds a fresh pool with the same token capacity. Every control runs
-    on the kernel's event loop, between two steps of the run.
+
+class Dashboard(FrameView):
+    """Views over one live run with one player (run / pause, step, stop, speed) and setup controls.
+
+    ``preset`` picks the panels and controls for a chapter topic:
+
+    * ``"block_size"`` (§2.2.1): pool and fragmentation panels (internal waste), block size and workload menus;
+    * ``"eviction"`` (§2.2.2): pool and eviction panels, policy and workload menus, the ``sharing`` workload;
+    * ``"fragmentation"`` (§2.2.4): pool and fragmentation panels, the ``defrag`` workload (with compaction);
+    * ``"engine"`` (§2.2.5-§2.2.6, the default): all three panels and every menu, the ``bursty`` workload.
+
+    ``policy`` and ``workload`` given explicitly override the preset's. The dashboard owns its pool (or starts
+    from ``pool``) and a :class:`RandomWorkload`; changing the policy, block size or workload stops the run and
+    builds a fresh pool with the same token capacity. Every control runs on the kernel's event loop, between two
+    steps of the run.
     """
 
     view = "dashboard"
-    status = traitlets.Unicode("idle").tag(sync=True)
     speed = traitlets.Float(200.0).tag(sync=True)  # steps per second
     policy = traitlets.Unicode("lru").tag(sync=True)
     block_size = traitlets.Int(16).tag(sync=True)
     workload = traitlets.Unicode("steady").tag(sync=True)
     options = traitlets.Dict().tag(sync=True)
+    preset = traitlets.Unicode("engine").tag(sync=True)
+    panels = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    controls = traitlets.List(traitlets.Unicode()).tag(sync=True)
 
-    def __init__(self, pool: BlockPool | None = None, *, num_blocks: int = 1024, block_size: int = 16,
-                 policy: str = "lru", workload: str = "steady", seed: int = 0, steps: int | None = None,
-                 speed: float = 200.0, fps: float = 30.0, **kwargs: Any) -> None:
-        if pool is None:
-            pool = BlockPool(num_blocks, block_sizes=[block_size], eviction_policy=policy, with_storage=False,
-                             seed=seed)
+    def __init__(self, pool: BlockPool | None = None, *, preset: str = "engine", num_blocks: int = 1024,
+                 block_size: int = 16, policy: str | None = None, workload: str | None = None, seed: int = 0,
+                 steps: int | None = None, speed: float = 200.0, fps: float = 30.0, **kwargs: Any) -> None:
+        if preset not in DASHBOARD_PRESETS:
+            raise ConfigError(f"unknown dashboard preset {preset!r}; choose one of {sorted(DASHBOARD_PRESETS)}")
+        setup = DASHBOARD_PRESETS[preset]
+        policy = setup["policy"] if policy is None else policy
+        workload = setup["workload"] if workload is None else workload
         if workload not in PRESETS:
             raise ConfigError(f"unknown workload {workload!r}; choose one of {sorted(PRESETS)}")
+        if pool is None:
+            if policy not in POLICIES:
+                raise ConfigError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")
+            pool = BlockPool(num_blocks, block_sizes=[block_size], eviction_policy=policy, with_storage=False,
+                             seed=seed)
         self.capacity_tokens = pool.num_blocks * pool.block_size
         self.seed, self.steps, self.fps = seed, steps, fps
         self.run: LiveRun | None = None
@@ -193,56 +292,33 @@ class Dashboard(FrameView):
         sizes = sorted({8, 16, 32, 64, pool.block_size})
         super().__init__(pool, policy=pool.policy.name, block_size=pool.block_size, workload=workload, speed=speed,
                          options={"policy": sorted(POLICIES), "block_size": sizes, "workload": list(PRESETS)},
-                         **kwargs)
+                         preset=preset, panels=list(setup["panels"]), controls=list(setup["controls"]), **kwargs)
+        self.status = "idle"
         self.observe(self._rebuild, names=["policy", "block_size", "workload"])
         self.observe(self._set_speed, names=["speed"])
 
     # ------------------------------------------------------------------ controls
     def _new_run(self) -> LiveRun:
         self.workload_fn = RandomWorkload(self.pool, preset=self.workload, seed=self.seed, steps=self.steps)
-        self.run = LiveRun(self.pool, self.workload_fn, [self], fps=self.fps, steps_per_second=self.speed)
-        return self.run
+        return LiveRun(self.pool, self.workload_fn, [self], fps=self.fps, steps_per_second=self.speed)
 
     def _current(self) -> LiveRun:
         return self.run if self.run is not None and not self.run.finished else self._new_run()
 
-    def _track(self) -> None:
-        self.status = self.run.state if self.run is not None else "idle"
+    def _run_state(self, state: str) -> None:
+        super()._run_state(state)
+        if state in ENDED:
+            self.status = "idle"  # the dashboard can always run again, on a fresh workload
 
     def start(self) -> None:
-        """Run (or resume) the workload as a task on the running event loop."""
-        run = self._current()
-        if run.state == "paused" and run.task is not None:
-            run.resume()
-        elif run.state != "running":
-            run.start().add_done_callback(lambda _t: self._track())
-        self._track()
-
-    def pause(self) -> None:
-        if self.run is not None:
-            self.run.pause()
-        self._track()
+        """Run (or resume) the workload as a task on the running event loop; after a run ended, a new one."""
+        self._current()
+        super().start()
 
     def step(self) -> None:
         """One step (pausing a running workload first), its frame always sent."""
-        run = self._current()
-        run.pause()
-        run.step()
-        self._track()
-
-    def stop(self) -> None:
-        if self.run is not None:
-            self.run.stop()
-        self._track()
-
-    def _on_msg(self, widget: Any, content: dict[str, Any], buffers: Any) -> None:
-        if content.get("type") == "control":
-            action = content.get("action")
-            if action not in ("run", "pause", "step", "stop"):
-                return  # the browser only sends these four; anything else is not ours to act on
-            (self.start if action == "run" else getattr(self, action))()
-        else:
-            super()._on_msg(widget, content, buffers)
+        self._current()
+        super().step()
 
     def _set_speed(self, change: dict[str, Any]) -> None:
         if self.run is not None:
@@ -274,9 +350,9 @@ class Dashboard(FrameView):
         self.series.clear()
         self.evictions.clear()
         self.update()
-        self._track()
+        self.status = "idle"
 
-    def figure(self):
+    def figure(self) -> Picture:
         if not self.frame:
             raise ConfigError("this Dashboard has no frame yet")
-        return plot_dashboard(self.frame, list(self.series), list(self.evictions))
+        return plot_dashboard(self.frame, list(self.series), list(self.evictions), panels=self.panels)
