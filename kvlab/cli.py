@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import ConfigError, KVLabError
 
@@ -35,10 +35,17 @@ def command(name: str, help: str, configure: Configure) -> Callable[[Handler], H
     return register
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the usage block it prints by default buries the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__, hotpath_compiled
 
-    parser = argparse.ArgumentParser(prog="kvlab", description="See how a paged KV cache works.")
+    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.")
     from .attention import DECODE_KERNEL_COMPILED
 
     fast = "compiled (kvlab/_fastpath.c)" if hotpath_compiled else "pure Python (no compiled kvlab/_fastpath.c)"
@@ -61,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return code
     except KVLabError as e:  # bad input found after parsing: a trace file, a size the pool refuses
         print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError | ValueError) else 1
@@ -349,7 +358,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _html_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src", default=None, help="chapters folder (default: the checkout's chapters/)")
+    p.add_argument("--src", default=None, help="chapters folder (default: the chapters shipped with kvlab)")
     p.add_argument("--out", default="site", help="output folder (default: site)")
     p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
     p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
@@ -367,21 +376,85 @@ def _html(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chapters_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dest", metavar="DEST", help="folder to copy the notebooks into (created if missing)")
+    p.add_argument("--no-solutions", action="store_true", help="leave out solutions/")
+    p.add_argument("--force", action="store_true", help="overwrite notebooks already in DEST")
+
+
+@command("chapters", "copy the course notebooks (shipped with kvlab) into a folder of your own", _chapters_args)
+def _chapters(args: argparse.Namespace) -> int:
+    from .resources import copy_chapters
+
+    written = copy_chapters(args.dest, solutions=not args.no_solutions, overwrite=args.force)
+    print(f"copied {len(written)} notebooks into {args.dest}; start with: kvlab lab {args.dest}")
+    return 0
+
+
+def _lab_args(p: argparse.ArgumentParser) -> None:
+    from .lab import DEFAULT_PORT
+
+    p.add_argument("folder", nargs="?", default=".", metavar="FOLDER",
+                   help="folder to serve: a kvlab checkout or one made by `kvlab chapters` (default: .)")
+    p.add_argument("--port", type=_positive_int, default=DEFAULT_PORT,
+                   help="port to listen on, or a free one if it is taken (default: %(default)s)")
+    p.add_argument("--ip", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--no-browser", action="store_true", default=None,
+                   help="do not open a browser (default: open one where a display is found)")
+    p.add_argument("--dry-run", action="store_true", help="print the jupyter command instead of running it")
+
+
+@command("lab", "JupyterLab on the chapters: serves FOLDER, opens the chapter index, prints the URL", _lab_args)
+def _lab(args: argparse.Namespace) -> int:
+    from .lab import launch
+
+    launch(args.folder, port=args.port, ip=args.ip, no_browser=args.no_browser, dry_run=args.dry_run)
+    return 0
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 @command("demo", "run the default workload through a pool and print the engine's report and the text's "
-                 "2.2.6 claims beside kvlab's measurements", lambda p: None)
+                 "2.2.6 claims beside kvlab's measurements", _demo_args)
 def _demo(args: argparse.Namespace) -> int:
-    from .claims import claims_report, prefetch_effect
+    import dataclasses
+
+    from .claims import claims_report, measure_claims, prefetch_effect
     from .engine import Engine, EngineConfig
     from .metrics import format_table
     from .workloads import make_workload
 
     w = make_workload("chat", 1000, 0, rate=200.0)
-    rows = {m: Engine(w, EngineConfig(memory=m)).run() for m in ("paged", "contiguous")}
+    rows = {m: Engine(w, EngineConfig(memory=m)).run(progress=not args.no_progress) for m in ("paged", "contiguous")}
+    prefetch = prefetch_effect()
+    claims = measure_claims(progress=not args.no_progress)
+    if args.json:
+        _print_json({"workload": w.name, "engine": rows, "prefetch": prefetch,
+                     "claims": [dataclasses.asdict(c) for c in claims]})
+        return 0
     print(format_table(rows))
     print()
     print("Prefetch (swap-in ahead of need) on a swap-heavy document workload, simulated seconds:")
-    print(format_table(prefetch_effect(), ["finished", "steps", "preemptions", "swap_ins", "prefetched_swap_ins",
-                                           "swap_stall_s", "swap_in_stall_s", "stall_steps", "latency_mean_s", "time_s"]))
+    print(format_table(prefetch, ["finished", "steps", "preemptions", "swap_ins", "prefetched_swap_ins",
+                                  "swap_stall_s", "swap_in_stall_s", "stall_steps", "latency_mean_s", "time_s"]))
     print()
-    print(claims_report())
+    print(claims_report(claims))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- disagg
+def _disagg_args(p: argparse.ArgumentParser) -> None:
+    from .distributed.disagg import configure
+
+    configure(p)
+
+
+@command("disagg", "disaggregated prefill/decode on torch.distributed: two ranks (gloo on 127.0.0.1, or this "
+                   "rank of a torchrun group) ship prompts' KV blocks; prints the transfer report", _disagg_args)
+def _disagg(args: argparse.Namespace) -> int:
+    from .distributed.disagg import main as disagg_main
+
+    return disagg_main(args)
