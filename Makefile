@@ -1,24 +1,48 @@
-# kvlab: `make lab` (JupyterLab on the chapters), `make demo` (headless report), `make test` (the test suite).
+# kvlab: `make lab` (JupyterLab on the course), `make demo` (headless report), `make test` (the test suite),
+# `make check` (ruff and mypy). Each sets up .venv first if needed (`make install` does only that).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# torch is installed first and pinned: an open range with no torch present may pull a multi-GB build.
-TORCH  ?= torch==2.13.0
+# torch is installed first and pinned: with no torch present, an open range takes PyPI's build, which on Linux
+# is the CUDA one (several GB; it runs on a CPU too). PyTorch's CPU-only build (a few hundred MB):
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# or choose a CUDA version: TORCH_INDEX=https://download.pytorch.org/whl/cu128 (see pytorch.org for the list).
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+# What `make install` adds: dev = JupyterLab, widgets, the test tools, ruff, mypy and nbstripout.
+EXTRAS ?= dev
 STAMP  := $(VENV)/.kvlab-installed
+# `make test-versions`: the core suite (no browser, no notebooks) on other CPython versions, each in .venv-X.Y,
+# from pyenv's versions (or pythonX.Y on PATH). CI runs it.
+CORE_PYTHONS ?= 3.10 3.13
+CORE_TESTS   := -m "not browser and not notebooks and not slow" --ignore=tests/browser
+LAB_ARGS ?=
 
-.PHONY: install lab demo test test-long bench html clean
+.PHONY: install git-filter lab demo test test-long test-versions check bench html clean
 
 $(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c kvlab/_paged_attention.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[jupyter,test]"
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) git-filter
 
-lab: $(STAMP)
-	$(BIN)/jupyter lab chapters/index.ipynb
+# Notebooks enter git without outputs: .gitattributes sends them through this filter (cell ids kept, so an
+# unexecuted notebook goes in byte for byte); tests/test_notebooks.py stays the gate.
+git-filter: $(STAMP)
+	@if git rev-parse --git-dir >/dev/null 2>&1 && $(BIN)/python -c "import nbstripout" 2>/dev/null; then \
+	  git config filter.nbstripout.clean "'$(abspath $(BIN))/python' -m nbstripout --keep-id" && \
+	  git config filter.nbstripout.smudge cat && \
+	  git config diff.ipynb.textconv "'$(abspath $(BIN))/python' -m nbstripout --keep-id -t" && \
+	  echo "git: notebooks are committed without outputs (nbstripout filter)"; \
+	fi
+
+# Serves the checkout's root (README, docs and chapters in the file browser), opens chapters/index.ipynb and
+# prints the URL; --allow-root only as root, --no-browser only without a display. E.g. LAB_ARGS="--ip 0.0.0.0".
+lab: install
+	$(BIN)/python -m kvlab lab . $(LAB_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m kvlab demo
@@ -29,11 +53,26 @@ test: $(STAMP)
 test-long: $(STAMP)
 	KVLAB_LONG=1 $(BIN)/python -m pytest tests/test_reliability.py
 
+test-versions:
+	@set -e; for v in $(CORE_PYTHONS); do \
+	  py=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v.*/bin/python$$v 2>/dev/null | tail -n 1); \
+	  py=$${py:-$$(command -v python$$v || true)}; \
+	  if [ -z "$$py" ]; then echo "test-versions: no Python $$v here (pyenv install $$v)"; exit 1; fi; \
+	  echo "== core suite on $$($$py --version)"; \
+	  $(MAKE) --no-print-directory VENV=.venv-$$v PYTHON=$$py .venv-$$v/.kvlab-installed EXTRAS=test; \
+	  .venv-$$v/bin/python -m pytest -q $(CORE_TESTS); \
+	done
+
+check: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
+
 bench: $(STAMP)
-	$(BIN)/python -m kvlab bench
+	mkdir -p bench-results
+	$(BIN)/python -m kvlab bench --out bench-results/bench.json
 
 html: $(STAMP)
 	$(BIN)/python -m kvlab html
 
 clean:
-	rm -rf $(VENV) build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so kvlab/_paged_attention*.so
+	rm -rf $(VENV) .venv-* build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so kvlab/_paged_attention*.so

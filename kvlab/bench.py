@@ -1,5 +1,5 @@
-"""``kvlab bench``: run every benchmark in ``benchmarks/``, print one table of figures with their baselines,
-ratios and goals, and write the same rows as JSON with the machine, versions, device and date.
+"""``kvlab bench``: run every benchmark shipped with kvlab, print one table of figures with their baselines,
+ratios and goals, or the same rows as JSON with the machine, versions, device and date.
 
 Each ``benchmarks/bench_*.py`` exposes ``run(quick: bool) -> list[dict]`` whose rows carry ``name``, ``value``,
 ``unit`` and optionally ``baseline``, ``ratio``, ``goal`` and ``ratios`` (``{label: ratio}`` to further baselines,
@@ -22,30 +22,34 @@ import torch
 
 from .device import default_device
 from .errors import ConfigError
+from .resources import shipped
 
 
 def benchmarks_dir() -> Path:
-    """``benchmarks/`` of the source checkout kvlab runs from (or ``$KVLAB_BENCHMARKS``)."""
+    """The benchmark files: ``$KVLAB_BENCHMARKS`` if set, else those shipped with kvlab (inside the installed
+    package, or ``benchmarks/`` of a checkout)."""
     env = os.environ.get("KVLAB_BENCHMARKS")
-    for cand in ([Path(env)] if env else []) + [Path(__file__).resolve().parent.parent / "benchmarks",
-                                                Path.cwd() / "benchmarks"]:
-        if cand.is_dir():
-            return cand
-    raise ConfigError("no benchmarks/ folder found: run from a kvlab checkout or set KVLAB_BENCHMARKS")
-
-
-def load(name: str) -> ModuleType:
-    path = benchmarks_dir() / f"{name}.py"
-    if not path.is_file():
-        raise ConfigError(f"unknown benchmark {name!r}; have {available()}")
-    spec = importlib.util.spec_from_file_location(f"kvlab_benchmarks.{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    if env:
+        if not Path(env).is_dir():
+            raise ConfigError(f"KVLAB_BENCHMARKS={env!r} is not a folder")
+        return Path(env)
+    return shipped("benchmarks")
 
 
 def available() -> list[str]:
+    """The benchmarks' names (``bench_*.py`` files, without the suffix), sorted."""
     return sorted(p.stem for p in benchmarks_dir().glob("bench_*.py"))
+
+
+def load(name: str) -> ModuleType:
+    """Import the benchmark file ``name`` (e.g. ``"bench_pool"``) as a module."""
+    path = benchmarks_dir() / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvlab_benchmarks.{name}", path) if path.is_file() else None
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"unknown benchmark {name!r}; have {', '.join(available())}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def machine() -> dict[str, Any]:
@@ -66,8 +70,9 @@ def run_all(names: list[str] | None = None, quick: bool = False, progress: bool 
 
     rows: list[dict[str, Any]] = []
     names = names or available()
-    for name in tqdm(names, desc="benchmarks", disable=not progress):
-        for row in load(name).run(quick=quick):
+    modules = [load(name) for name in names]  # an unknown name fails before any benchmark runs
+    for name, mod in zip(names, tqdm(modules, desc="benchmarks", disable=None if progress else True)):
+        for row in mod.run(quick=quick):
             rows.append({"benchmark": name, **row})
     return {"machine": machine(), "quick": quick, "rows": rows}
 
@@ -130,14 +135,15 @@ def run_script(run: Any, argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def main(names: list[str] | None = None, quick: bool = False, json_path: str | None = None) -> dict[str, Any]:
-    result = run_all(names, quick)
+def report(result: dict[str, Any]) -> str:
+    """What ``kvlab bench`` prints: a line naming the machine, then :func:`format_table`."""
     m = result["machine"]
-    print(f"kvlab bench — {m['date']} — {m['processor']}, {m['cpu_count']} cores, device {m['device']}, "
-          f"torch {m['torch']}{' (quick)' if quick else ''}")
-    print(format_table(result))
-    path = Path(json_path or "bench-results/bench.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    return (f"kvlab bench — {m['date']} — {m['processor']}, {m['cpu_count']} cores, device {m['device']}, "
+            f"torch {m['torch']}{' (quick)' if result['quick'] else ''}\n{format_table(result)}")
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> Path:
+    """Write :func:`run_all`'s result to ``path`` (its folder must exist) as indented JSON."""
+    path = Path(path)
     path.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {path}")
-    return result
+    return path

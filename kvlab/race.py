@@ -91,7 +91,7 @@ def race_policies(workload: Workload, sizes: Sequence[int], policies: Sequence[s
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(runs), unit="run", desc="policy race")
+        bar = tqdm(total=len(runs), unit="run", desc="policy race", disable=None)  # off in logs
     hits: dict[str, list[float]] = {p: [] for p in policies}
     preempted: dict[str, list[int]] = {p: [] for p in policies}
     for policy, size in runs:

@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 
 from .errors import ConfigError
+from .resources import shipped
 
-CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 TEMPLATES = Path(__file__).resolve().parent / "viz" / "site_template"
 
 
@@ -70,7 +70,7 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
                     solutions: bool = True, timeout: int = 600) -> list[Path]:
     """Render every chapter (and, if ``solutions``, every solution notebook) of ``src`` into ``out``, keeping
     the folder layout; ``fast`` sets ``KVLAB_FAST=1`` for the kernels. Returns the HTML files written."""
-    src = Path(src) if src is not None else CHAPTERS
+    src = Path(src) if src is not None else shipped("chapters")  # the wheel's copy, or the checkout's
     out = Path(out)
     old = os.environ.get("KVLAB_FAST")
     if fast:

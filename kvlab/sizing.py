@@ -341,7 +341,7 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
     kw = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim": 64, "rounds": 5, "device": None,
           **attention_kwargs}
     with tqdm(total=len(sizes) * (1 + kw["rounds"] if attention else 1), desc=f"sweep {workload.name}",
-              unit="step", disable=not progress) as bar:
+              unit="step", disable=None if progress else True) as bar:  # None: off in logs
         rows = []
         for bs in sizes:
             rows.append(measure_block_size(workload, bs))

@@ -22,7 +22,7 @@ def quick_run(tmp_path_factory):
     """``kvlab bench --quick`` once for the module: (the JSON it wrote, what it printed)."""
     out, buf = tmp_path_factory.mktemp("bench") / "bench.json", io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["bench", "--quick", "--json", str(out)]) == 0
+        assert main(["bench", "--quick", "--out", str(out)]) == 0
     return json.loads(out.read_text()), buf.getvalue(), out
 
 

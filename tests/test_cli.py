@@ -46,7 +46,7 @@ def test_python_m_kvlab_sweep_end_to_end():
     assert "recommended block size (balanced): 16" in p.stdout
     assert "measured recommendation:    memory_efficient 16," in p.stdout and "balanced 16" in p.stdout
     assert "text's rule of thumb (p95): memory_efficient 512" in p.stdout
-    assert "sweep chat" in p.stderr and "100%" in p.stderr  # the progress bar
+    assert p.stderr == ""  # stderr is a pipe here, not a terminal: no progress bar in a log
 
 
 def test_console_script_counts_only():
@@ -123,7 +123,7 @@ def test_run_a_bundled_trace_as_json():
     assert out["prefix_hit_rate"] == pytest.approx(out["prefix_hit_tokens"] / out["prompt_tokens"])
     assert out["preemptions"] == 0  # 60,000 blocks hold everything these requests need
     assert 0 < out["usage_by_token"] <= out["usage_by_block"] <= 1  # tokens never fill more than their blocks
-    assert out["wall_s"] > 0 and "req" in p.stderr
+    assert out["wall_s"] > 0 and p.stderr == ""  # no bar: stderr is not a terminal
 
 
 def test_sweep_a_trace_and_save_the_figure(tmp_path, capsys):
