@@ -44,8 +44,8 @@ def copy_chapters(dest: str | Path, *, solutions: bool = True, overwrite: bool =
     src, names = shipped("chapters"), chapter_notebooks(solutions)
     clash = [str(dest / n) for n in names if (dest / n).exists()]
     if clash and not overwrite:
-        raise ConfigError(f"{len(clash)} notebook(s) already in {str(dest)!r} (first: {clash[0]}); "
-                          "nothing copied: choose another folder, or overwrite them on purpose (kvlab chapters --force)")
+        raise ConfigError(f"{len(clash)} notebook(s) already in {str(dest)!r} (first: {clash[0]}); nothing "
+                          "copied: choose another folder, or overwrite them on purpose (kvlab chapters --force)")
     written = []
     for n in names:
         (dest / n).parent.mkdir(parents=True, exist_ok=True)

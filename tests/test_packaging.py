@@ -1,0 +1,167 @@
+"""kvlab as a course hands it out: the wheel's metadata and contents, and an install of that wheel into a fresh
+virtual environment outside the checkout, where a student copies the chapters and runs the benchmarks. Also the
+one version source, the sdist and the README's links (they must resolve on a package index page)."""
+from __future__ import annotations
+
+import email
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import kvlab
+from conftest import REPO, copy_project
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the test extra brings tomli on 3.10
+    import tomli as tomllib
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+REPO_URL = PYPROJECT["project"]["urls"]["Source"]
+
+
+def metadata(wheel: zipfile.ZipFile) -> email.message.Message:
+    name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    return email.message_from_bytes(wheel.read(name))
+
+
+def test_the_version_is_written_once():
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["hatch"]["version"]["path"] == "kvlab/__init__.py"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", kvlab.__version__)
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    assert f"## [{kvlab.__version__}]" in changelog  # the release being built has its entry
+
+
+def test_the_wheel_says_what_it_is(wheel):
+    meta = metadata(wheel)
+    assert meta["Version"] == kvlab.__version__
+    assert meta["License-Expression"] == PYPROJECT["project"]["license"]
+    assert meta["Metadata-Version"] >= "2.4"  # PEP 639
+    names = set(wheel.namelist())
+    licences = meta.get_all("License-File")
+    assert "LICENSE" in licences and len(licences) == 3, licences  # kvlab's and the two traces' licences
+    assert all(any(n.endswith(f".dist-info/licenses/{f}") for n in names) for f in licences)
+    assert "Typing :: Typed" in meta.get_all("Classifier") and "kvlab/py.typed" in names
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Source", "Issues", "Changelog", "Documentation"} <= set(urls)
+    assert all(u.startswith(REPO_URL) for u in urls.values()), urls  # one repository, named consistently
+    extras = set(meta.get_all("Provides-Extra"))
+    assert extras == {"widgets", "lab", "test", "dev"}
+    by_extra: dict[str | None, set[str]] = {}
+    for r in meta.get_all("Requires-Dist"):
+        extra = re.search(r"extra == ['\"]([\w-]+)['\"]", r)
+        by_extra.setdefault(extra and extra[1], set()).add(re.match(r"[\w.-]+", r)[0].lower())
+    assert by_extra[None] == {"torch", "numpy", "matplotlib", "tqdm"}  # no Jupyter for `import kvlab`
+    assert by_extra["widgets"] == {"anywidget", "ipywidgets"}  # enough for VS Code and Colab: no JupyterLab
+    assert by_extra["lab"] == by_extra["widgets"] | {"jupyterlab", "ipykernel"}
+    assert by_extra["lab"] < by_extra["test"] < by_extra["dev"]
+    assert {"pytest", "playwright", "build"} <= by_extra["test"] and {"ruff", "mypy", "nbstripout"} <= by_extra["dev"]
+
+
+def test_the_wheel_carries_the_course(wheel):
+    names = set(wheel.namelist())
+    for folder, pattern in (("chapters", "**/*.ipynb"), ("benchmarks", "bench_*.py")):
+        shipped = {f"kvlab/{folder}/{p.relative_to(REPO / folder).as_posix()}" for p in (REPO / folder).glob(pattern)}
+        assert shipped and shipped <= names, sorted(shipped - names)
+        for n in shipped:
+            assert wheel.read(n) == (REPO / n.removeprefix("kvlab/")).read_bytes()
+
+
+def test_the_sdist_carries_what_a_rebuild_needs(tmp_path):
+    src = copy_project(tmp_path / "src")
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(tmp_path / "dist"),
+                    str(src)], check=True, capture_output=True)
+    (sdist,) = (tmp_path / "dist").glob("kvlab-*.tar.gz")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    for need in ("LICENSE", "CHANGELOG.md", "README.md", "hatch_build.py", "kvlab/_fastpath.c", "kvlab/py.typed",
+                 "chapters/index.ipynb", "benchmarks/bench_pool.py", "widgets/common.js", "environment.yml"):
+        assert need in names, need
+
+
+@pytest.fixture(scope="module")
+def student(wheel, tmp_path_factory):
+    """The wheel installed into a fresh venv outside the checkout (``--no-deps``; torch and the rest come from
+    this venv's site-packages through a path file, whose own .pth files, this checkout's editable kvlab among
+    them, are not read). Returns ``run(*args)`` for the venv's ``kvlab`` in an empty folder, and the venv."""
+    home = tmp_path_factory.mktemp("student")
+    venv = home / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    vpy = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    (purelib / "kvlab_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "--quiet", "--no-deps",
+                    "--no-index", wheel.filename], check=True, capture_output=True)
+    cwd = home / "work"
+    cwd.mkdir()
+    env = {**os.environ, "KVLAB_DEVICE": "cpu"}
+    env.pop("KVLAB_BENCHMARKS", None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / "bin" / "kvlab"), *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=300)
+    return run, venv, cwd
+
+
+def test_an_installed_wheel_is_kvlab_from_the_wheel(student):
+    run, venv, cwd = student
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvlab; print(kvlab.__file__)"], cwd=cwd,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), where
+    p = run("--version")
+    assert p.returncode == 0 and p.stdout.startswith(f"kvlab {kvlab.__version__};"), p
+    assert "FastBlockPool: compiled" in p.stdout  # the wheel's own binary
+
+
+def test_a_student_copies_the_chapters_from_the_wheel(student):
+    run, _, cwd = student
+    p = run("chapters", "course")
+    assert p.returncode == 0, p.stderr
+    got = sorted(q.relative_to(cwd / "course").as_posix() for q in (cwd / "course").rglob("*.ipynb"))
+    want = sorted(q.relative_to(REPO / "chapters").as_posix() for q in (REPO / "chapters").rglob("*.ipynb"))
+    assert got == want and "index.ipynb" in got
+    assert all((cwd / "course" / n).read_bytes() == (REPO / "chapters" / n).read_bytes() for n in got)
+    p = run("lab", "course", "--dry-run", "--no-browser")
+    assert p.returncode == 0 and f"--ServerApp.root_dir={cwd / 'course'}" in p.stdout, p
+
+
+def test_an_installed_wheel_runs_its_benchmarks_and_writes_nothing_unasked(student):
+    run, venv, cwd = student
+    before = sorted(cwd.iterdir())
+    p = run("bench", "--list")
+    assert p.returncode == 0, p.stderr
+    folder, *names = p.stdout.splitlines()
+    assert Path(folder.removeprefix("# in ")).is_relative_to(venv)
+    assert names == sorted(q.stem for q in (REPO / "benchmarks").glob("bench_*.py"))
+    p = run("bench", "bench_sizing", "--quick", "--json")
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert result["quick"] and {r["benchmark"] for r in result["rows"]} == {"bench_sizing"}
+    assert sorted(cwd.iterdir()) == before  # no bench-results/ folder: --out was not given
+
+
+# ---------------------------------------------------------------------------------------------------- README
+LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
+
+
+def test_readme_links_resolve_on_a_package_index_page():
+    """A package index shows the README without the repository around it: every link is absolute, and every
+    link into the repository names a file or folder this checkout has."""
+    links = LINK.findall((REPO / "README.md").read_text())
+    assert links, "the README links its docs"
+    for url in links:
+        assert url.startswith(("https://", "http://", "#")), url
+        for kind in ("blob", "tree"):
+            prefix = f"{REPO_URL}/{kind}/main/"
+            if url.startswith(prefix):
+                assert (REPO / url.removeprefix(prefix).split("#")[0]).exists(), url
