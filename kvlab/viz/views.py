@@ -7,8 +7,9 @@ player (step back, scrub) works on its own; it reports ``frames_received`` back.
 is sent as history when the browser asks for it (``ready``), so it arrives whenever the view is shown.
 
 A view driven by a :class:`LiveRun` follows it: its ``status`` trait is the run's state, and its one pause
-button pauses the workload (a ``control`` message), not just the picture. When the run ends, the view's
-displays are refreshed, so the notebook's saved ``image/png`` is the final frame, not the first.
+button pauses the workload (a ``control`` message), not just the picture. When the run ends in a kernel that
+no browser watches (a notebook executed by nbclient, as the site build does), the view's displays are refreshed,
+so the saved ``image/png`` is the final frame, not the first; a view a browser is drawing is left as it is.
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ class FrameView(anywidget.AnyWidget):
         self.status = state
         if state in ENDED and self.run is not None:
             self.history = self.run.recording  # a view shown again replays the whole run
-            self.refresh_displays()
+            if not self.frames_received:  # no browser drew it (nbclient, a site build): fix the saved picture
+                self.refresh_displays()
 
     def start(self) -> None:
         """Run (or resume) the workload as a task on the running event loop."""

@@ -1,14 +1,18 @@
 """Each widget module in headless Chromium with a fake anywidget model: pixel colours for known pool states,
-flashes, frame counters, the player (pause / step back / scrub), controls, and the standalone HTML replay."""
+flashes, frame counters, the player (one pause, step back / scrub, replay), controls, legends, the same colour
+for the same state in every view (read back from the screen), and the standalone HTML replay."""
 from __future__ import annotations
 
 import base64
+import io
 
 import pytest
+from PIL import Image
 
 from kvlab import BlockPool
-from kvlab.viz import FrameBuilder, RandomWorkload, build_frame, export_html, record
-from kvlab.viz.static import MAP_RGB, STATE_RGB, VICTIM_RGB
+from kvlab.viz import FrameBuilder, RandomWorkload, build_frame, decode_frame, export_html, record
+from kvlab.viz import frames as fr
+from kvlab.viz.palette import (CANDIDATE_RGB, FLASH_RGB, MOVE_RGB, OUTLINE_RGB, RUN_RGB, STATE_RGB, VICTIM_RGB)
 
 pytestmark = pytest.mark.browser
 
@@ -67,7 +71,7 @@ def test_size_classes_are_outlined(harness):
     g = harness.evaluate("() => document.querySelector('.kv-root').kv.panels[0].layout()")
     outline = harness.evaluate("([x, y]) => kvt.pixel(document.querySelector('.kv-root').kv.panels[0].canvas, x, y)",
                                [g["cell"], 0])  # top edge of the 4-wide block, inside its span
-    assert outline == [34, 34, 34]
+    assert outline == list(OUTLINE_RGB)
     assert cell(harness, 1) == list(STATE_RGB["ALLOC1"])
 
 
@@ -79,10 +83,11 @@ def test_flashes_fade_over_frames_and_counters_match(harness):
     frames.append(b.build())
     frames.append(b.build())  # nothing new: block 0's flash fades
     mount(harness, "pool", frames)
+    flash = FLASH_RGB[fr.FLASH_ALLOCATED]
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(1)")
-    assert cell(harness, 0) == [255, 212, 0]
+    assert cell(harness, 0) == list(flash) != list(STATE_RGB["PENDING"])  # "just allocated" is not "pending"
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(2)")
-    assert cell(harness, 0) == mix(STATE_RGB["ALLOC1"], [255, 212, 0], 0.6)
+    assert cell(harness, 0) == mix(STATE_RGB["ALLOC1"], flash, 0.6)
     d = root_data(harness)
     assert d["framesReceived"] == d["framesSent"] == "3"
     assert harness.evaluate("() => [m.get('frames_received'), m.saves]") == [3, 3]
@@ -98,7 +103,8 @@ def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_
     g = harness.evaluate("() => document.querySelector('.kv-root').kv.panels[0].layout()")
     harness.mouse.move(box["x"] + 2.5 * g["cell"], box["y"] + 0.5 * g["cell"])  # block 2
     tip = harness.locator(".kv-tip").inner_text()
-    assert "block 2" in tip and "ALLOCATED" in tip and "refcount 9" in tip and "owner 42" in tip and "tokens 11" in tip
+    assert "block 2" in tip and "allocated" in tip and "9 references" in tip and "sequence 42" in tip
+    assert "11 tokens" in tip
     big = BlockPool(8192, with_storage=False)
     big.allocate(3)
     harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
@@ -107,10 +113,10 @@ def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_
     harness.mouse.move(box["x"] + 1, box["y"] + 1)  # block 0
     assert harness.evaluate("() => m.sent.filter(s => s.type === 'inspect').map(s => s.block)") == [0]
     harness.evaluate("() => m.emit('msg:custom', {type: 'inspect', block: 0, tokens: 5, owner: 3, last_access: 9})")
-    assert "now: tokens 5, owner 3" in harness.locator(".kv-tip").inner_text()
+    assert "now: 5 tokens, sequence 3" in harness.locator(".kv-tip").inner_text()
 
 
-def test_player_pause_step_back_and_scrub(harness):
+def test_player_step_back_scrub_and_replay(harness):
     p = BlockPool(16, with_storage=False)
     frames = [build_frame(p)]
     for _ in range(3):
@@ -118,21 +124,58 @@ def test_player_pause_step_back_and_scrub(harness):
         frames.append(build_frame(p))
     mount(harness, "pool", frames)
     assert cell(harness, 2) == list(STATE_RGB["ALLOC1"])  # live: the latest frame
+    assert harness.locator(".kv-label").inner_text() == f"the pool after {p.clock.now()} operations · replay"
     harness.click("[data-act=back]")
     assert root_data(harness)["live"] == "0"
     assert cell(harness, 2) == list(STATE_RGB["FREE"])  # one frame back: block 2 not yet allocated
+    assert "an earlier picture (3 of 4)" in harness.locator(".kv-label").inner_text()
     harness.locator(".kv-slider").fill("0")
     assert cell(harness, 0) == list(STATE_RGB["FREE"])
     p.allocate(1)
-    harness.evaluate("(s) => m.push(kvt.b64(s))", B64(build_frame(p)))  # arrives while paused: kept, not shown
+    harness.evaluate("(s) => m.push(kvt.b64(s))", B64(build_frame(p)))  # arrives while looking back: kept, not shown
     assert root_data(harness)["index"] == "0" and cell(harness, 0) == list(STATE_RGB["FREE"])
     harness.click("[data-act=fwd]")
     assert root_data(harness)["index"] == "1"
-    harness.click("[data-act=toggle]")  # back to live: the newest frame
-    assert root_data(harness)["index"] == "4" and cell(harness, 3) == list(STATE_RGB["ALLOC1"])
+    # No run drives this view: its one button replays the received pictures in the browser, to the newest.
+    assert harness.locator("[data-act=toggle]").get_attribute("data-does") == "replay"
+    harness.click("[data-act=toggle]")
+    harness.wait_for_function("() => document.querySelector('.kv-root').dataset.playing === '0'")
+    assert root_data(harness)["index"] == "4" and root_data(harness)["live"] == "1"
+    assert cell(harness, 3) == list(STATE_RGB["ALLOC1"])
+    assert not [s for s in harness.evaluate("() => m.sent") if s["type"] == "control"]  # nothing asked of a kernel
 
 
-def test_eviction_view_marks_the_victim(harness):
+def test_one_pause_pauses_the_workload_of_a_live_run(harness):
+    p = BlockPool(16, with_storage=False)
+    with FrameBuilder(p) as b:
+        b.step, b.steps = 507, 600
+        p.allocate(2)
+        frames = [b.build()]
+    mount(harness, "pool", frames, '{status: "running"}')
+    assert harness.locator(".kv-label").inner_text() == "step 507 of 600 · running"
+    assert harness.locator("button:has-text('pause')").count() == 1  # exactly one pause
+    harness.click("[data-act=toggle]")  # pause: a message to the kernel, which pauses the workload
+    harness.evaluate("() => { m.set('status', 'paused'); m.emit('change:status'); }")
+    assert harness.locator(".kv-label").inner_text() == "step 507 of 600 · paused"
+    assert harness.locator("[data-act=toggle]").inner_text() == "▶ run"
+    harness.click("[data-act=fwd]")  # at the newest picture of a paused run: one step of the workload
+    harness.click("[data-act=toggle]")
+    assert harness.evaluate("() => m.sent.filter(s => s.type === 'control').map(s => s.action)") == \
+        ["pause", "step", "run"]
+
+
+def screen(page, x: float, y: float) -> list[int]:
+    """The colour on the screen at page point (x, y), as the user sees it (whatever drew it)."""
+    png = page.screenshot(clip={"x": x, "y": y, "width": 1, "height": 1})
+    return list(Image.open(io.BytesIO(png)).convert("RGB").getpixel((0, 0)))
+
+
+def centre(page, selector: str, nth: int = 0) -> tuple[float, float]:
+    box = page.locator(selector).nth(nth).bounding_box()
+    return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+
+
+def test_eviction_view_explains_the_score_and_draws_bars_from_zero(harness):
     p = BlockPool(8, with_storage=False)
     b = FrameBuilder(p)
     ids = p.allocate(8)
@@ -141,9 +184,25 @@ def test_eviction_view_marks_the_victim(harness):
     p.allocate(1)      # evicts block 7
     mount(harness, "eviction", [b.build()])
     assert harness.evaluate("() => document.querySelector('.kv-evictions').dataset.victim") == "7"
-    px = harness.evaluate("() => kvt.pixel(document.querySelector('.kv-bars'), 172, 9)")
-    assert px == list(VICTIM_RGB)
-    assert "policy lru chose block 7" in harness.locator(".kv-title").inner_text()
+    title = harness.locator(".kv-evictions .kv-title").inner_text()
+    assert "LRU evicted block 7" in title and "reason: an allocation needed room" in title
+    assert "demo" not in title and "1 eviction so far" in title
+    assert harness.locator(".kv-explain").inner_text().startswith("score = last use (pool clock tick); least "
+                                                                  "recently used goes first")
+    assert screen(harness, *centre(harness, ".kv-bar-row[data-victim='1'] .kv-bar")) == list(VICTIM_RGB)
+    # From zero: each bar's length is its score over the largest score (close scores make close bars).
+    widths = harness.evaluate("() => [...document.querySelectorAll('.kv-bar-row')].map(r => "
+                              "[r.querySelector('.kv-bar').getBoundingClientRect().width, "
+                              "r.querySelector('.kv-bar-track').clientWidth, "
+                              "Number(r.querySelector('.kv-bar-value').textContent)])")
+    top = max(v for *_, v in widths)
+    for bar, track, value in widths:
+        assert bar == pytest.approx(track * value / top, abs=1.5)
+    assert len(widths) == 8 and min(v for *_, v in widths) > 0.5 * top  # scores close together: bars close too
+    assert harness.locator(".kv-evlist li").all_inner_texts() == [
+        f"pool tick {p.clock.now()}: LRU evicted block 7 (an allocation needed room), ranked 1 of the 8 "
+        "candidates shown"]
+    b.close()
 
 
 def test_fragmentation_view_map_gauges_and_moves(harness):
@@ -156,35 +215,115 @@ def test_fragmentation_view_map_gauges_and_moves(harness):
     frames.append(b.build())
     mount(harness, "fragmentation", frames)
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(0)")
-    assert cell(harness, 0) == list(MAP_RGB["USED"])
-    assert cell(harness, 2) == list(MAP_RGB["FREE"])
-    assert cell(harness, 13) == list(MAP_RGB["RUN"])
+    assert cell(harness, 0) == list(STATE_RGB["ALLOC1"])  # the pool's own state colours
+    assert cell(harness, 2) == list(STATE_RGB["FREE"])
+    assert cell(harness, 13) == list(RUN_RGB)
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "4"
-    gauge = harness.evaluate("() => kvt.pixel(document.querySelector('.kv-gauges'), 162, 10)")
-    assert gauge == [74, 134, 200]  # utilisation 75%: the bar starts filled
+    fill = harness.evaluate("() => document.querySelector('.kv-gauge[data-key=utilisation] .kv-fill').style.width")
+    assert fill == "50%" and harness.locator(".kv-gauge[data-key=utilisation]").inner_text().endswith("50.0%")  # 8 of 16
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(1)")
-    assert cell(harness, 14) == list(MAP_RGB["RUN"])  # 11..15 is now the largest run
+    assert cell(harness, 14) == list(RUN_RGB)  # 11..15 is now the largest run
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "5"
     arrow = harness.evaluate("() => kvt.pixel(document.querySelector('.kv-map'), ...[2, 1].map(c => "
                              "(c + 0.5) * document.querySelector('.kv-root').kv.panels[0].layout().cell))")
-    assert arrow == [0, 150, 190]  # the move 11 -> 1 is drawn (through the middle of cell 6, on its path)
+    assert arrow == list(MOVE_RGB)  # the move 11 -> 1 is drawn (through the middle of cell 6, on its path)
 
 
 def test_dashboard_controls_send_messages(harness, known_pool):
     p, _ = known_pool
     state = ('{status: "idle", speed: 100, policy: "lru", block_size: 16, workload: "steady", '
+             'panels: ["pool", "fragmentation", "eviction"], controls: ["policy", "block_size", "workload"], '
              'options: {policy: ["fifo", "lru"], block_size: [16, 32], workload: ["steady", "bursty"]}}')
     mount(harness, "dashboard", [build_frame(p)], state)
-    for act in ("run", "pause", "step", "stop"):
+    harness.click("[data-act=toggle]")  # run
+    harness.evaluate("() => { m.set('status', 'running'); m.emit('change:status'); }")
+    harness.click("[data-act=toggle]")  # pause
+    for act in ("step", "stop"):
         harness.click(f"[data-ctl={act}]")
     assert harness.evaluate("() => m.sent.filter(s => s.type === 'control').map(s => s.action)") == \
         ["run", "pause", "step", "stop"]
+    assert harness.locator(".kv-root button:has-text('pause')").count() == 1  # one pause in the whole dashboard
     harness.select_option("select[data-key=policy]", "fifo")
     harness.select_option("select[data-key=block_size]", "32")
     assert harness.evaluate("() => [m.get('policy'), m.get('block_size')]") == ["fifo", 32]
     assert cell(harness, 2) == list(STATE_RGB["ALLOC8"])  # the pool panel of the dashboard
-    harness.evaluate("() => { m.set('status', 'running'); m.emit('change:status'); }")
-    assert harness.locator(".kv-status").inner_text() == "running"
+    assert "running" in harness.locator(".kv-label").inner_text()
+
+
+def test_dashboard_presets_show_their_panels_without_a_large_empty_area(harness):
+    p = BlockPool(1024, with_storage=False)  # the dashboard's default size, after enough steps to evict
+    rec = record(p, RandomWorkload(p, preset="sharing", seed=1, steps=1500), 1500, every=500)
+    assert decode_frame(rec[len(rec) - 1]).evictions or any(decode_frame(f).evictions for f in rec)
+    for panels, controls in ((["pool", "eviction"], ["policy", "workload"]),
+                             (["pool", "fragmentation"], ["block_size", "workload"]),
+                             (["pool", "fragmentation", "eviction"], ["policy", "block_size", "workload"])):
+        harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
+        mount(harness, "dashboard", list(rec),
+              f'{{status: "idle", speed: 100, policy: "lru", block_size: 16, workload: "steady", panels: {panels}, '
+              f'controls: {controls}, options: {{policy: ["lru"], block_size: [16], workload: ["steady"]}}}}')
+        shown = [k for k, sel in (("pool", ".kv-pool"), ("fragmentation", ".kv-frag"), ("eviction", ".kv-evictions"))
+                 if harness.locator(sel).count()]
+        assert shown == panels
+        assert harness.evaluate("() => [...document.querySelectorAll('select')].map(s => s.dataset.key)") == controls
+        cols = harness.evaluate("() => [...document.querySelectorAll('.kv-dash > .kv-col')].map(c => "
+                                "c.getBoundingClientRect().height)")
+        assert len(cols) == 2 and min(cols) > 0.6 * max(cols), cols  # neither column is mostly empty
+
+
+def test_every_view_has_a_legend_and_text_readable_on_a_projector(harness, known_pool):
+    p, _ = known_pool
+    for view, keys in (("pool", {"FREE", "PENDING", "ALLOC1", "ALLOC8", "EVICTING", "CACHED", "FLASH1", "FLASH2",
+                                 "FLASH3", "FADE", "OUTLINE"}),
+                       ("fragmentation", {"FREE", "RUN", "PENDING", "ALLOC1", "ALLOC8", "EVICTING", "CACHED",
+                                          "FLASH1", "FLASH2", "FLASH3", "FADE", "MOVE", "LINE_utilisation",
+                                          "LINE_external", "LINE_internal_waste", "LINE_scatter"}),
+                       ("eviction", {"VICTIM", "CANDIDATE"})):
+        harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
+        mount(harness, view, [build_frame(p)])
+        got = harness.evaluate("() => [...document.querySelectorAll('.kv-legend .kv-key')].map(k => [k.dataset.key, "
+                               "k.querySelector('.kv-words').textContent])")
+        assert {k for k, _ in got} == keys, view
+        assert all(words.strip() for _, words in got)
+        sizes = harness.evaluate("() => [...document.querySelectorAll('.kv-root *')].filter(e => [...e.childNodes]"
+                                 ".some(n => n.nodeType === 3 && n.textContent.trim())).map(e => "
+                                 "parseFloat(getComputedStyle(e).fontSize))")
+        assert sizes and min(sizes) >= 14, (view, min(sizes))
+
+
+def test_the_same_state_has_the_same_colour_in_every_view(harness):
+    """Read back from the screen: each state's colour in the pool grid, the memory map, the eviction bars and every
+    legend is the palette's."""
+    p = BlockPool(16, with_storage=False)
+    with FrameBuilder(p) as b:
+        p.allocate(16)
+        p.mark_reusable([4, 5, 6])
+        p.free([4, 5, 6])  # cached
+        p.free([1] + list(range(12, 16)))  # free: block 1 alone, 12..15 the largest run
+        p.evict_block("test")  # evicts cached block 4: the candidates' bars are the cached ones
+        frames = [b.build()] + [b.build() for _ in range(4)]  # four quiet frames: every flash has faded
+    want = {"CACHED": 5, "FREE": 1, "ALLOC1": 0}
+    seen: dict[str, list[list[int]]] = {k: [] for k in want}
+    for view in ("pool", "fragmentation", "eviction", "dashboard"):
+        harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
+        state = ('{status: "idle", speed: 100, policy: "lru", block_size: 16, workload: "steady", panels: ["pool", '
+                 '"fragmentation", "eviction"], controls: [], options: {}}') if view == "dashboard" else "{}"
+        mount(harness, view, frames, state)
+        for k, block in want.items():
+            for sel in (".kv-grid", ".kv-map"):
+                for i in range(harness.locator(sel).count()):
+                    box = harness.locator(sel).nth(i).bounding_box()
+                    cellpx = box["width"] / 4  # 16 blocks: a 4 x 4 grid; sample clear of the refcount digits
+                    seen[k].append(screen(harness, box["x"] + (block % 4 + 0.2) * cellpx,
+                                          box["y"] + (block // 4 + 0.2) * cellpx))
+            for i in range(harness.locator(f".kv-key[data-key={k}] .kv-swatch").count()):
+                seen[k].append(screen(harness, *centre(harness, f".kv-key[data-key={k}] .kv-swatch", i)))
+        if view in ("eviction", "dashboard"):
+            seen["CACHED"].append(screen(harness, *centre(harness, ".kv-bar-row[data-victim='0'] .kv-bar")))
+            assert screen(harness, *centre(harness, ".kv-bar-row[data-victim='1'] .kv-bar")) == list(VICTIM_RGB)
+    assert list(CANDIDATE_RGB) == list(STATE_RGB["CACHED"])
+    for k, colours in seen.items():
+        assert len(colours) >= 4, k
+        assert all(c == list(STATE_RGB[k]) for c in colours), (k, colours)
 
 
 def test_exported_html_replays_offline(browser, tmp_path):
@@ -197,12 +336,15 @@ def test_exported_html_replays_offline(browser, tmp_path):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(path.as_uri())
-    page.wait_for_selector(".kv-root[data-index='0']")
+    page.wait_for_selector(f".kv-root[data-index='{len(rec) - 1}']")  # opens on the end of the run
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.length") == len(rec)
+    assert page.locator(".kv-label").inner_text() == "step 120 of 120 · replay"
     first = page.evaluate("() => document.querySelector('.kv-root').kv.hist[0].seq")
+    page.locator(".kv-slider").fill("0")
     page.click("[data-act=fwd]")
     assert page.evaluate("() => document.querySelector('.kv-root').dataset.index") == "1"
-    page.locator(".kv-slider").fill(str(len(rec) - 1))
+    page.click("[data-act=toggle]")  # play: the recorded pictures, in the browser, to the last
+    page.wait_for_selector(f".kv-root[data-index='{len(rec) - 1}'][data-playing='0']")
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.at(-1).seq") == first + len(rec) - 1
     assert [u for u in requests if not u.startswith("file:")] == [] and not errors
     page.close()
