@@ -30,6 +30,16 @@ RIGHT = {
     "2.2.2-refcount": (1, "ALLOCATED"),  # 1 + 2 - 1 - 1
     "2.2.3-sharing": (5, 3 + 5 * 2),
     "2.2.3-strategies": ["split", "exact", "split", "exact"],
+    "2.2.1-errata-rule": (512, 1024),  # p95 2047: memory_efficient 512 (2047 // 4 = 511, floored), balanced 1024
+    "2.2.1-move-block": 31,  # chat, 500 requests: waste at 256 minus waste at 16, in points
+    "2.2.1-interpret-sweep": {"waste", "prefix loss", "attention slots"},
+    "2.2.2-errata-capacity": (1024, 0, "refused"),
+    "2.2.2-errata-fragmentation": (75, 0),
+    "2.2.2-move-cache": 9,  # LRU 32 -> 64 blocks, 5000 Zipf requests
+    "2.2.2-interpret-gap": 8,  # OPT - LRU shrinks as the cache grows
+    "2.2.3-errata-handout": [0, 0, 0],
+    "2.2.3-errata-retry": (2, 0, "None"),
+    "2.2.3-move-users": (12, 147),  # (users - 1) x 3 prefix blocks
     "2.2.4-fragmentation": _frag,
     "2.2.4-moves": 3,  # 6 allocated; positions 6.. hold A at 6, 9, 11
     "2.2.5-locks": (200, 2),
@@ -44,6 +54,16 @@ WRONG = {
     "2.2.2-refcount": (0, "FREE"),
     "2.2.3-sharing": (5, 5 * 5),
     "2.2.3-strategies": ["split", "split", "split", "split"],
+    "2.2.1-errata-rule": (2048, 1024),  # the text's memory_efficient read as "larger is better"
+    "2.2.1-move-block": 15,
+    "2.2.1-interpret-sweep": {"waste", "table entries"},
+    "2.2.2-errata-capacity": (4096, 4096, "ok"),  # capacity as a fixed property: what it should be
+    "2.2.2-errata-fragmentation": (0, 0),  # the text's formula is not 0 on four equal free blocks
+    "2.2.2-move-cache": 0,
+    "2.2.2-interpret-gap": 128,
+    "2.2.3-errata-handout": [0, 1, 2],  # what a correct allocator would hand out
+    "2.2.3-errata-retry": (2, 2, "found"),
+    "2.2.3-move-users": (12, 12),  # thinks the saving does not grow with users
     "2.2.4-fragmentation": lambda free, top: 0,
     "2.2.4-moves": 6,
     "2.2.5-locks": (2, 2),
@@ -51,9 +71,21 @@ WRONG = {
 }
 
 
-def test_every_exercise_is_covered():
-    assert set(ex.list_exercises()) == set(RIGHT) == set(WRONG)
-    assert ex.list_exercises("2.2.4") == ["2.2.4-fragmentation", "2.2.4-moves"]
+EARLY = ("2.2.1", "2.2.2", "2.2.3")  # the chapters this file covers whole; later ones add their own cases
+
+
+def test_every_early_exercise_is_covered():
+    early = {k for c in EARLY for k in ex.list_exercises(c)}
+    assert early <= set(RIGHT) and early <= set(WRONG)
+    assert set(RIGHT) == set(WRONG) and set(RIGHT) <= set(ex.list_exercises())
+    assert {"2.2.4-fragmentation", "2.2.4-moves"} <= set(ex.list_exercises("2.2.4"))
+
+
+def test_every_early_chapter_has_errata_interpretation_or_parameter_exercises_and_predictions():
+    for chapter in EARLY:
+        beyond = [k for kind in ("errata", "interpret", "parameter") for k in ex.list_exercises(chapter, kind)]
+        assert len(beyond) >= 2 and ex.list_exercises(chapter, "errata"), chapter
+        assert len(ex.list_predictions(chapter)) >= 2, chapter
 
 
 @pytest.mark.parametrize("key", sorted(RIGHT))

@@ -4,7 +4,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from . import Verdict, compare_fn, metadata_pool, register
+import numpy as np
+
+from . import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
 
 
 def pool_utilisation(lengths: list[int], block_size: int) -> float:
@@ -56,3 +58,112 @@ def _judge_utilisation(fn: Any) -> Verdict:
     cases = [([rng.randint(1, 2000) for _ in range(rng.randint(1, 30))], rng.choice((8, 16, 64, 256, 1024)))
              for _ in range(25)]
     return compare_fn(fn, cases, pool_utilisation, "utilisation", close=True)
+
+
+# ---------------------------------------------------------------------------- predictions before the reveals
+register_prediction("2.2.1-waste-trend",
+                    "块大小从 16 增大到 2048 时，对话 (chat) 场景的内部浪费 (internal waste) 会怎样变化？",
+                    choices=("rises", "falls", "flat"))
+register_prediction("2.2.1-balanced-band",
+                    "以 balanced 为目标，实测代价最低的块大小落在文本经验法则的哪一档？",
+                    choices=("below 64", "64-128 conservative", "256-512 balanced", "1024-2048 aggressive"))
+register_prediction("2.2.1-azure-ratio",
+                    "Azure 2023 对话 trace 的平均提示长度是文本对话统计（平均约 50 token）的多少倍？"
+                    "（一个数字；±30% 算命中）", rel_tol=0.3)
+
+
+def band_of(block_size: int) -> str:
+    """Which of the text's rule-of-thumb bands ``block_size`` falls in (the choices of 2.2.1-balanced-band)."""
+    if block_size < 64:
+        return "below 64"
+    if block_size <= 128:
+        return "64-128 conservative"
+    if block_size <= 512:
+        return "256-512 balanced"
+    return "1024-2048 aggressive"
+
+
+# ---------------------------------------------------------------------------- errata, interpretation, parameters
+TEXT_RULE = '''\
+import numpy as np
+def recommend(p95, goal):          # the text's rule, in two of its three branches
+    if goal == "memory_efficient":
+        return min(max(p95 // 4, 512), 2048)
+    sizes = [64, 128, 256, 512, 1024]
+    return sizes[min(len(sizes) - 1, int(np.log2(p95 // 100)))]
+'''
+
+
+def text_rule_at(p95: float) -> tuple[Any, Any]:
+    """Run :data:`TEXT_RULE` (text-style code) at ``p95``: (memory_efficient, balanced)."""
+    ns: dict[str, Any] = {}
+    exec(TEXT_RULE, ns)  # the snippet the prompt shows is the one that is run
+    return ns["recommend"](np.float64(p95), "memory_efficient"), ns["recommend"](np.float64(p95), "balanced")
+
+
+@register("2.2.1-errata-rule",
+          "找错 (find the bug)：下面是按文本逻辑写的推荐函数。\n" + TEXT_RULE +
+          "p95 = 2047 时，recommend(p95, 'memory_efficient') 和 recommend(p95, 'balanced') 各返回什么？"
+          "答案写成 (memory_efficient, balanced)。想一想：哪个目标的名字和结果矛盾？",
+          ("两个分支各算一遍；注意 // 作用在浮点数上得到的仍是浮点数。",
+           "memory_efficient：先算 p95 // 4，再夹到 [512, 2048]；balanced：p95 // 100 取 log2 再取整，作下标。",
+           "2047 // 4 = 511 → 夹成 512；2047 // 100 = 20，log2(20) ≈ 4.3 → 下标 4 → 1024。文本说省内存要选大块，"
+           "可 balanced 推荐的块（1024）反而比 memory_efficient（512）大：规则和它自己的理由矛盾。"),
+          kind="errata")
+def _judge_errata_rule(answer: Any) -> Verdict:
+    return same(answer, text_rule_at(2047.0), "(memory_efficient, balanced)", ("memory_efficient", "balanced"))
+
+
+def waste_points(name: str, n: int, seed: int, small: int, large: int) -> int:
+    """Percentage points by which internal waste grows from block size ``small`` to ``large``, rounded."""
+    from ..sizing import measure_block_size
+    from ..workloads import make_workload
+    w = make_workload(name, n, seed)
+    return round(100 * (measure_block_size(w, large).waste - measure_block_size(w, small).waste))
+
+
+@register("2.2.1-move-block",
+          "动参数 (move a parameter)：对 make_workload('chat', 500, seed=0)，块大小从 16 改成 256，"
+          "内部浪费 (measure_block_size(...).waste) 增加多少个百分点？答案写成整数（四舍五入）。",
+          ("块越大，每条序列最后一块平均空得越多；对话很短，影响很大。",
+           "用 kvlab.measure_block_size 分别量 16 和 256 的 waste，相减再乘 100。",
+           "round(100 × (waste(256) − waste(16)))；waste = 1 − 存了 token 的槽位 / 已分配槽位。"),
+          kind="parameter")
+def _judge_move_block(answer: Any) -> Verdict:
+    return same(answer, waste_points("chat", 500, 0, 16, 256), "百分点 (points)")
+
+
+SWEEP_TERMS = ("waste", "prefix loss", "table entries", "alloc calls", "attention slots")
+
+
+def rising_terms(name: str = "code", n: int = 300, seed: int = 0) -> frozenset[str]:
+    """Which cost terms of a sweep (16 ... 2048) are larger at 2048 than at 16 on ``make_workload(name, n, seed)``."""
+    from ..sizing import sweep
+    from ..workloads import make_workload
+    rows = sweep(make_workload(name, n, seed), attention=False, progress=False).rows
+    lo, hi = rows[0], rows[-1]
+    value = {"waste": lambda r: r.waste, "prefix loss": lambda r: r.prefix_loss,
+             "table entries": lambda r: r.table_entries, "alloc calls": lambda r: r.alloc_calls,
+             "attention slots": lambda r: r.attention_slots}
+    return frozenset(t for t in SWEEP_TERMS if value[t](hi) > value[t](lo))
+
+
+@register("2.2.1-interpret-sweep",
+          "读曲线 (interpret)：在 sweep(make_workload('code', 300, seed=0)) 的结果里，代价模型的五项 "
+          f"{', '.join(SWEEP_TERMS)} 中，哪些在块大小 2048 时比 16 时大？答案写成名字的集合。",
+          ("有的项按块计数，有的项按槽位或 token 计数。",
+           "按块计数的项大约按 1/B 下降；和“最后一块没填满”有关的项随 B 增长。",
+           "增长的是 waste、prefix loss、attention slots（都来自没填满的块）；table entries、alloc calls 下降。"),
+          kind="interpret")
+def _judge_interpret_sweep(answer: Any) -> Verdict:
+    truth = rising_terms()
+    got = canon(answer)
+    if not isinstance(got, (tuple, frozenset)) or not all(isinstance(t, str) for t in got):
+        return False, f"答案应是名字的集合，名字取自 (a set of names from) {SWEEP_TERMS}"
+    unknown = sorted(set(got) - set(SWEEP_TERMS))
+    if unknown:
+        return False, f"不认识的名字 (unknown names) {unknown}; 可选 (choose from) {SWEEP_TERMS}"
+    if frozenset(got) == truth:
+        return True, f"增长的项 (rising terms): {sorted(truth)}"
+    details = tuple(f"{'✓' if (t in got) == (t in truth) else '✗'} {t}" for t in SWEEP_TERMS)
+    return False, f"{sum(d.startswith('✗') for d in details)} 项判断不对 (terms misjudged)", details

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..block import BlockStatus
 from ..errors import ConfigError, KVLabError
-from . import Canon, Unreadable, Verdict, canon, metadata_pool, register, same
+from ..pool import BlockPool
+from ..spec import KVSpec
+from . import Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
 
 
 def legal_transitions() -> set[tuple[BlockStatus, BlockStatus]]:
@@ -109,3 +113,153 @@ def refcount_scenario() -> tuple[int, str]:
            "1 (allocate) + 2 (incref [b, b]) − 1 (decref) − 1 (free)；计数不为 0 时块仍是 ALLOCATED。"))
 def _judge_refcount(answer: Any) -> Verdict:
     return same(answer, refcount_scenario(), "(refcount, status)", ("reference_count", "status"))
+
+
+# ---------------------------------------------------------------------------- the hit-rate experiment
+HIT_POLICIES = ("lru", "fifo", "lfu", "clock", "opt")
+
+
+def zipf_hit_rate(policy: str, n_blocks: int = 32, n_docs: int = 400, n_requests: int = 20_000,
+                  seed: int = 0) -> float:
+    """Hit rate of a cache of ``n_blocks`` one-block documents under Zipf(1.3) requests, evicting by ``policy``
+    (``"opt"``: Belady's, told every future request through :class:`~kvlab.FutureUses`). A hit re-reads the
+    cached block (``incref`` then ``free``); a miss allocates, which evicts the policy's victim when full."""
+    from ..eviction import FutureUses, OPTPolicy
+    docs = (np.random.default_rng(seed).zipf(1.3, n_requests) % n_docs).tolist()
+    where: dict[int, int] = {}
+    owner: dict[int, int] = {}  # doc -> its block, block -> its doc
+    future = FutureUses([[d] for d in docs])
+    chosen = OPTPolicy(lambda b: future.next_use(owner[b])) if policy == "opt" else policy
+    cache = BlockPool(n_blocks, spec=KVSpec(block_size=16, device="cpu"), eviction_policy=chosen,
+                      with_storage=False, seed=seed)
+    cache.evict_hooks.append(lambda blk: where.pop(owner.pop(blk)))
+    hits = 0
+    for i, d in enumerate(docs):
+        future.advance(i)
+        if d in where:
+            hits += 1
+            cache.incref([where[d]])
+            cache.free([where[d]])
+        else:
+            (blk,) = cache.allocate(1)
+            where[d], owner[blk] = blk, d
+            cache.mark_reusable([blk])
+            cache.free([blk])
+    cache.check_invariants()
+    return hits / n_requests
+
+
+register_prediction("2.2.2-best-online",
+                    "Zipf 请求、32 块的缓存：除了知道未来的 OPT，哪种策略命中率最高？",
+                    choices=("lru", "fifo", "lfu", "clock"))
+register_prediction("2.2.2-text-fragmentation",
+                    "文本的碎片公式 (total_free − largest_free) / total_free，用在四个一样大的空闲块上，"
+                    "得到百分之几？（一个整数）")
+
+
+@register("2.2.2-move-cache",
+          "动参数 (move a parameter)：zipf_hit_rate('lru', n_blocks=...)（kvlab.exercises.ch2_2_2 里本章实验的函数，"
+          "n_requests=5000, seed=0）。缓存从 32 块加到 64 块，LRU 的命中率提高多少个百分点？答案写成整数（四舍五入）。",
+          ("缓存翻倍，能留住的热门文档也翻倍；Zipf 分布里热门文档占了大多数请求。",
+           "分别跑 n_blocks=32 和 64，相减再乘 100。",
+           "round(100 × (zipf_hit_rate('lru', 64, n_requests=5000) − zipf_hit_rate('lru', 32, n_requests=5000)))。"),
+          kind="parameter")
+def _judge_move_cache(answer: Any) -> Verdict:
+    gain = zipf_hit_rate("lru", 64, n_requests=5000) - zipf_hit_rate("lru", 32, n_requests=5000)
+    return same(answer, round(100 * gain), "百分点 (points)")
+
+
+CACHE_SIZES = (8, 16, 32, 64, 128)
+
+
+def opt_gap(policy: str = "lru", n_requests: int = 5000) -> dict[int, float]:
+    """OPT's hit rate minus ``policy``'s at each of :data:`CACHE_SIZES` blocks."""
+    return {n: zipf_hit_rate("opt", n, n_requests=n_requests) - zipf_hit_rate(policy, n, n_requests=n_requests)
+            for n in CACHE_SIZES}
+
+
+@register("2.2.2-interpret-gap",
+          f"读曲线 (interpret)：缓存大小取 {list(CACHE_SIZES)} 块（n_requests=5000, seed=0），"
+          "OPT 与 LRU 的命中率差距在哪个大小最大？答案写成块数。",
+          ("OPT 的优势在于每次淘汰都挑对；缓存越小，淘汰越频繁，每一次挑选的分量越重。",
+           "差距 = OPT − LRU；用本章的 zipf_hit_rate 逐个大小算（或 opt_gap()）。",
+           "对每个大小 n 算 zipf_hit_rate('opt', n) − zipf_hit_rate('lru', n)，取最大的 n。"),
+          kind="interpret")
+def _judge_interpret_gap(answer: Any) -> Verdict:
+    gaps = opt_gap()
+    return same(answer, max(gaps, key=lambda n: (gaps[n], -n)), "差距最大的缓存大小 (size of the largest gap)")
+
+
+# ---------------------------------------------------------------------------- errata hunting
+TEXT_BLOCK = '''\
+class Block:                        # capacity is the size of the data held right now
+    def __init__(self, data):
+        self.data, self.free, self.refs = data, True, 0
+    def capacity(self):
+        return 0 if self.data is None else len(self.data)
+    def allocate(self, data):
+        if not self.free or len(data) > self.capacity():
+            return False
+        self.data, self.free, self.refs = data, False, 1
+        return True
+    def release(self):
+        if self.free or self.refs > 0:
+            return False
+        self.data, self.free = None, True
+        return True
+'''
+
+
+def text_block_story() -> tuple[int, int, str]:
+    """Run :data:`TEXT_BLOCK`: a 4096-byte block takes 1024 bytes, is released, then is asked for 16 bytes."""
+    ns: dict[str, Any] = {}
+    exec(TEXT_BLOCK, ns)  # the snippet the prompt shows is the one that is run
+    b = ns["Block"](bytes(4096))
+    b.allocate(bytes(1024))
+    after_allocate = b.capacity()
+    b.refs -= 1
+    b.release()
+    return after_allocate, b.capacity(), "ok" if b.allocate(bytes(16)) else "refused"
+
+
+@register("2.2.2-errata-capacity",
+          "找错 (find the bug)：下面几行和文本的 KVBlock 一样，把容量算成“当前数据的大小”。\n" + TEXT_BLOCK +
+          "b = Block(bytes(4096)); b.allocate(bytes(1024)); b.refs -= 1; b.release(); b.allocate(bytes(16))。"
+          "答案写成 (第一次 allocate 后的 capacity(), release 后的 capacity(), 'ok' 或 'refused')。",
+          ("容量跟着数据走：数据变了，容量也变了。",
+           "逐行跟踪 self.data：allocate 换成了新数据，release 把它设成 None。",
+           "allocate 后 capacity = len(新数据) = 1024；release 后 data 是 None，capacity = 0；"
+           "16 > 0，所以第二次分配被拒绝：一个块只能用一次。"),
+          kind="errata")
+def _judge_errata_capacity(answer: Any) -> Verdict:
+    return same(answer, text_block_story(), "(capacity, capacity, second allocate)",
+                ("allocate 后 (after allocate)", "release 后 (after release)", "第二次 allocate (second allocate)"))
+
+
+TEXT_FRAGMENTATION = '''\
+def fragmentation(free_sizes):      # the text's formula over the sizes of the FREE blocks
+    total, largest = sum(free_sizes), max(free_sizes)
+    return int((total - largest) / total * 100) if total else 0
+'''
+
+
+def text_fragmentation_story() -> tuple[int, int]:
+    """:data:`TEXT_FRAGMENTATION` on four equal free blocks, and kvlab's measure on a uniform pool like it."""
+    ns: dict[str, Any] = {}
+    exec(TEXT_FRAGMENTATION, ns)
+    pool = metadata_pool(8, 16)
+    held = pool.allocate(8)
+    pool.free(held[::2])  # four FREE blocks, every other one
+    return ns["fragmentation"]([4096] * 4), pool.calculate_fragmentation()
+
+
+@register("2.2.2-errata-fragmentation",
+          "找错 (find the bug)：\n" + TEXT_FRAGMENTATION +
+          "四个一样大的空闲块 fragmentation([4096] * 4) 返回多少？一个 8 块、每隔一块空闲的一级池 "
+          "(block_sizes 只有一种) 的 pool.calculate_fragmentation() 又是多少？答案写成 (文本公式, kvlab)。",
+          ("在一个所有块一样大的池里，任何一个空闲块都能满足任何请求。",
+           "文本公式只看“最大的空闲块占全部空闲的多少”；kvlab 问的是空闲内存里有多少拼不成一个最大的块。",
+           "文本：(4 × 4096 − 4096) / (4 × 4096) = 75%；kvlab：每个空闲块都是一个完整的块，不可用的空闲 = 0%。"),
+          kind="errata")
+def _judge_errata_fragmentation(answer: Any) -> Verdict:
+    return same(answer, text_fragmentation_story(), "(text formula, kvlab)", ("文本公式 (text)", "kvlab"))

@@ -5,13 +5,13 @@ from typing import Any
 
 import numpy as np
 
-from . import Verdict, metadata_pool, register, same
+from . import Verdict, metadata_pool, register, register_prediction, same
 
 
 def sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 2) -> tuple[int, int]:
     """``users`` sequences share ``prefix_blocks`` blocks and each owns ``own_blocks`` more:
     (refcount of a shared block, blocks used)."""
-    pool = metadata_pool(64, 16)
+    pool = metadata_pool(max(64, prefix_blocks + users * own_blocks), 16)
     prefix = pool.allocate(prefix_blocks)
     pool.incref(np.repeat(prefix, users - 1))
     for _ in range(users):
@@ -50,3 +50,107 @@ def strategy_scenario() -> list[str]:
            "第一次只能把 128 一半一半切到 16（split），留下 16、32、64 各一块；下一次直接取 16（exact），以此类推。"))
 def _judge_strategies(answer: Any) -> Verdict:
     return same(answer, strategy_scenario(), "策略 (strategies)", [f"第 {i + 1} 次 (request {i + 1})" for i in range(4)])
+
+
+# ---------------------------------------------------------------------------- predictions
+register_prediction("2.2.3-first-strategy",
+                    "一整块 128 token 空闲的伙伴池，第一次请求一个 16 token 的块：DynamicAllocator 用哪种策略满足？",
+                    choices=("exact", "split", "merge", "evict", "wait"))
+register_prediction("2.2.3-text-retry",
+                    "文本的分配器在没有空闲块时先 evict_block()，再 get_best_block() 重试。重试能成功吗？",
+                    choices=("succeeds", "fails"))
+
+
+# ---------------------------------------------------------------------------- errata hunting
+TEXT_ALLOCATOR = '''\
+class Pool:                          # the text's shape: free lists by size, blocks found but not taken
+    def __init__(self, n):
+        self.free = {16: [{"id": i, "status": "FREE"} for i in range(n)]}
+        self.active = {}
+    def get_best_block(self, size):
+        for b in self.free[16]:
+            if b["status"] == "FREE":
+                return b
+        return None
+    def allocate_optimal_block(self, size):
+        return self.get_best_block(size)     # strategy 1 of the text: found, returned, never marked
+'''
+
+
+def text_allocator_story(callers: int = 3) -> list[int]:
+    """Run :data:`TEXT_ALLOCATOR`: ``callers`` requests in turn, no threads; the block id each gets."""
+    ns: dict[str, Any] = {}
+    exec(TEXT_ALLOCATOR, ns)  # the snippet the prompt shows is the one that is run
+    pool = ns["Pool"](4)
+    return [pool.allocate_optimal_block(16)["id"] for _ in range(callers)]
+
+
+@register("2.2.3-errata-handout",
+          "找错 (find the bug)：\n" + TEXT_ALLOCATOR +
+          "pool = Pool(4)；三个请求依次（不用线程）调用 pool.allocate_optimal_block(16)。每个请求拿到的块 id 是什么？"
+          "答案写成列表。",
+          ("“找到一个空闲块”和“占用它”是两件事。",
+           "看 allocate_optimal_block 返回之前，块的 status 有没有被改掉。",
+           "没有任何代码把块标成 ALLOCATED，所以每次都找到同一个块 0：[0, 0, 0]。检查和占用之间的空档不需要线程。"),
+          kind="errata")
+def _judge_errata_handout(answer: Any) -> Verdict:
+    return same(answer, text_allocator_story(), "块 id (block ids)", [f"请求 {i + 1} (request {i + 1})" for i in range(3)])
+
+
+TEXT_EVICT = '''\
+class Pool:                          # the text's shape: evicted blocks leave `active` and go nowhere
+    def __init__(self, n):
+        self.free_lists = {16: []}                        # nothing ever fills them
+        self.active = {i: {"refs": 0, "status": "ALLOCATED"} for i in range(n)}
+    def get_best_block(self, size):
+        return next((b for b in self.free_lists[16] if b["status"] == "FREE"), None)
+    def evict_block(self):
+        block_id = next(iter(self.active))
+        block = self.active.pop(block_id)
+        block["status"] = "FREE"
+        return block
+'''
+
+
+def text_evict_story(evictions: int = 2) -> tuple[int, int, str]:
+    """Run :data:`TEXT_EVICT`: evict ``evictions`` times, then retry; (active left, free-list length, retry)."""
+    ns: dict[str, Any] = {}
+    exec(TEXT_EVICT, ns)
+    pool = ns["Pool"](4)
+    for _ in range(evictions):
+        pool.evict_block()
+    retry = pool.get_best_block(16)
+    return len(pool.active), len(pool.free_lists[16]), "found" if retry is not None else "None"
+
+
+@register("2.2.3-errata-retry",
+          "找错 (find the bug)：\n" + TEXT_EVICT +
+          "pool = Pool(4)；调用两次 pool.evict_block()，然后 pool.get_best_block(16)。"
+          "答案写成 (len(pool.active), len(pool.free_lists[16]), 'found' 或 'None')。",
+          ("被淘汰的块去了哪里？",
+           "看 evict_block 把块从哪里拿走、又放到了哪里；get_best_block 只在哪里找？",
+           "evict 从 active 里删掉块，却不放进任何空闲链表：active 剩 2 个，空闲链表还是 0 个，重试得到 None。"
+           "所以“先淘汰、再重试”永远不会成功。"),
+          kind="errata")
+def _judge_errata_retry(answer: Any) -> Verdict:
+    return same(answer, text_evict_story(), "(active, free list, retry)", ("active", "free list", "retry"))
+
+
+def blocks_saved(users: int, prefix_blocks: int = 3, own_blocks: int = 2) -> int:
+    """Blocks that sharing the prefix saves: ``users`` private copies measured on a pool minus the shared case."""
+    pool = metadata_pool(users * (prefix_blocks + own_blocks), 16)
+    for _ in range(users):
+        pool.allocate(prefix_blocks + own_blocks)
+    private = pool.num_blocks - pool.num_free_blocks
+    return private - sharing_scenario(users, prefix_blocks, own_blocks)[1]
+
+
+@register("2.2.3-move-users",
+          "动参数 (move a parameter)：沿用 2.2.3-sharing 的设定（共享前缀 3 块，每人另有 2 块），"
+          "和每人各存一份前缀相比，共享在 5 个用户时省下多少块？50 个用户时呢？答案写成 (5 个用户, 50 个用户)。",
+          ("不共享时，每个用户都要自己存一份前缀。",
+           "分别算不共享和共享两种情况用掉的块数，再相减；用户数变了，哪一部分跟着变？",
+           "省下 = (users − 1) × prefix_blocks：5 个用户省 12 块，用户越多省得越多（线性增长）。"),
+          kind="parameter")
+def _judge_move_users(answer: Any) -> Verdict:
+    return same(answer, (blocks_saved(5), blocks_saved(50)), "(5 users, 50 users)", ("5 users", "50 users"))

@@ -1,0 +1,103 @@
+"""The exercise framework: staged hints, per-item feedback, predictions compared with measurements, scores."""
+from __future__ import annotations
+
+import pytest
+
+from kvlab import ConfigError
+from kvlab import exercises as ex
+
+
+@pytest.fixture(autouse=True)
+def fresh_progress():
+    ex.reset()
+    yield
+    ex.reset()
+
+
+def test_every_exercise_has_three_distinct_hint_stages_and_a_kind():
+    for key in ex.list_exercises():
+        e = ex.exercise(key)
+        assert len(set(e.hints)) == 3 and e.kind in ex.KINDS, key
+        assert [ex.hint(key, s) for s in (1, 2, 3)] == list(e.hints)
+
+
+def test_hints_escalate_with_each_miss_and_stop_at_the_formula():
+    hints = ex.exercise("2.2.2-lru").hints
+    seen = [ex.check("2.2.2-lru", [0, 1, 2, 3]) for _ in range(4)]
+    assert [r.stage for r in seen] == [1, 2, 3, 3]
+    assert [r.hint for r in seen] == [hints[0], hints[1], hints[2], hints[2]]
+    assert "1/3 (nudge)" in str(seen[0]) and "3/3 (formula)" in seen[3]._repr_markdown_()
+    right = ex.check("2.2.2-lru", [2, 3, 1, 0])
+    assert right.ok and right.stage == 0 and "提示" not in str(right)
+    ex.reset("2.2.2")
+    assert ex.check("2.2.2-lru", [0, 1, 2, 3]).stage == 1  # a reset starts the stages again
+
+
+def test_tuple_answers_are_judged_item_by_item_without_giving_away_the_wrong_ones():
+    r = ex.check("2.2.2-refcount", (0, "ALLOCATED"))
+    assert not r.ok and "1/2" in r.message
+    assert r.details[0].startswith("✗ reference_count") and "1" not in r.details[0].split(":")[1]
+    assert r.details[1] == "✓ status = 'ALLOCATED'"
+    r = ex.check("2.2.2-lru", [2, 3, 0, 1])
+    assert [d[0] for d in r.details] == ["✓", "✓", "✗", "✗"]
+    assert "4" in ex.check("2.2.2-lru", [2, 3]).message  # wrong length: says how many items are wanted
+    assert ex.check("2.2.2-refcount", 1).details == ()
+
+
+def test_a_prediction_is_compared_with_the_measurement_that_follows():
+    key = ex.list_predictions("2.2.1")[0]
+    p = ex.PREDICTIONS[key]
+    options = p.choices or (1.0,)
+    assert "还没有" in ex.predict(key, ...)
+    missed = ex.reveal(key, options[0])
+    assert not missed.ok and "no prediction" in missed.message
+    ex.predict(key, options[0])
+    assert ex.reveal(key, options[0]).ok
+    if p.choices and len(p.choices) > 1:
+        r = ex.reveal(key, p.choices[1])
+        assert not r.ok and repr(p.choices[0]) in r.message and repr(p.choices[1]) in r.message
+
+
+def test_bad_predictions_are_refused_and_leave_the_record_as_it_was():
+    key = next(k for k in ex.list_predictions() if ex.PREDICTIONS[k].choices)
+    first = ex.PREDICTIONS[key].choices[0]
+    ex.predict(key, first)
+    with pytest.raises(ConfigError, match="not one of the choices"):
+        ex.predict(key, "certainly not a choice")
+    with pytest.raises(ConfigError, match="object"):
+        ex.predict(key, object())
+    with pytest.raises(ConfigError, match="unknown prediction 'nope'"):
+        ex.predict("nope", 1)
+    assert ex.reveal(key, first).ok  # the refused calls changed nothing
+
+
+def test_summary_counts_right_answers_and_matched_predictions():
+    s = ex.summary("2.2.2")
+    assert (s.right, s.attempted, s.predicted, s.matched) == (0, 0, 0, 0) and s.exercises >= 3
+    ex.check("2.2.2-lru", [0, 1, 2, 3])
+    ex.check("2.2.2-refcount", (1, "ALLOCATED"))
+    keys = ex.list_predictions("2.2.2")
+    for k in keys:
+        p = ex.PREDICTIONS[k]
+        ex.predict(k, p.choices[0] if p.choices else 0)
+    s = ex.summary("2.2.2")
+    assert (s.right, s.attempted, s.predicted) == (1, 2, len(keys))
+    rows = dict(s.rows)
+    assert rows["2.2.2-refcount"] == "✓" and rows["2.2.2-lru"].startswith("✗") and rows["2.2.2-transitions"] == "—"
+    assert "1/" in str(s) and "| `2.2.2-lru` |" in s._repr_markdown_()
+    with pytest.raises(ConfigError, match="2.2.1"):
+        ex.summary("9.9")
+
+
+def test_registration_refuses_duplicates_and_incomplete_hints():
+    with pytest.raises(ConfigError, match="defined twice"):
+        ex.register("2.2.2-lru", "again", ("a", "b", "c"))(lambda a: (True, ""))
+    with pytest.raises(ConfigError, match="3 hints"):
+        ex.register("2.2.9-new", "x", ("only one",))(lambda a: (True, ""))
+    with pytest.raises(ConfigError, match="kind"):
+        ex.register("2.2.9-new", "x", ("a", "b", "c"), kind="essay")(lambda a: (True, ""))
+    with pytest.raises(ConfigError, match="rel_tol"):
+        ex.register_prediction("2.2.9-p", "x", rel_tol=-1)
+    assert "2.2.9-new" not in ex.EXERCISES and "2.2.9-p" not in ex.PREDICTIONS
+    with pytest.raises(ConfigError):
+        ex.hint("2.2.2-lru", 4)
