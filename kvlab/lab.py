@@ -9,6 +9,7 @@ runs it.
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import secrets
@@ -55,8 +56,10 @@ def free_port(ip: str, wanted: int = DEFAULT_PORT) -> int:
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
             try:
                 s.bind((ip, port))
-            except OSError:
-                continue
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    continue
+                raise ConfigError(f"cannot listen on {ip!r}: {e.strerror or e}") from None
             return int(s.getsockname()[1])
     raise ConfigError(f"no free port to listen on at {ip!r}")
 

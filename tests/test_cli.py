@@ -1,6 +1,8 @@
 """The ``kvlab`` command line: end to end in a subprocess, argument errors, and the command registry."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import subprocess
@@ -9,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
+
 from kvlab import ConfigError, make_workload, write_trace
 from kvlab import cli
 
 SMALL = ["sweep", "--sizes", "16,64", "--requests", "20", "--rounds", "2"]
 # the table: block, blocks, waste %, table entries, alloc calls, prefix loss %, attention slots,
 # attention ms (median [min-max], not in the cost), cost (**<-**: the pick)
-ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| (?:[\d.]+ \[[\d.]+-[\d.]+\]|-) "
-                 r"\| ([\d.]+)(?: \*\*<-\*\*)? \|$", re.M)
+ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) "
+                 r"\| (?:[\d.]+ \[[\d.]+-[\d.]+\]|-) \| ([\d.]+)(?: \*\*<-\*\*)? \|$", re.M)
 
 
 def run(*args: str, exe: list[str] | None = None) -> subprocess.CompletedProcess:
@@ -159,3 +163,250 @@ def test_registering_a_command(capsys):
         del cli._COMMANDS["echo-test"]
     with pytest.raises(SystemExit):
         cli.main(["echo-test"])
+
+
+# ---------------------------------------------------------------------------------------------------- user errors
+def _bad_values(tmp: Path) -> dict:
+    """Bad values for every argument type the commands use; a new type without an entry fails the grid below."""
+    return {
+        cli._positive_int: ["0", "-3", "1.5", "x", ""],
+        cli._positive_float: ["0", "-2", "nan", "inf", "x"],
+        cli._seed: ["-1", str(2**32), "x"],
+        cli._device: ["nosuchdev", "cuda:7", "meta", ""],
+        cli._figure_file: ["/nonexistent/x.png", str(tmp / "x.nosuchformat"), str(tmp)],
+        cli._output_file: ["/nonexistent/x.json", str(tmp)],
+        cli._sizes: ["16,abc", "16,16", ",", "0"],
+        int: ["x", "1.5"],
+        float: ["x"],
+    }
+
+
+def _typed_options() -> list[tuple[str, str, object]]:
+    """``(command, option, type or choices)`` for every option of every registered command that takes a value."""
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    found = []
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if not a.option_strings or a.nargs == 0:
+                continue
+            found.append((name, a.option_strings[-1], tuple(a.choices) if a.choices else a.type))
+    return found
+
+
+OPTIONS = [o for o in _typed_options() if o[2] is not None]  # free text is checked by its command (below)
+# positional arguments a command needs before its options are looked at
+NEEDS = {"chapters": ["somewhere"]}
+
+
+@pytest.mark.parametrize("command, option, kind", OPTIONS, ids=[f"{c} {o}" for c, o, _ in OPTIONS])
+def test_every_bad_option_value_is_one_line_and_exit_2_before_any_work(command, option, kind, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Generated from the parser: each option of each command with each bad value of its type (or a value outside
+    its choices) exits 2 with one line naming the option, runs nothing and writes nothing."""
+    def must_not_run(args):
+        raise AssertionError(f"{command} ran with a bad {option}")
+
+    for name, (help_, configure, _) in list(cli._COMMANDS.items()):
+        monkeypatch.setitem(cli._COMMANDS, name, (help_, configure, must_not_run))
+    bad = _bad_values(tmp_path)
+    if isinstance(kind, tuple):
+        values = ["no-such-choice"]
+    else:
+        assert kind in bad, f"{command} {option}: add bad values for its type {kind!r} to _bad_values"
+        values = bad[kind]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for value in values:
+        with pytest.raises(SystemExit) as e:
+            cli.main([command, *NEEDS.get(command, []), f"{option}={value}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (option, value)
+        assert err.count("\n") == 1 and option in err and err.startswith(f"kvlab {command}: error:"), (value, err)
+    assert list(work.iterdir()) == []
+
+
+def test_the_grid_covers_the_options_that_matter():
+    names = {(c, o) for c, o, _ in OPTIONS}
+    assert {("sweep", "--device"), ("sweep", "--plot"), ("run", "--rate"), ("run", "--seed"), ("bench", "--out"),
+            ("lab", "--port")} <= names
+
+
+def _one_line_error(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert all(w in p.stderr for w in words), p.stderr
+
+
+def test_user_errors_end_in_one_line_never_a_traceback(tmp_path):
+    _one_line_error(run("sweep", "--device", "nosuchdev"), 2, "--device", "nosuchdev")
+    _one_line_error(run("sweep", "--plot", "/nonexistent/x.png", "--requests", "5"), 2, "/nonexistent")
+    _one_line_error(run("run", "--rate", "nan"), 2, "--rate")
+    bad_env = {**os.environ, "KVLAB_DEVICE": "nosuchdev"}
+    p = subprocess.run([sys.executable, "-m", "kvlab", "run", "--requests", "5", "--no-progress"], env=bad_env,
+                       capture_output=True, text=True, timeout=300)
+    _one_line_error(p, 2, "KVLAB_DEVICE")
+    (tmp_path / "file").write_text("x")
+    _one_line_error(run("chapters", str(tmp_path / "file")), 2, "is a file")
+    _one_line_error(run("lab", str(tmp_path / "nowhere")), 2, "not a folder")
+    _one_line_error(run("lab", str(REPO), "--ip", "192.0.2.1", "--dry-run"), 2, "cannot listen")  # TEST-NET-1: not ours
+    _one_line_error(run("run", "--trace", str(tmp_path / "none.csv")), 2, "cannot read trace")
+    _one_line_error(run("bench", "bench_pool", "nosuch", "--quick"), 2, "nosuch", "bench_pool")
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``kvlab run ... | head -0``: the reader is gone before kvlab prints; no BrokenPipeError, exit 141 (SIGPIPE's
+    code in a shell), nothing on stderr."""
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "run", "--requests", "20", "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "KVLAB_DEVICE": "cpu"})
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141 and err == b""
+
+
+def test_progress_bars_show_on_a_terminal_only():
+    """With stderr a terminal the sweep draws its bar; the same command into a pipe (every other test) does not."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", *SMALL, "--no-attention"], stdout=subprocess.DEVNULL,
+                         stderr=slave, env={**os.environ, "KVLAB_DEVICE": "cpu"})
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert p.wait(timeout=300) == 0
+    assert b"sweep chat" in seen and b"100%" in seen, seen
+
+
+# ---------------------------------------------------------------------------------------------------- --json
+def test_sweep_json_is_the_library_sweep(capsys):
+    from kvlab import ChunkSizeOptimizer
+    from kvlab.sizing import GOALS
+
+    assert cli.main(["sweep", "--requests", "20", "--sizes", "16,64", "--no-attention", "--no-progress", "--json",
+                     "--goal", "memory_efficient"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = ChunkSizeOptimizer().sweep(make_workload("chat", 20, 0), [16, 64], attention=False, progress=False)
+    assert [r["block_size"] for r in out["rows"]] == [16, 64]
+    assert out["recommendations"] == {g: ref.recommend(g) for g in GOALS}
+    assert out["recommended"] == ref.recommend("memory_efficient") and out["goal"] == "memory_efficient"
+    assert out["costs"] == {str(b): pytest.approx(c) for b, c in ref.costs("memory_efficient").items()}
+    assert [r["waste"] for r in out["rows"]] == pytest.approx([r.waste for r in ref.rows])
+    assert all(r["attention_ms"] is None for r in out["rows"])  # not measured: null, not NaN
+
+
+def test_demo_json_holds_the_report():
+    p = run("demo", "--json")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    out = json.loads(p.stdout)
+    assert set(out["engine"]) == {"paged", "contiguous"} and out["engine"]["paged"]["finished"] == 1000
+    assert set(out["prefetch"]) and out["claims"]
+    assert all({"text", "baseline", "measured", "value", "threshold", "supported"} <= set(c) for c in out["claims"])
+    assert all(c["supported"] == (c["value"] >= c["threshold"]) for c in out["claims"])
+
+
+def test_bench_writes_a_file_only_with_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "bench_sizing", "--quick", "--json", "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {r["benchmark"] for r in result["rows"]} == {"bench_sizing"} and list(tmp_path.iterdir()) == []
+    assert cli.main(["bench", "bench_sizing", "--quick", "--no-progress", "--out", "rows.json"]) == 0
+    printed = capsys.readouterr().out
+    assert "| benchmark | figure |" in printed and "wrote rows.json" in printed
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
+    assert {r["benchmark"] for r in json.loads((tmp_path / "rows.json").read_text())["rows"]} == {"bench_sizing"}
+
+
+# ---------------------------------------------------------------------------------------------------- chapters
+def test_chapters_copies_the_course_and_never_overwrites_unasked(tmp_path, capsys):
+    from kvlab.resources import chapter_notebooks, shipped
+
+    src, dest = shipped("chapters"), tmp_path / "course"
+    assert cli.main(["chapters", str(dest), "--no-solutions"]) == 0
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*.ipynb")) == chapter_notebooks(solutions=False)
+    (dest / "index.ipynb").write_text("my notes")
+    before = {p: p.read_bytes() for p in dest.rglob("*")}
+    assert cli.main(["chapters", str(dest)]) == 2
+    assert "already in" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in dest.rglob("*")} == before  # refused: nothing written, not even solutions/
+    assert cli.main(["chapters", str(dest), "--force"]) == 0
+    names = chapter_notebooks()
+    assert any(n.parts[0] == "solutions" for n in names)
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*.ipynb")) == names
+    assert all((dest / n).read_bytes() == (src / n).read_bytes() for n in names)
+
+
+# ---------------------------------------------------------------------------------------------------- lab
+@pytest.mark.parametrize("as_root, no_browser", [(False, False), (True, False), (False, True), (True, True)])
+def test_lab_command_line_for_root_and_headless(tmp_path, as_root, no_browser):
+    from kvlab.lab import lab_argv
+
+    argv = lab_argv(tmp_path, "chapters/index.ipynb", port=9999, token="t0k", as_root=as_root,
+                    no_browser=no_browser)
+    assert argv[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={tmp_path}" in argv  # the whole folder, not the notebook's
+    assert "--LabApp.default_url=/lab/tree/chapters/index.ipynb" in argv
+    assert ("--allow-root" in argv) == as_root and ("--no-browser" in argv) == no_browser
+    assert "--ServerApp.port=9999" in argv and "--IdentityProvider.token=t0k" in argv
+
+
+def test_lab_finds_a_display_or_not():
+    from kvlab.lab import headless
+
+    assert headless({}, "linux") and headless({"DISPLAY": ""}, "linux")
+    assert not headless({"DISPLAY": ":0"}, "linux") and not headless({"WAYLAND_DISPLAY": "wayland-0"}, "linux")
+    assert not headless({}, "darwin") and not headless({}, "win32") and not headless({"BROWSER": "w3m"}, "linux")
+
+
+def test_lab_serves_the_folder_and_opens_the_index(tmp_path):
+    """A real launch: ``kvlab lab`` on a folder made by ``kvlab chapters``; the printed URL answers, and the server
+    lists the folder's notebooks. The server is stopped whatever happens."""
+    import signal
+    import urllib.request
+
+    assert run("chapters", str(tmp_path / "course")).returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "lab", str(tmp_path / "course"), "--port", "18999",
+                          "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "KVLAB_DEVICE": "cpu", "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+                              "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}, start_new_session=True)
+    try:
+        first, second = p.stdout.readline(), p.stdout.readline()
+        assert first.strip() == f"kvlab lab: serving {tmp_path / 'course'}"
+        url = second.strip().removeprefix("kvlab lab: open ")
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/lab/tree/index\.ipynb\?token=[0-9a-f]{48}", url), url
+        base, token = url.split("/lab/")[0], url.rsplit("=", 1)[1]
+        import time
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                if time.monotonic() > deadline or p.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"{base}/api/contents?token={token}", timeout=10) as r:
+            listing = {c["name"] for c in json.loads(r.read())["content"]}
+        assert {"index.ipynb", "solutions"} <= listing
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
