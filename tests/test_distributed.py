@@ -15,7 +15,7 @@ from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVRece
                                RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
                                decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
 from kvlab.distributed import backend_for
-from kvlab.distributed.connector import TAG_ANNOUNCE, TAG_PLAN
+from kvlab.distributed.connector import MAX_RUNS, TAG_ANNOUNCE, TAG_PLAN, runs
 from kvlab.distributed.disagg import make_manager
 from kvlab.distributed.tp import head_split, run_tp, single_process
 from kvlab.errors import ConfigError
@@ -36,7 +36,58 @@ def test_two_processes_decode_what_one_process_decodes():
     assert res.received.blocks_skipped == 3 * 2 and res.received.tokens_skipped == 3 * 32
     assert res.sent.blocks_sent == res.received.blocks_received == 3 * 5 + 3 * 3
     assert res.sent.bytes == res.received.bytes == res.sent.blocks_sent * CFG.kv_spec(16).bytes_per_block
-    assert res.sent.messages == 2 * CFG.num_layers  # one message per layer and step, not one per block
+    # per step, layer and half (K, V) one message per run of consecutive blocks (here one run), not per block
+    assert res.sent.messages == res.received.messages == 2 * CFG.num_layers * 2 < res.sent.blocks_sent
+
+
+@pytest.mark.parametrize("interleaved,decode_block_size", [(False, 16), (True, 16), (True, 8)])
+def test_every_token_arrives_bitwise(interleaved, decode_block_size):
+    """Rows sent straight from the pool in runs, rows gathered from scattered blocks (more than MAX_RUNS runs),
+    and re-chunked token rows all land where the receiver's block tables say."""
+    prompts = [[(7 * i + j) % CFG.vocab_size for j in range(37 + 5 * i)] for i in range(12)]
+    a, b = make_manager(CFG, 16, 256), make_manager(CFG, decode_block_size, 256)
+    seqs = [a.create(p) for p in prompts]
+    if interleaved:  # block by block, request after request: each prompt's blocks lie far apart
+        for at in range(0, max(map(len, prompts)), 16):
+            a.append_tokens([s for s, p in zip(seqs, prompts) if len(p) > at],
+                            [p[at:at + 16] for p in prompts if len(p) > at])
+    else:
+        a.append_tokens(seqs, prompts)
+    a.pool.storage_of().kv.normal_()
+    got = {}
+
+    def send(link):
+        conn = KVSender(link, a, 1)
+        for i, (s, p) in enumerate(zip(seqs, prompts)):
+            conn.request_finished(RemoteRequest(i, tuple(p), 0), s)
+        conn.start_save(conn.build_connector_meta())
+        for layer in range(CFG.num_layers):
+            conn.save_kv_layer(layer)
+        conn.wait_for_save()
+        got["runs"] = len(runs([r for s in seqs for r in s.block_table]))
+        conn.finish()
+
+    def receive(link):
+        conn = KVReceiver(link, b, 0)
+        for r in conn.poll_requests():
+            q = b.create(list(r.prompt))
+            b.append_tokens([q], [list(r.prompt)])
+            conn.update_state_after_alloc(r, q)
+            got.setdefault("seqs", []).append(q)
+        conn.start_load_kv(conn.build_connector_meta())
+        for layer in range(CFG.num_layers):
+            conn.wait_for_layer_load(layer)
+        assert conn.poll_requests() is None
+
+    run_threads([send, receive], timeout=20)
+    assert (got["runs"] > MAX_RUNS) == interleaved
+    sa, sb = a.pool.storage_of(), b.pool.storage_of()
+    for s, q in zip(seqs, got["seqs"]):
+        for layer in range(CFG.num_layers):
+            ka, va = sa.read_slots(layer, s.slots())
+            kb, vb = sb.read_slots(layer, q.slots())
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    b.check_invariants()
 
 
 @pytest.mark.parametrize("decode_block_size", [8, 32])

@@ -1,0 +1,40 @@
+"""KV transfer between two processes (gloo over 127.0.0.1): the connector of ``kvlab.distributed`` against one
+plain ``torch.distributed`` send of a contiguous tensor of exactly the same bytes, in the same run and the same
+process group (the physical limit of the transport here).
+
+Each case moves 4 prompts of 512 tokens (quick: 128) with a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads
+of 128, fp16: 128 KiB per token, 256 MiB in all): the connector announces the requests, the receiver allocates its blocks, every layer goes as
+one message per half (K, V) per run of consecutive blocks, or, for the *scattered* case (each prompt's blocks
+interleaved with the others', as in a busy pool), gathered into one staging message per half; the receiver
+scatters each layer into its blocks with one ``index_copy_`` per half. The variants alternate round by round
+and each figure is its best round, timed on the receiver. Goals (issue 20): >= 0.5x the plain send for 16-token
+blocks, >= 0.8x for 256-token blocks. ``python benchmarks/bench_transfer.py [--quick]``.
+"""
+from __future__ import annotations
+
+from kvlab.distributed.measure import measure_transfer
+
+GOALS = {16: 0.5, 256: 0.8}
+
+
+def run(quick: bool = False) -> list[dict]:
+    tokens, rounds = (128, 2) if quick else (512, 9)
+    rows = []
+    for scattered in (False, True):
+        for block_size, goal in GOALS.items():
+            t = measure_transfer(block_size, tokens, 4, num_layers=32, num_kv_heads=8, head_dim=128,
+                                 dtype="float16", rounds=rounds, scattered=scattered)
+            layout = "scattered blocks (gathered)" if scattered else "blocks in runs"
+            verdict = "" if quick else (" (met)" if t.ratio >= goal else " (not met)")
+            name = f"KV transfer, B={block_size}, 4 x {tokens} tokens, {layout}"
+            rows.append({"name": name + ": throughput", "value": t.gb_per_s, "unit": "GB/s",
+                         "baseline": t.plain_gb_per_s, "ratio": t.ratio,
+                         "goal": f">= {goal}x one plain send{verdict}"})
+            rows.append({"name": name + ": blocks", "value": t.blocks_per_s, "unit": "blocks/s"})
+    return rows
+
+
+if __name__ == "__main__":
+    from kvlab.bench import run_script
+
+    run_script(run)

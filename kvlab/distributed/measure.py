@@ -1,0 +1,180 @@
+"""What a KV transfer costs, measured: the connector against the transport's own limit, and against recomputing.
+
+* :func:`measure_transfer` starts a sender and a receiver (two processes, gloo over 127.0.0.1) and times, round
+  after round and alternating, (a) the connector moving ``requests`` prompts of ``tokens`` tokens (announce,
+  allocate on the receiver, one gathered message per layer, scatter into the receiver's blocks) and (b) one
+  plain ``send`` of a contiguous tensor of exactly the same bytes: the physical limit of the transport. Each
+  variant's figure is its best round, timed on the receiver from the moment it tells the sender to go.
+* :func:`prefill_seconds` times recomputing a prompt's KV with the tiny decoder instead (chunked prefill, as
+  engines do for long prompts, so the causal mask stays small).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..model import TinyConfig, TinyLlama
+from ..pool import BlockPool
+from ..sequence import SequenceManager
+from ..spec import KVSpec
+from .connector import KVReceiver, KVSender, RemoteRequest
+from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
+
+TAG_GO, TAG_PLAIN = 4, 5
+
+
+@dataclass(frozen=True)
+class TransferTiming:
+    """Best round of each variant: ``connector`` and ``plain`` seconds for the same ``bytes``."""
+    block_size: int
+    tokens: int
+    requests: int
+    blocks: int
+    bytes: int
+    connector: float
+    plain: float
+    scattered: bool = False
+
+    @property
+    def ratio(self) -> float:
+        """Connector throughput as a fraction of the plain send's (1.0: as fast as the transport allows)."""
+        return self.plain / self.connector
+
+    @property
+    def blocks_per_s(self) -> float:
+        return self.blocks / self.connector
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.connector / 1e9
+
+    @property
+    def plain_gb_per_s(self) -> float:
+        return self.bytes / self.plain / 1e9
+
+
+def _spec(spec: dict[str, Any]) -> KVSpec:
+    return KVSpec(spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], spec["block_size"],
+                  getattr(torch, spec["dtype"]), torch.device("cpu"))
+
+
+def _go(link: Link, peer: int, send: bool) -> None:
+    flag = torch.ones(1, dtype=torch.int64)
+    (link.send if send else link.recv)(flag, peer, TAG_GO)
+
+
+def transfer_rank(link: Link, *, spec: dict[str, Any], tokens: int, requests: int, rounds: int,
+                  scattered: bool = False) -> dict[str, Any]:
+    """One rank of :func:`measure_transfer`: rank 0 sends, rank 1 receives and times."""
+    s = _spec(spec)
+    per_seq = -(-tokens // s.block_size)
+    manager = SequenceManager(BlockPool(requests * per_seq + 1, spec=s), prefix_cache=None)
+    sender = link.rank == 0
+    conn: KVSender | KVReceiver = (KVSender if sender else KVReceiver)(link, manager, 1 - link.rank)
+    prompts = [[(i * 7 + j) % 1000 for j in range(tokens)] for i in range(requests)]
+    nbytes = requests * per_seq * s.bytes_per_block  # what the connector stages: whole blocks (same spec both sides)
+    plain = torch.empty(nbytes // torch.empty((), dtype=s.dtype).element_size(), dtype=s.dtype)
+    best = {"connector": float("inf"), "plain": float("inf")}
+    if sender:
+        seqs = [manager.create(p) for p in prompts]
+        if scattered:  # block by block, request after request: each prompt's blocks lie ``requests`` ids apart
+            B = s.block_size
+            for at in range(0, tokens, B):
+                manager.append_tokens(seqs, [p[at:at + B] for p in prompts])
+        else:
+            manager.append_tokens(seqs, prompts)
+        manager.pool.storage_of().kv.normal_()
+        plain.normal_()
+    for _ in range(rounds):
+        # (a) the connector
+        if sender:
+            _go(link, 1, send=False)
+            assert isinstance(conn, KVSender)
+            for i, (q, p) in enumerate(zip(seqs, prompts)):
+                conn.request_finished(RemoteRequest(i, tuple(p), 0), q)
+            conn.start_save(conn.build_connector_meta())
+            for layer in range(s.num_layers):
+                conn.save_kv_layer(layer)
+            conn.wait_for_save()
+            conn.get_finished()
+        else:
+            assert isinstance(conn, KVReceiver)
+            _go(link, 0, send=True)
+            t0 = time.perf_counter()
+            got = conn.poll_requests() or []
+            live = []
+            for r in got:
+                q = manager.create(list(r.prompt))
+                manager.append_tokens([q], [list(r.prompt)])
+                conn.update_state_after_alloc(r, q)
+                live.append(q)
+            conn.start_load_kv(conn.build_connector_meta())
+            for layer in range(s.num_layers):
+                conn.wait_for_layer_load(layer)
+            conn.get_finished()
+            best["connector"] = min(best["connector"], time.perf_counter() - t0)
+            for q in live:
+                manager.free(q)
+        # (b) one contiguous tensor of the same bytes
+        if sender:
+            _go(link, 1, send=False)
+            link.send(plain, 1, TAG_PLAIN)
+        else:
+            _go(link, 0, send=True)
+            t0 = time.perf_counter()
+            link.recv(plain, 0, TAG_PLAIN)
+            best["plain"] = min(best["plain"], time.perf_counter() - t0)
+    if isinstance(conn, KVSender):
+        conn.finish()
+        return {}
+    assert isinstance(conn, KVReceiver) and conn.poll_requests() is None
+    manager.check_invariants()
+    sent = conn.report.bytes // rounds
+    return {"bytes": sent, "plain_bytes": plain.numel() * plain.element_size(),
+            "blocks": conn.report.blocks_received // rounds, **best}
+
+
+def measure_transfer(block_size: int = 16, tokens: int = 4096, requests: int = 4, *, num_layers: int = 4,
+                     num_kv_heads: int = 8, head_dim: int = 64, dtype: str = "float32", rounds: int = 5,
+                     scattered: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                     threads: bool = False) -> TransferTiming:
+    """Time the connector against a plain send of the same bytes (see the module docstring). ``scattered``
+    interleaves the sender's blocks of the requests (a pool that has been busy a while), so every layer is
+    gathered into a staging buffer first instead of being sent from the pool in runs."""
+    for name, v in (("block_size", block_size), ("tokens", tokens), ("requests", requests), ("rounds", rounds)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ConfigError(f"dtype must name a torch dtype, got {dtype!r}")
+    spec = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
+            "dtype": dtype}
+    _spec(spec)  # bad sizes refused here, before any process starts
+    kw = {"spec": spec, "tokens": tokens, "requests": requests, "rounds": rounds, "scattered": scattered}
+    _, got = (run_threads if threads else spawn)([transfer_rank, transfer_rank], [kw, kw], timeout=timeout)
+    assert got["bytes"] == got["plain_bytes"], got
+    return TransferTiming(block_size, tokens, requests, got["blocks"], got["bytes"], got["connector"], got["plain"],
+                          scattered)
+
+
+@torch.no_grad()
+def prefill_seconds(prompt_len: int, cfg: TinyConfig = TinyConfig(), block_size: int = 16, chunk: int = 2048,
+                    rounds: int = 1) -> float:
+    """Best of ``rounds`` wall times of computing a ``prompt_len``-token prompt's KV with the tiny decoder,
+    ``chunk`` tokens per step."""
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ConfigError(f"prompt_len must be a positive int, got {prompt_len!r}")
+    model = TinyLlama(cfg)
+    prompt = [(7 * i) % cfg.vocab_size for i in range(prompt_len)]
+    best = float("inf")
+    for _ in range(rounds):
+        manager = SequenceManager(BlockPool(-(-prompt_len // block_size) + 1, spec=cfg.kv_spec(block_size)))
+        seq = manager.create(prompt)
+        t0 = time.perf_counter()
+        for at in range(0, prompt_len, chunk):
+            model.step(manager, [seq], [prompt[at:at + chunk]])
+        best = min(best, time.perf_counter() - t0)
+    return best
