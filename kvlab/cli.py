@@ -180,14 +180,15 @@ def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
     p.set_defaults(default_requests=requests)
 
 
-def _workload(args: argparse.Namespace, **kw: float) -> Workload:
+def _workload(args: argparse.Namespace, rate: float | None = None) -> Workload:
     from .traces import load_trace
     from .workloads import Workload, make_workload
 
     if args.trace is None:
         if args.format is not None:
             raise ConfigError("--format describes a trace file: give it with --trace")
-        return make_workload(args.workload or "chat", args.requests or args.default_requests, args.seed, **kw)
+        name, n = args.workload or "chat", args.requests or args.default_requests
+        return make_workload(name, n, args.seed) if rate is None else make_workload(name, n, args.seed, rate=rate)
     workload = load_trace(args.trace, args.format)
     if args.requests is not None:
         workload = Workload(workload.name, workload.requests[:args.requests])

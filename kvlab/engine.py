@@ -58,7 +58,7 @@ from .eviction import FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .perf import FastBlockPool, FastSequenceManager
 from .prefix import PrefixCache
-from .sequence import Sequence, SequenceManager
+from .sequence import Sequence, SwapState
 from .spec import KVSpec
 from .workloads import Request, Workload
 
@@ -199,6 +199,12 @@ class Job:
     pending: int = 0
     counted: int = 0
 
+    @property
+    def sequence(self) -> Sequence:
+        """``seq`` of a job the paged memory admitted and has not released, where callers rely on it."""
+        assert self.seq is not None, f"request {self.req.id} holds no sequence"
+        return self.seq
+
 
 class PagedMemory:
     """The paged KV cache behind the engine: a :class:`~kvlab.BlockPool` (metadata-only unless a model runs),
@@ -250,7 +256,7 @@ class PagedMemory:
 
     def blocks_for(self, job: Job, n: int) -> int:
         """New blocks ``n`` more tokens of resident ``job`` need (the last block's free slots come first)."""
-        return max(0, -(-(job.computed + n) // self.bs) - len(job.seq.block_table))
+        return max(0, -(-(job.computed + n) // self.bs) - len(job.sequence.block_table))
 
     # -------------------------------------------------------------------------------- admission
     def lookup(self, job: Job) -> list[int]:
@@ -310,7 +316,7 @@ class PagedMemory:
     def execute(self, batch: list[tuple[Job, int]]) -> list[int] | None:
         """Append this step's tokens, taking the promised blocks. Real mode runs the model through the paged
         cache and returns the greedy next token of every row; metadata mode only counts (and returns None)."""
-        seqs = [j.seq for j, _ in batch]
+        seqs = [j.sequence for j, _ in batch]
         feeds: list[Any] = ([j.tokens[j.computed:j.computed + n] for j, n in batch] if self.track_ids
                             else [n for _, n in batch])
         self.promised = 0
@@ -341,20 +347,26 @@ class PagedMemory:
 
     def swap_out(self, job: Job) -> int:
         """Copy the blocks ``job`` holds alone to host memory and free them; returns the tokens copied."""
-        self.manager.swap_out(job.seq)
-        return sum(job.seq.swapped.tokens)
+        self.manager.swap_out(job.sequence)
+        return sum(self._swap_state(job).tokens)
+
+    @staticmethod
+    def _swap_state(job: Job) -> SwapState:
+        swapped = job.sequence.swapped
+        assert swapped is not None, f"request {job.req.id} is not swapped out"
+        return swapped
 
     def swap_need(self, job: Job) -> int:
-        return len(job.seq.swapped.positions)
+        return len(self._swap_state(job).positions)
 
     def swappable(self, job: Job) -> int:
         """Blocks a swap-out of resident ``job`` would free (those it holds alone and no cache names)."""
-        return len(self.manager.swappable(job.seq))
+        return len(self.manager.swappable(job.sequence))
 
     def swap_in(self, job: Job) -> int:
         """Bring ``job``'s host blocks back into fresh blocks; returns the tokens copied."""
-        tokens = sum(job.seq.swapped.tokens)
-        self.manager.swap_in(job.seq)
+        tokens = sum(self._swap_state(job).tokens)
+        self.manager.swap_in(job.sequence)
         return tokens
 
     # -------------------------------------------------------------------------------- gauges
@@ -566,7 +578,7 @@ class Engine:
     def check_invariants(self) -> None:
         """Raise AssertionError if the memory, a sequence or the tenant accounting drifted."""
         self.memory.check_invariants()
-        mem, per = self.memory, {}
+        mem, per = self.memory, dict[str, int]()
         for j in (*self.running, *self.swapped):
             assert j.counted == mem.held(j) + j.pending, f"request {j.req.id}: charged {j.counted} blocks"
             assert j.seq is None or j.seq.num_tokens == j.computed, f"request {j.req.id}: KV holds the wrong tokens"
@@ -598,7 +610,7 @@ class Engine:
             if job.state != RUNNING or not budget:
                 continue
             n = min(len(job.tokens) - job.computed, budget)
-            need = mem.blocks_for(job, n) if paged and job.computed + n > len(job.seq.block_table) * bs else 0
+            need = mem.blocks_for(job, n) if paged and job.computed + n > len(job.sequence.block_table) * bs else 0
             if need:
                 try:
                     self._promise(job, need)

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from .device import default_device
 from .errors import ConfigError
@@ -186,7 +187,7 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
         raise ConfigError(f"workload {workload.name!r} has no requests")
     B = block_size
     need = int(sum(-(-r.total_len // B) for r in workload))
-    pool = BlockPool(need, spec=KVSpec(block_size=B, device="cpu"), with_storage=False)
+    pool = BlockPool(need, spec=KVSpec(block_size=B, device=torch.device("cpu")), with_storage=False)
     prefixes: dict[str, list[int]] = {}  # prefix id -> its full blocks, owned by the first request naming it
     tables: list[list[int]] = []
     entries = calls = prefix_tokens = prefix_lost = 0
