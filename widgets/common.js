@@ -232,11 +232,13 @@ function kvMount(model, el, makePanels, extra) {
     model.save_changes();
   };
   const onMsg = (msg, buffers) => {
-    if (msg.type === "history") {
-      if (msg.reset) { hist.length = 0; histBytes = 0; }
-      for (const b of buffers || []) push(b, false);
+    if (msg.type === "history") { // every frame the view sent so far: they count as received
+      if (msg.reset) { hist.length = 0; histBytes = 0; received = 0; }
+      for (const b of buffers || []) { push(b, false); received++; }
       const at = msg.index ?? hist.length - 1;
       live = at >= hist.length - 1; show(at);
+      model.set("frames_received", received);
+      model.save_changes();
     } else if (msg.type === "inspect") for (const p of panels) if (p.inspect) p.inspect(msg);
   };
   const onStatus = () => report();

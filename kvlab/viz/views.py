@@ -3,13 +3,14 @@ and a Dashboard that runs a workload live (§2.2.3 allocation and release, §2.2
 
 A view holds one synced binary trait, ``frame`` (see :mod:`kvlab.viz.frames`), set together with ``frames_sent``
 under ``hold_sync()`` so each frame is exactly one message. The browser keeps every frame it receives, so its
-player (step back, scrub) works on its own; it reports ``frames_received`` back. A recording loaded into a view
-is sent as history when the browser asks for it (``ready``), so it arrives whenever the view is shown.
+player (step back, scrub) works on its own; it reports ``frames_received`` back. The view keeps every frame it
+sent (or the recording loaded into it) and sends them as history when a browser asks (``ready``), so a view
+drawn again, or late, holds the whole run.
 
 A view driven by a :class:`LiveRun` follows it: its ``status`` trait is the run's state, and its one pause
-button pauses the workload (a ``control`` message), not just the picture. When the run ends in a kernel that
-no browser watches (a notebook executed by nbclient, as the site build does), the view's displays are refreshed,
-so the saved ``image/png`` is the final frame, not the first; a view a browser is drawing is left as it is.
+button pauses the workload (a ``control`` message), not just the picture. When the run ends, the view's
+displays are refreshed, so a saved notebook's ``image/png`` is the final frame, not the first (a browser draws
+the refreshed view again, from the history: the final frame, with every earlier one on the slider).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn
 from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
+HISTORY_BYTES = 256 << 20  # frames a view keeps to send as history (the oldest go first)
 CONTROLS = ("run", "pause", "step", "stop")  # what the browser's buttons send
 ENDED = ("done", "stopped", "failed")
 
@@ -51,7 +53,7 @@ class FrameView(anywidget.AnyWidget):
         super().__init__(**kwargs)
         self.pool = pool
         self.run: LiveRun | None = None
-        self.history: Recording | None = None
+        self.history = Recording(max_bytes=HISTORY_BYTES)  # every frame sent (views share the bytes objects)
         self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
         self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
         self.displays: list[Any] = []  # IPython display handles of this view, refreshed when a run ends
@@ -71,8 +73,10 @@ class FrameView(anywidget.AnyWidget):
         f = decode_frame(data)
         self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
         self.evictions.extend(f.evictions)
+        data = bytes(data)
+        self.history.append(data)
         with self.hold_sync():
-            self.frame = bytes(data)
+            self.frame = data
             self.frames_sent += 1
 
     def update(self) -> None:
@@ -84,7 +88,7 @@ class FrameView(anywidget.AnyWidget):
     def load(self, recording: Recording | Iterable[bytes]) -> None:
         """Show a recording: the browser gets all frames (opening on the last, the slider reaching back to the
         first)."""
-        rec = recording if isinstance(recording, Recording) else Recording(recording)
+        rec = Recording((bytes(f) for f in recording), max_bytes=HISTORY_BYTES)
         if not len(rec):
             raise ConfigError("the recording holds no frame")
         self.history = rec
@@ -93,8 +97,8 @@ class FrameView(anywidget.AnyWidget):
             self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
             self.evictions.extend(f.evictions)
         with self.hold_sync():
-            self.frame = bytes(rec[len(rec) - 1])
-            self.frames_sent += 1
+            self.frame = rec[len(rec) - 1]
+            self.frames_sent = len(rec)
         self._send_history()
 
     def live(self, step_fn: StepFn, **kwargs: Any) -> LiveRun:
@@ -113,10 +117,8 @@ class FrameView(anywidget.AnyWidget):
 
     def _run_state(self, state: str) -> None:
         self.status = state
-        if state in ENDED and self.run is not None:
-            self.history = self.run.recording  # a view shown again replays the whole run
-            if not self.frames_received:  # no browser drew it (nbclient, a site build): fix the saved picture
-                self.refresh_displays()
+        if state in ENDED:
+            self.refresh_displays()
 
     def start(self) -> None:
         """Run (or resume) the workload as a task on the running event loop."""
@@ -146,8 +148,6 @@ class FrameView(anywidget.AnyWidget):
 
     # ------------------------------------------------------------------ browser messages
     def _send_history(self) -> None:
-        if self.history is None:
-            return
         chunk: list[bytes] = []
         size, first = 0, True
         for data in list(self.history) + [b""]:

@@ -111,8 +111,9 @@ def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
     view.locator("[data-act=back]").click()
     view.locator("[data-act=back]").click()
     assert canvas_url(page, 1) != live
-    view.locator("[data-act=toggle]").click()
-    assert data(page, 1)["index"] == str(sent[1] - 1) and canvas_url(page, 1) == live
+    view.locator("[data-act=toggle]").click()  # the run is over: play replays the received frames to the last
+    wait_until(lambda: data(page, 1)["index"] == str(sent[1] - 1) and data(page, 1)["playing"] == "0", 20, "replay")
+    assert canvas_url(page, 1) == live
 
     # The dashboard: step, run, pause and stop are handled by the kernel between steps.
     wait_until(lambda: roots(page).count() >= 5, 60, "the dashboard")
@@ -120,11 +121,11 @@ def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
     dash.locator("[data-ctl=step]").click()
     wait_until(lambda: data(page, 4)["framesReceived"] == "2", 20,
                f"a stepped frame {data(page, 4)} {page.locator('.jp-OutputArea-output').nth(5).inner_text()[:2000]}")
-    dash.locator("[data-ctl=run]").click()
-    wait_until(lambda: dash.locator(".kv-status").inner_text() == "running", 20, "running")
+    dash.locator("[data-act=toggle]").click()  # run: the player's one button
+    wait_until(lambda: data(page, 4)["status"] == "running", 20, "running")
     wait_until(lambda: int(data(page, 4)["framesReceived"]) > 15, 30, "live frames")
-    dash.locator("[data-ctl=pause]").click()
-    wait_until(lambda: dash.locator(".kv-status").inner_text() == "paused", 20, "paused")
+    dash.locator("[data-act=toggle]").click()  # pause
+    wait_until(lambda: data(page, 4)["status"] == "paused", 20, "paused")
     time.sleep(1)
     d = data(page, 4)
     assert d["framesReceived"] == d["framesSent"]
@@ -140,6 +141,6 @@ def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
         roots(page).nth(i).screenshot(path=str(shots / f"{name}.png"))
         assert (shots / f"{name}.png").stat().st_size > 1000
     dash.locator("[data-ctl=stop]").click()
-    wait_until(lambda: dash.locator(".kv-status").inner_text() == "stopped", 20, "stopped")
+    wait_until(lambda: data(page, 4)["status"] == "idle", 20, "stopped, ready to run again")
     assert not errors, errors
     page.close()
