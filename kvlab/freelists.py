@@ -124,7 +124,7 @@ class FreeLists:
 
     def remove_many(self, ids: np.ndarray) -> None:
         """Take FREE blocks ``ids`` off their stacks (one pass per stack)."""
-        for k, s in enumerate(self.stacks):
+        for s in self.stacks:
             if s:
                 f = np.frombuffer(s, dtype=np.int32).copy()  # a copy: a live view would pin the stack's size
                 keep = f[~np.isin(f, ids)]

@@ -192,7 +192,8 @@ class MetricsLog:
             "stall_steps": sum(1 for s in self.steps if s.stall_s),
         }
         out["throughput_tok_s"] = out["output_tokens"] / out["time_s"] if out["time_s"] else 0.0
-        for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]), ("ttft", "steps", [r.ttft_steps for r in done]),
+        for name, unit, values in (("ttft", "s", [r.ttft_s for r in done]),
+                                   ("ttft", "steps", [r.ttft_steps for r in done]),
                                    ("tpot", "s", [r.tpot_s for r in done if r.output_len > 1]),
                                    ("tpot", "steps", [r.tpot_steps for r in done if r.output_len > 1]),
                                    ("latency", "s", [r.latency_s for r in done])):
@@ -204,7 +205,9 @@ def format_table(rows: dict[str, dict[str, Any]], keys: list[str] | None = None)
     """A plain-text table: one column per run in ``rows`` (name -> summary), one line per metric."""
     names = list(rows)
     keys = keys or list(next(iter(rows.values()), {}))
-    cell = (lambda v: f"{v:,.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+    def cell(v: Any) -> str:
+        return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
     width = max(len(k) for k in keys) if keys else 0
     cols = [max(len(n), *(len(cell(rows[n].get(k, ""))) for k in keys)) for n in names]
     lines = ["  ".join([" " * width, *(n.rjust(c) for n, c in zip(names, cols))])]

@@ -68,7 +68,8 @@ class KVStorage:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise KVDataError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != (s.num_kv_heads, s.head_dim) or (n is not None and t.shape[0] != n):
+            if t.dim() != 3 or tuple(t.shape[1:]) != (s.num_kv_heads, s.head_dim) \
+                    or (n is not None and t.shape[0] != n):
                 want = f"[{n if n is not None else 'tokens'}, {s.num_kv_heads}, {s.head_dim}]"
                 raise KVDataError(f"{name} has shape {list(t.shape)}, expected {want}")
             if t.dtype != s.dtype:
@@ -96,7 +97,8 @@ class KVStorage:
             self.kv[:, :, d] = self.kv[:, :, s]
 
     def gather_blocks(self, ids: IndexLike, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Blocks ``ids`` as ``[2, layers, len(ids), B, heads, dim]``; into ``out`` (e.g. pinned host memory) if given."""
+        """Blocks ``ids`` as ``[2, layers, len(ids), B, heads, dim]``; into ``out`` (e.g. pinned host memory) if
+        given."""
         idx = self._index(ids)
         if out is None:
             return self.kv.index_select(2, idx)

@@ -170,7 +170,8 @@ class AllocMachine(RuleBasedStateMachine):
         for b, pattern in self.data.items():
             assert pool.fields.status[b] in (ALLOCATED, int(BlockStatus.EVICTING)), b
             assert torch.equal(pool.block(b).kv_data, pattern), f"block {b} lost its data"
-        live = {b for b in range(N) if pool.fields.status[b] == ALLOCATED and b % (1 << pool.fields.size_class[b]) == 0} - self.pending
+        live = {b for b in range(N)
+                if pool.fields.status[b] == ALLOCATED and b % (1 << pool.fields.size_class[b]) == 0} - self.pending
         assert live == self.data.keys() - self.evicting
         assert all(pool.fields.status[b] == int(BlockStatus.PENDING) for b in self.pending)
         assert all(t.state is TicketState.WAITING for t in self.alloc.waiters)
