@@ -62,18 +62,22 @@ class Recording:
 
 
 class Pacer:
-    """Lets a frame through when ``1 / fps`` seconds have passed since the last one (``clock`` is injectable)."""
+    """Lets frames through ``fps`` times a second on a fixed cadence (``clock`` is injectable): the next frame is
+    due one interval after the previous one was due, so a frame sent a little late (a slow step, a busy machine)
+    does not push back all later ones; one more than an interval late, or one sent before it was due (a forced
+    frame), restarts the cadence from now."""
 
     def __init__(self, fps: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
         if not fps > 0:
             raise ConfigError(f"fps must be > 0, got {fps!r}")
-        self.interval, self.clock, self.last = 1.0 / fps, clock, -math.inf
+        self.interval, self.clock, self.next = 1.0 / fps, clock, -math.inf
 
     def due(self) -> bool:
-        return self.clock() - self.last >= self.interval
+        return self.clock() >= self.next
 
     def mark(self) -> None:
-        self.last = self.clock()
+        now = self.clock()
+        self.next = self.next + self.interval if 0 <= now - self.next < self.interval else now + self.interval
 
 
 StepFn = Callable[[], bool]
@@ -86,9 +90,9 @@ class LiveRun:
     Frames say which step of the workload they show and of how many: ``total_steps``, else ``max_steps``, else
     the ``steps`` of a :class:`RandomWorkload`. Functions in ``on_state`` are called with each new state.
 
-    Invariants: at most one frame per ``1/fps`` seconds, each built from the pool at send time; the state after
-    the last step is always sent (also on stop, pause and failure); once :meth:`stop` returns or the task ends,
-    no task of this run is left on the loop.
+    Invariants: at most ``fps`` frames a second (on the :class:`Pacer`'s cadence), each built from the pool at
+    send time; the state after the last step is always sent (also on stop, pause and failure); once :meth:`stop`
+    returns or the task ends, no task of this run is left on the loop.
     """
 
     def __init__(self, pool: BlockPool, step_fn: StepFn, views: Iterable[FrameSink] = (), *, fps: float = 30.0,
@@ -133,12 +137,12 @@ class LiveRun:
         """Send the pool's current frame to every view if one is due (or ``force``); True if sent."""
         if not (force or self.pacer.due()):
             return False
+        self.pacer.mark()  # the next frame is due 1/fps after this one began, however long sending it takes
         data = self.builder.build()
         for v in self.views:
             v.show_frame(data)
         self.recording.append(data)
         self.frames_sent += 1
-        self.pacer.mark()
         return True
 
     # ------------------------------------------------------------------ stepping
