@@ -1,0 +1,143 @@
+"""Chapters 2.2.4-2.2.6 teach what kvlab measures: each runs in fast mode and prints the conclusions its prose draws,
+and these tests hold the printed conclusions (a planted bug in what a chapter measures changes a line here).
+Timing figures are never asserted; the conclusions asserted are counts, verdicts and simulated seconds. The
+figures that differ between fast and full mode are checked at both sizes where they are cheap (the claims at both
+sizes are in ``tests/test_claims.py``)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlab.exercises import ch2_2_4
+
+CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
+LATE = ("2_2_4_defragmentation.ipynb", "2_2_5_performance.ipynb", "2_2_6_applications.ipynb")
+
+
+def _execute(name: str) -> str:
+    """Run chapter ``name`` in fast mode in a fresh kernel; returns all it printed."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(CHAPTERS / name, as_version=4)
+    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        NotebookClient(nb, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(CHAPTERS)}},
+                       startup_timeout=60).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outs if o.output_type == "error"]
+    return "".join(o.get("text", "") for o in outs if o.output_type == "stream")
+
+
+@pytest.fixture(scope="module")
+def printed():
+    return {}
+
+
+def _out(printed: dict, name: str) -> str:
+    if name not in printed:
+        printed[name] = _execute(name)
+    return printed[name]
+
+
+def _sources(name: str) -> list[nbformat.NotebookNode]:
+    return nbformat.read(CHAPTERS / name, as_version=4).cells
+
+
+# ---------------------------------------------------------------------------------------------- structure
+@pytest.mark.parametrize("name", LATE)
+def test_each_late_chapter_has_boxes_slides_predictions_and_exercises(name):
+    cells = _sources(name)
+    text = "\n".join(c.source for c in cells)
+    assert "教师框 (Instructor box)" in text and "学习目标" in text and "先修" in text and "时间" in text
+    assert "在 vLLM 里 (In vLLM)" in text
+    assert all(c.metadata.get("slideshow", {}).get("slide_type") in ("slide", "subslide", "fragment", "skip", "-")
+               for c in cells)
+    assert sum(c.metadata["slideshow"]["slide_type"] == "slide" for c in cells) >= 5
+    chapter = name[:5].replace("_", ".")
+    from kvlab import exercises
+    kinds = {exercises.exercise(k).kind for k in exercises.list_exercises(chapter)}
+    assert len(kinds - {"compute"}) >= 2, kinds  # at least two of errata / interpret / parameter
+    for key in exercises.list_exercises(chapter):
+        assert f'exercises.check("{key}"' in text, key
+    for key in exercises.list_predictions(chapter):
+        predicted, revealed = text.find(f'exercises.predict("{key}"'), text.find(f'exercises.reveal("{key}"')
+        assert 0 <= predicted < revealed, f"{key}: predicted before it is revealed"
+    assert f'exercises.summary("{chapter}")' in text
+
+
+def test_the_chapter_sizes_are_the_ones_the_claims_tests_hold():
+    """tests/test_claims.py checks fast == full verdicts for (600, 100) and (2000, 400): the chapter's sizes."""
+    src = "\n".join(c.source for c in _sources("2_2_6_applications.ipynb"))
+    assert "REQUESTS = exercises.sized(2000, 600)" in src and "LONG_REQUESTS = exercises.sized(400, 100)" in src
+
+
+# ---------------------------------------------------------------------------------------------- 2.2.4
+@pytest.mark.parametrize("n", [512, 128])  # the chapter's full and fast sizes
+def test_compaction_cost_rises_then_falls_and_one_size_has_no_unusable_memory(n):
+    rows = [ch2_2_4.compaction_experiment(f, n=n) for f in ch2_2_4.FRACTIONS]
+    moves = [r[0] for r in rows]
+    assert 0 < moves.index(max(moves)) < len(moves) - 1, moves
+    freed = [int(f * n) for f in ch2_2_4.FRACTIONS]
+    assert [r[3] for r in rows] == [k // 4 for k in freed]  # after compaction every 4 free blocks form one window
+    one = [ch2_2_4.compaction_experiment(f, n=n, block_sizes=(16,)) for f in ch2_2_4.FRACTIONS]
+    assert {r[1] for r in one} == {0} and [r[0] for r in one] == moves
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_chapter_2_2_4_prints_its_conclusions(printed):
+    out = _out(printed, LATE[0])
+    assert re.search(r"a 64-token request fails", out)
+    assert "four equal FREE 64 KiB buffers:              75 -> should_defragment: True" in out
+    assert "kvlab, one block size, four FREE blocks:     {'fragmentation_percent': 0" in out
+    assert "(a) FREE blocks without data: []" in out
+    assert ("(b) moves in one call: [(1, 2)] | source still ALLOCATED with refs 1 | target ALLOCATED refs 0 "
+            "capacity 8 KiB") in out
+    assert "under 1 MB: False" in out
+    assert re.search(r"all bitwise equal after compaction: True \| refcounts of their blocks: \{1\}", out)
+    assert "the 64-token request now succeeds" in out
+    assert "moves rise, then fall (most at 50% freed); one block size: unusable free memory always {0}" in out
+
+
+# ---------------------------------------------------------------------------------------------- 2.2.5
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_chapter_2_2_5_prints_its_conclusions(printed):
+    out = _out(printed, LATE[1])
+    assert re.search(r"with pre-allocation only the first burst splits \(\d+ = \d+ / \d+ bursts: True\)", out)
+    assert re.search(r"without pre-allocation :\s+\d+ splits", out)
+    assert "locks at n=1 are equal ( 2 = 2 ): the n=1 row compares identical work" in out
+    assert "batching takes 16 times fewer locks (n = 16)" in out
+    assert "reserved for tenant 1: 48 | free for everyone else: 16" in out
+
+
+# ---------------------------------------------------------------------------------------------- 2.2.6
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_chapter_2_2_6_prints_its_conclusions(printed):
+    out = _out(printed, LATE[2])
+    assert "the max-length baseline never runs more than 8 requests (max 8)" in out
+    assert "exact-length runs within 20% of paging's concurrency" in out
+    assert re.search(r"mean latency \d+% lower than max-length, under 10% apart from exact-length", out)
+    assert "the reservation shortens the calm tenant's latency by 20% or more" in out
+    assert re.search(r"vs max-length, paging needs \d+% less memory per token held \(at least the text's 40%\)", out)
+    assert re.search(r"vs exact-length, paging needs \d+% less memory per token held \(less than the text's 40%\)", out)
+    assert "paged throughput is under 1.5x either baseline" in out
+    assert "the cache never serves more than the unbounded bound: True" in out
+    assert "with 8x the memory nothing is evicted (0) and the cache reaches the bound: True" in out
+    rows = {line.split(")")[0] + ")": line.split()[-2:] for line in out.splitlines()
+            if re.match(r"^\S+ \(.*\)\s+(supported|NOT)\s+(supported|NOT)$", line)}
+    assert list(rows.values()) == [["supported", "supported"], ["supported", "NOT"], ["supported", "NOT"],
+                                   ["supported", "supported"], ["supported", "NOT"], ["NOT", "NOT"]]
