@@ -13,6 +13,7 @@ import nbformat
 import pytest
 
 import kvlab
+import kvlab.distributed
 import kvlab.viz
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ CHAPTER_FILES = ("index.ipynb", "2_2_1_block_size.ipynb", "2_2_2_block_managemen
                  "2_2_3_allocation.ipynb", "2_2_4_defragmentation.ipynb", "2_2_5_performance.ipynb",
                  "2_2_6_applications.ipynb")
 PUBLIC_MODULES = {"kvlab": set(kvlab.__all__), "kvlab.viz": set(getattr(kvlab.viz, "__all__", ())),
-                  "kvlab.exercises": None}  # None: every name without a leading underscore
+                  "kvlab.exercises": None,  # None: every name without a leading underscore
+                  "kvlab.distributed": set(kvlab.distributed.__all__)}
 
 
 def _code(nb: nbformat.NotebookNode) -> list[str]:

@@ -5,17 +5,24 @@
 * :mod:`~kvlab.distributed.connector`: the KV connector, split like a real engine's (scheduler / worker side),
   one message per layer, prefix-cached blocks skipped, block sizes re-chunked;
 * :mod:`~kvlab.distributed.disagg`: disaggregated prefill and decode, checked against one process;
-* :mod:`~kvlab.distributed.tp`: tensor-parallel KV (each rank holds ``num_kv_heads / tp`` heads of every block).
+* :mod:`~kvlab.distributed.tp`: tensor-parallel KV (each rank holds ``num_kv_heads / tp`` heads of every block);
+* :mod:`~kvlab.distributed.measure`: the transfer against the transport's limit and against recomputing;
+* :mod:`~kvlab.distributed.exercises`: the chapter's predict-then-check exercises (registered on import).
 """
 from .connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, LoadSpec, RemoteRequest,
                         SaveSpec, TransferReport, spec_vector)
-from .disagg import DisaggResult, decode_rank, demo_batches, prefill_rank, reference, run_disagg
+from .disagg import DisaggResult, decode_rank, demo_batches, make_manager, prefill_rank, reference, run_disagg
 from .errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
 from .launch import Link, backend_for, free_port, from_env, run_threads, spawn
+from .measure import TransferTiming, measure_transfer, prefill_seconds
+from .tp import TPShard, head_split, run_tp, single_process
+from . import exercises  # registers the chapter's exercises with kvlab.exercises
 
 __all__ = [
     "BlocksReceived", "BlocksSent", "BlocksSkipped", "KVReceiver", "KVSender", "LoadSpec", "RemoteRequest",
-    "SaveSpec", "TransferReport", "spec_vector", "DisaggResult", "decode_rank", "demo_batches", "prefill_rank",
+    "SaveSpec", "TransferReport", "spec_vector", "DisaggResult", "decode_rank", "demo_batches", "make_manager",
+    "prefill_rank",
     "reference", "run_disagg", "PeerLostError", "SpecMismatchError", "TransferError", "TransferTimeoutError",
-    "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn",
+    "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferTiming", "measure_transfer",
+    "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process", "exercises",
 ]

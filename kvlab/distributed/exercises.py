@@ -1,0 +1,52 @@
+"""Exercises of the extension chapter 2.2.7 (beyond one machine), registered through :mod:`kvlab.exercises`.
+
+Every truth is computed by running kvlab: the bytes a transfer moves come from a real two-rank transfer (two
+threads of this process, each with its own gloo group), the size of a tensor-parallel block from the rank's
+own pool spec.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..exercises import Verdict, register, register_prediction, same
+from ..model import TinyConfig, TinyLlama
+from .disagg import demo_batches, run_disagg
+from .tp import TPShard
+
+register_prediction("2.2.7-skipped", "演示的第二批里，decode 进程会跳过（不接收）多少个块？"
+                    "(in the demo's second batch, how many blocks does the decode rank skip?)")
+register_prediction("2.2.7-crossover", "在本机上，对这个小模型，把 prompt 的 KV 传过来和在 decode 端重新计算，"
+                    "哪个更快？(on this machine, for this tiny model: is moving a prompt's KV faster than "
+                    "recomputing it?)", choices=("transfer", "recompute", "depends on the length"))
+
+
+def transfer_bytes(prompt_len: int, shared: int, prompts: int = 1) -> int:
+    """Bytes the connector moves for the second of two batches of ``prompts`` prompts of ``prompt_len`` tokens
+    sharing their first ``shared`` tokens (TinyConfig, block size 16 on both ranks): measured by running it."""
+    first = run_disagg(demo_batches(prompts, prompt_len, shared)[:1], 1, threads=True).received.bytes
+    both = run_disagg(demo_batches(prompts, prompt_len, shared), 1, threads=True).received.bytes
+    return both - first
+
+
+@register("2.2.7-bytes",
+          "TinyConfig（2 层，2 个 KV 头，head_dim 16，fp32），两边的块大小都是 16。decode 端已经缓存了一个 200 token "
+          "prompt 的前 128 个 token（8 个完整块）。传输这个 prompt 需要传多少字节？"
+          "(how many bytes move for a 200-token prompt whose first 128 tokens the decode rank caches?)",
+          ("只有没缓存的块才传；最后一个不满的块也要整块传。",
+           "先算一个块的字节数：2 (K 和 V) × 层数 × KV 头数 × head_dim × 4 字节 × 16 token；再数要传的块。",
+           "(ceil(200 / 16) - 128 / 16) × 2 × 2 × 2 × 16 × 4 × 16 = 5 × 8192"))
+def _bytes(answer: Any) -> Verdict:
+    return same(answer, transfer_bytes(200, 128), "传输的字节数 (bytes moved)")
+
+
+@register("2.2.7-tp-block",
+          "同一个 TinyConfig，tp=2：每个 rank 的一个 16-token 块有多少字节？tp=4（KV 头只有 2 个）时呢？"
+          "答案写成 (tp2_bytes, tp4_bytes)。(bytes of one 16-token block on each rank for tp=2 and tp=4)",
+          ("每个 rank 只存自己那几个 KV 头。",
+           "tp ≤ KV 头数时每个 rank 有 num_kv_heads / tp 个头；tp 更大时一个头不能再切，只能复制。",
+           "tp=2: 2 × 2 层 × 1 头 × 16 × 4 × 16；tp=4: 仍是 1 个头（复制），字节数相同"),
+          kind="interpret")
+def _tp_block(answer: Any) -> Verdict:
+    model = TinyLlama(TinyConfig())
+    truth = tuple(TPShard(model, tp, 0).kv_spec(16).bytes_per_block for tp in (2, 4))
+    return same(answer, truth, "每个 rank 的块字节数 (bytes per block per rank)", ("tp=2", "tp=4"))
