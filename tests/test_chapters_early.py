@@ -98,3 +98,64 @@ def test_2_2_1_conclusions(run):
     res = kvlab.sweep(kvlab.Workload("azure-conv-2023", azure.requests[:2000]), attention=False, progress=False)
     assert c["measured"]["azure-conv-2023"]["balanced"] == res.recommend("balanced") == 128
     assert ex.ch2_2_1.band_of(128) == "64-128 conservative"
+
+
+def lru_hit_rate_by_hand(n_blocks: int, n_requests: int, seed: int = 0, n_docs: int = 400) -> float:
+    """The Zipf experiment's LRU cache without kvlab: an ordered dict, oldest first."""
+    from collections import OrderedDict
+
+    import numpy as np
+    docs = (np.random.default_rng(seed).zipf(1.3, n_requests) % n_docs).tolist()
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for d in docs:
+        if d in cache:
+            hits += 1
+            cache.move_to_end(d)
+        else:
+            if len(cache) == n_blocks:
+                cache.popitem(last=False)
+            cache[d] = None
+    return hits / n_requests
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_2_2_2_conclusions(run):
+    c = run("2_2_2_block_management.ipynb")
+    S = kvlab.BlockStatus
+    legal = {f"{o.name}->{n.name}" for o, n in [(S.FREE, S.PENDING), (S.FREE, S.ALLOCATED), (S.PENDING, S.ALLOCATED),
+                                                  (S.PENDING, S.FREE), (S.ALLOCATED, S.EVICTING), (S.ALLOCATED, S.FREE),
+                                                  (S.EVICTING, S.FREE)]}
+    assert set(c["legal_transitions"]) == legal
+    assert [(s, refs, cached) for _, s, refs, _, cached in c["lifecycle"]] == [
+        ("PENDING", 1, False), ("ALLOCATED", 1, False), ("ALLOCATED", 2, False), ("ALLOCATED", 0, True),
+        ("ALLOCATED", 1, False), ("EVICTING", 0, False), ("FREE", 0, False)]
+    assert c["lru_demo_victim"] == 4  # released 4, 1, 5, 0 in that order: 4 is least recently used
+    rates = c["rates"]
+    assert rates["lru"] == pytest.approx(lru_hit_rate_by_hand(32, c["n_requests"]), abs=1e-4)
+    assert rates["clock"] == rates["lru"]  # every block referenced between sweeps: CLOCK degenerates to LRU
+    assert rates["opt"] > rates["lfu"] > rates["lru"] > rates["fifo"] and c["best_online"] == "lfu"
+    assert c["race_opt_is_ceiling"]
+    assert c["scan_grows"] > 3 * c["evict_grows"]
+
+
+def test_2_2_2_best_policy_is_the_same_in_full_mode():
+    """The chapter runs 5,000 requests in fast mode and 20,000 in full: the ranking is the same."""
+    rate = ex.ch2_2_2.zipf_hit_rate
+    for n in (5_000, 20_000):
+        r = {p: rate(p, n_requests=n) for p in ex.ch2_2_2.HIT_POLICIES}
+        assert r["opt"] > r["lfu"] > r["lru"] > r["fifo"], n
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_2_2_2_appendix_conclusions(run):
+    c = run("2_2_2_appendix_errata.ipynb")
+    assert c["capacity_story"] == [4096, 1024, 0, "False"]  # shrinks, drops to 0, refuses the next use
+    assert c["text_best"] is None and c["released_handed_out"] and c["leak"]
+    assert c["free_list_after_evictions"] == 0
+    assert (c["text_fragmentation"], c["kvlab_uniform_fragmentation"]) == (75, 0)
+    assert c["winners_per_race"] == [1]
+    assert c["bytes_per_token_layer"] == 4096 and c["units_found"] is None
+    assert c["total_memory_free"] == -11264
