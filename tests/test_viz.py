@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import re
 import subprocess
@@ -540,10 +541,20 @@ def test_figure_helpers_show_as_images_in_a_fresh_kernel(tmp_path):
         "PolicyRace('w', 1, 16, (8, 16), {'lru': (0.1, 0.2)}, 0.3, {'lru': (0, 0)}).plot()",
         "plot_sweep(SweepResult('w', 1, [SweepRow(b, 4, 30, 4, 4, 10, 1, 64, 1.0) for b in (8, 16)]))",
         "assert 'matplotlib.pyplot' not in sys.modules",
+        # a chapter's live view: displayed at step 0, its saved picture must end up the final frame
+        "from kvlab.viz import PoolView, RandomWorkload\nq = BlockPool(64, with_storage=False)\nv = PoolView(q)\n"
+        "first = v._repr_mimebundle_()[0]['image/png']\ndisplay(v)",
+        "await v.live(RandomWorkload(q, seed=1, steps=30))\n"
+        "import hashlib\nlast = v._repr_mimebundle_()[0]['image/png']\nassert last != first\n"
+        "print(hashlib.sha256(last.encode()).hexdigest())",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
-    for cell in nb.cells[1:-1]:
+    for cell in nb.cells[1:-3]:
         (out,) = cell.outputs
         assert "image/png" in out["data"], (cell.source, out["data"].get("text/plain"))
         assert base64.b64decode(out["data"]["image/png"])[:4] == b"\x89PNG"
+    (shown,), (printed,) = nb.cells[-2].outputs, nb.cells[-1].outputs
+    assert "application/vnd.jupyter.widget-view+json" in shown["data"]
+    saved = hashlib.sha256(shown["data"]["image/png"].encode()).hexdigest()
+    assert saved == printed["text"].strip()  # the output was updated in place to the final frame

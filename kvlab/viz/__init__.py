@@ -1,19 +1,21 @@
 """Live views of the pool (all of §2.2, made visible): anywidget classes, live runs, static figures, HTML replay.
 
 ``from kvlab.viz import PoolView`` needs the ``jupyter`` extra (anywidget); frames, live runs, recordings, static
-figures and HTML export work in a plain script. ``import kvlab`` does not import this package: kvlab exposes the
-view classes lazily, so the core never loads Jupyter.
+figures (:class:`Picture`, colours from :mod:`kvlab.viz.palette`) and HTML export work in a plain script.
+``import kvlab`` does not import this package: kvlab exposes the view classes lazily, so the core never loads
+Jupyter.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from . import palette
 from .export import export_html
 from .frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame
 from .live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
-from .static import plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from .static import Picture, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
-_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView")
+_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView", "DASHBOARD_PRESETS")
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +26,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CACHED", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView", "FragmentationView", "LiveRun",
-    "PRESETS", "Pacer", "PoolView", "RandomWorkload", "Recording", "STATE_NAMES", "build_frame", "decode_frame",
-    "export_html", "plot_dashboard", "plot_evictions", "plot_fragmentation", "plot_pool", "record",
+    "CACHED", "DASHBOARD_PRESETS", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView",
+    "FragmentationView", "LiveRun", "PRESETS", "Pacer", "Picture", "PoolView", "RandomWorkload", "Recording",
+    "STATE_NAMES", "build_frame", "decode_frame", "export_html", "palette", "plot_dashboard", "plot_evictions",
+    "plot_fragmentation", "plot_pool", "record",
 ]

@@ -263,12 +263,13 @@ class LiveRun:
         return self._wait().__await__()
 
     async def _wait(self) -> None:
+        task = self.task if self.task is not None else self.start()
         try:
-            await asyncio.shield(self.task)
+            await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not self.task.done():  # the awaiter was cancelled (interrupt), not the task: stop it as well
-                self.task.cancel()
-                await asyncio.gather(self.task, return_exceptions=True)
+            if not task.done():  # the awaiter was cancelled (interrupt), not the task: stop it as well
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             raise
 
 

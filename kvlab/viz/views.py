@@ -184,7 +184,8 @@ class FrameView(anywidget.AnyWidget):
         return plot_pool(self.frame)
 
     def _repr_mimebundle_(self, **kwargs: Any):
-        data, meta = super()._repr_mimebundle_(**kwargs)
+        bundle: Any = super()._repr_mimebundle_(**kwargs)  # ipywidgets: (data, metadata)
+        data, meta = bundle
         if self.frame:
             data["image/png"] = base64.b64encode(figure_png(self.figure())).decode()
         return data, meta
@@ -300,9 +301,17 @@ class Dashboard(FrameView):
         self.observe(self._set_speed, names=["speed"])
 
     # ------------------------------------------------------------------ controls
+    @property
+    def own_pool(self) -> BlockPool:
+        """The pool the dashboard runs on (it always has one)."""
+        if self.pool is None:
+            raise ConfigError("this Dashboard has lost its pool")
+        return self.pool
+
     def _new_run(self) -> LiveRun:
-        self.workload_fn = RandomWorkload(self.pool, preset=self.workload, seed=self.seed, steps=self.steps)
-        return LiveRun(self.pool, self.workload_fn, [self], fps=self.fps, steps_per_second=self.speed)
+        pool = self.own_pool
+        self.workload_fn = RandomWorkload(pool, preset=self.workload, seed=self.seed, steps=self.steps)
+        return LiveRun(pool, self.workload_fn, [self], fps=self.fps, steps_per_second=self.speed)
 
     def _current(self) -> LiveRun:
         return self.run if self.run is not None and not self.run.finished else self._new_run()
@@ -344,7 +353,7 @@ class Dashboard(FrameView):
         self.stop()
         if self.workload_fn is not None:
             self.workload_fn.close()
-        p = self.pool
+        p = self.own_pool
         self.pool = BlockPool(self.capacity_tokens // self.block_size,
                               spec=replace(p.spec, block_size=self.block_size), eviction_policy=self.policy,
                               with_storage=p.storage is not None, seed=self.seed)

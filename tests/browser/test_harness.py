@@ -220,7 +220,8 @@ def test_fragmentation_view_map_gauges_and_moves(harness):
     assert cell(harness, 13) == list(RUN_RGB)
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "4"
     fill = harness.evaluate("() => document.querySelector('.kv-gauge[data-key=utilisation] .kv-fill').style.width")
-    assert fill == "50%" and harness.locator(".kv-gauge[data-key=utilisation]").inner_text().endswith("50.0%")  # 8 of 16
+    # 8 of 16 blocks in use
+    assert fill == "50%" and harness.locator(".kv-gauge[data-key=utilisation]").inner_text().endswith("50.0%")
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(1)")
     assert cell(harness, 14) == list(RUN_RGB)  # 11..15 is now the largest run
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "5"
