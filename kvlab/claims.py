@@ -190,7 +190,7 @@ def prefetch_effect(requests: int = 40, seed: int = 1, num_blocks: int = 400) ->
     without prefetch (swap preemption, no prefix caching so that every preemption is a swap). A prefetched
     swap-in overlaps the next step's compute; an on-demand one stalls its step. Returns both summaries."""
     w = make_workload("document", requests, seed, rate=50.0)
-    cfg = dict(num_blocks=num_blocks, max_model_len=8192, preemption="swap", prefix_caching=False)
+    cfg: dict[str, Any] = dict(num_blocks=num_blocks, max_model_len=8192, preemption="swap", prefix_caching=False)
     return {name: Engine(w, EngineConfig(prefetch=on, **cfg)).run()
             for name, on in (("prefetch", True), ("no prefetch", False))}
 

@@ -8,7 +8,8 @@ from ..allocator import DynamicAllocator
 from ..preallocation import Preallocator
 from . import Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
 
-register_prediction("2.2.5-splits", "有预分配时，高峰之内还会发生几次块切分？(with pre-allocation, how many splits happen "
+register_prediction("2.2.5-splits", "有预分配时，高峰之内还会发生几次块切分？"
+                    "(with pre-allocation, how many splits happen "
                     "inside the bursts?)", rel_tol=0.0)
 register_prediction("2.2.5-gain-n1", "n=1 时，“逐个”与“批量”每块耗时之比大约是多少？(at n=1, one-by-one / batched "
                     "time per block is about?)", rel_tol=0.25)
@@ -46,10 +47,12 @@ def n1_reason() -> str:
 
 
 @register("2.2.5-gain",
-          f"本章的表里，n=1 那一行“逐个 / 批量”约为 1x（旧版本曾显示 3–4 倍）。为什么应当是 1x？从 {list(REASONS)} 中选一个。",
+          "本章的表里，n=1 那一行“逐个 / 批量”约为 1x（旧版本曾显示 3–4 倍）。"
+          f"为什么应当是 1x？从 {list(REASONS)} 中选一个。",
           ("n=1 时，“逐个”和“批量”各调用了哪些方法？",
            "数 n=1 时两种做法的公开调用次数和锁获取次数（lock_acquisitions）。",
-           "两边都是一次 allocate(1) 加一次 free([b])：工作相同，比值只能是 1 加上噪声；旧版本先测的一列替后一列付了热身的代价。"),
+           "两边都是一次 allocate(1) 加一次 free([b])：工作相同，比值只能是 1 加上噪声；"
+           "旧版本先测的一列替后一列付了热身的代价。"),
           kind="interpret")
 def _judge_gain(answer: Any) -> Verdict:
     c = canon(answer)
@@ -75,7 +78,8 @@ def reserve_scenario(headroom: float = 0.5) -> tuple[int, int]:
 
 @register("2.2.5-headroom",
           "改一个参数 (move a parameter)：本章“预留的代价”那个例子（64 块，租户 1 一次用了 48 块），把 Preallocator 的 "
-          "headroom 从 1.0 改成 0.5。replenish 之后给租户 1 预留了几个块？别的租户还剩几个空闲块？答案写成 (reserved, free)。",
+          "headroom 从 1.0 改成 0.5。replenish 之后给租户 1 预留了几个块？别的租户还剩几个空闲块？"
+          "答案写成 (reserved, free)。",
           ("headroom 乘在什么上？",
            "预测 = 最近 horizon 步里任意 window 步内的最大需求 × headroom（向上取整）；预留只用空闲内存。",
            "reserved = ceil(48 × 0.5) = 24；free = 64 − 24 = 40。"), kind="parameter")

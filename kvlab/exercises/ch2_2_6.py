@@ -18,7 +18,8 @@ LONG_SPEC = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)  # 
 register_prediction("2.2.6-concurrency", "在 Azure 对话 trace 上、同样的内存里，分页引擎平均同时运行的请求数是"
                     "“最大长度预留”基线的几倍？(how many times as many requests run at once, paged vs max-length?)",
                     rel_tol=0.5)
-register_prediction("2.2.6-exact-latency", "和“精确长度预留”（知道输出长度的理想基线）相比，分页能把平均时延减少 50% 以上吗？"
+register_prediction("2.2.6-exact-latency", "和“精确长度预留”（知道输出长度的理想基线）相比，"
+                    "分页能把平均时延减少 50% 以上吗？"
                     "(against the exact-length oracle, does paging cut mean latency by 50% or more?)",
                     choices=("yes", "no"))
 register_prediction("2.2.6-speed", "在 Mooncake 长序列 trace 上，分页的输出吞吐能达到最大长度基线的 3 倍吗？"
@@ -56,7 +57,7 @@ def long_sequence_bottleneck(requests: int = 100) -> str:
     """What limits paged throughput on the first ``requests`` Mooncake requests: ``"memory"`` if twice the memory
     raises it by more than 5%, else ``"arrivals"`` if requests hardly ever wait, else ``"compute"``."""
     w = _head("mooncake-conversation", requests)
-    cfg = dict(max_model_len=131_072, max_batched_tokens=8192)
+    cfg: dict[str, Any] = dict(max_model_len=131_072, max_batched_tokens=8192)
     base = Engine(w, EngineConfig(num_blocks=65_536, **cfg)).run()
     more = Engine(w, EngineConfig(num_blocks=131_072, **cfg)).run()
     if more["throughput_tok_s"] > 1.05 * base["throughput_tok_s"]:
@@ -93,7 +94,7 @@ TRENDS = ("shrinks", "grows, stays below 50%", "grows past 50%")
 def latency_cut_vs_exact(num_blocks: int, requests: int = 600) -> float:
     """``1 - paged / exact-length`` mean latency on the first ``requests`` Azure conversation requests."""
     w = _head("azure-conv-2023", requests)
-    cfg = dict(num_blocks=num_blocks, max_model_len=16_384, max_batched_tokens=2048)
+    cfg: dict[str, Any] = dict(num_blocks=num_blocks, max_model_len=16_384, max_batched_tokens=2048)
     paged = Engine(w, EngineConfig(memory="paged", **cfg)).run()
     exact = Engine(w, EngineConfig(memory="contiguous-exact", **cfg)).run()
     return 1 - paged["latency_mean_s"] / exact["latency_mean_s"]
