@@ -159,3 +159,20 @@ def test_2_2_2_appendix_conclusions(run):
     assert c["winners_per_race"] == [1]
     assert c["bytes_per_token_layer"] == 4096 and c["units_found"] is None
     assert c["total_memory_free"] == -11264
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_2_2_3_conclusions(run):
+    c = run("2_2_3_allocation.ipynb")
+    # 128 free: the first 16 splits (leaving 16, 32, 64), then each request finds its class free
+    assert c["strategies"] == ["split", "exact", "exact", "exact"] == [
+        t.strategy for t in (lambda a: [a.allocate_optimal_block(size_class=k) for k in (0, 0, 1, 2)])(
+            kvlab.DynamicAllocator(kvlab.BlockPool(8, spec=kvlab.KVSpec(block_size=16, device="cpu"),
+                                                   block_sizes=[16, 32, 64, 128])))]
+    assert c["text_handout"] == [0, 0, 0] and c["kvlab_handout"] == [0, 1, 2]
+    assert c["text_retry"] == "fails"
+    assert c["planned_eviction"] == ["evict", 4, 2]  # the only aligned all-cached window: blocks 4 and 5
+    per_user, shared_prefix = -(-500 // 16), 300 // 16
+    assert c["plain_blocks"] == c["users"] * per_user
+    assert c["shared_blocks"] == shared_prefix + c["users"] * (per_user - shared_prefix)
