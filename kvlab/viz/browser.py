@@ -111,10 +111,11 @@ def view_roots(page: Any) -> Any:
     return page.locator(".jp-OutputArea-output .kv-root")
 
 
-# Records, on view i: the time each frame arrived (the view's received counter changing) and the time its panels
-# took to draw it (each panel's draw, wrapped). Read back with watch_result.
+# Records, on view i: the time each frame arrived (the view's received counter going up), and for each draw of a
+# panel the time it took and the sequence number of the frame it drew. Read back with watch_result.
 _WATCH = """(i) => {
-  const root = document.querySelectorAll('.jp-OutputArea-output .kv-root')[i], w = { arrivals: [], draws: [] };
+  const root = document.querySelectorAll('.jp-OutputArea-output .kv-root')[i];
+  const w = { arrivals: [], draws: [], drawn: [] };
   let seen = Number(root.dataset.framesReceived);
   new MutationObserver(() => {  // the counter is rewritten on other changes too: count only increases
     const n = Number(root.dataset.framesReceived), t = performance.now();
@@ -122,7 +123,12 @@ _WATCH = """(i) => {
   }).observe(root, { attributes: true, attributeFilter: ['data-frames-received'] });
   for (const p of root.kv.panels) {
     const draw = p.draw;
-    p.draw = (...a) => { const t = performance.now(); const r = draw(...a); w.draws.push(performance.now() - t); return r; };
+    p.draw = (hist, index, ...rest) => {
+      const t = performance.now(), r = draw(hist, index, ...rest);
+      w.draws.push(performance.now() - t);
+      w.drawn.push(hist[index].seq);
+      return r;
+    };
   }
   window.kvlabWatch = w;
 }"""
@@ -134,7 +140,8 @@ def watch_view(page: Any, index: int) -> None:
 
 
 def watch_result(page: Any) -> dict[str, list[float]]:
-    """``{"arrivals": [ms, ...], "draws": [ms, ...]}`` recorded since :func:`watch_view`."""
+    """``{"arrivals": [ms, ...], "draws": [ms, ...], "drawn": [frame seq, ...]}`` recorded since
+    :func:`watch_view` (times from the page's clock)."""
     return dict(page.evaluate("() => window.kvlabWatch"))
 
 

@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import functools
 import http.server
-import json
+import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"]
+from kvlab.viz.browser import CHROMIUM, CHROMIUM_FLAGS, lab_server
+
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -55,12 +49,6 @@ def _missing(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is missing, and browser tests must run in CI")
     pytest.skip(f"{what} is missing")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")  # Playwright's sync API holds an event loop: end it with the module using it
@@ -118,42 +106,7 @@ def harness(browser, harness_url):
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 (no token, xsrf off, the app exposed for tests, deferred windowing)."""
-    jupyter = Path(sys.executable).parent / "jupyter"
-    if not jupyter.exists():
-        _missing("jupyter")
-    root = tmp_path_factory.mktemp("lab")
-    settings = root / "settings"
-    settings.mkdir()
-    (settings / "overrides.json").write_text(json.dumps({
-        "@jupyterlab/notebook-extension:tracker": {"windowingMode": "defer"},
-        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"},
-    }))
-    work = root / "work"
-    work.mkdir()
-    port = free_port()
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / "config"), "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
-    log = open(root / "lab.log", "w")
-    proc = subprocess.Popen(
-        [str(jupyter), "lab", "--allow-root", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         "--IdentityProvider.token=", "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.app_settings_dir={settings}", f"--ServerApp.root_dir={work}"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                log.close()
-                pytest.fail(f"jupyter lab did not start:\n{(root / 'lab.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-    yield {"url": url, "work": work, "log": root / "lab.log"}
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    if importlib.util.find_spec("jupyterlab") is None:
+        _missing("jupyterlab")
+    with lab_server(tmp_path_factory.mktemp("lab")) as server:
+        yield server

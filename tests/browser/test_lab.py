@@ -1,7 +1,9 @@
 """End to end in JupyterLab: a generated notebook is run in Chromium; the grid shows the expected colours for a
 known pool state, a live run streams every frame it sends (sent = received, counted on both sides), the player
 pauses and steps through received frames, the dashboard's controls drive the run in the kernel between steps,
-and one screenshot per view is taken (saved for the docs with KVLAB_SCREENSHOTS=1)."""
+and one screenshot per view is taken (saved for the docs with KVLAB_SCREENSHOTS=1). A 65,536-block PoolView driven
+live by a LiveRun task streams every frame the kernel sends and draws each one, on the path the widget benchmark
+measures."""
 from __future__ import annotations
 
 import os
@@ -9,11 +11,12 @@ import re
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 from conftest import KNOWN_KEYS, KNOWN_POOL
 
-from kvlab.viz.static import STATE_RGB
+from kvlab import bench
+from kvlab.viz.browser import open_notebook, write_notebook
+from kvlab.viz.palette import STATE_RGB
 
 pytestmark = pytest.mark.browser
 
@@ -72,17 +75,11 @@ def wait_until(fn, timeout: float = 30, what: str = "condition"):
 
 
 def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, lab["work"] / "views.ipynb")
+    write_notebook(lab["work"] / "views.ipynb", CELLS)
     page = browser.new_page(viewport={"width": 1600, "height": 1300})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(f"{lab['url']}/lab/tree/views.ipynb")
-    page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-Notebook')", timeout=90_000)
-    page.wait_for_function("() => document.querySelector('.jp-Notebook') && "
-                           "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
-                           timeout=90_000)
+    open_notebook(page, lab["url"], "views.ipynb")
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
     # The known state: every block has the colour of its state.
@@ -143,4 +140,19 @@ def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
     dash.locator("[data-ctl=stop]").click()
     wait_until(lambda: data(page, 4)["status"] == "idle", 20, "stopped, ready to run again")
     assert not errors, errors
+    page.close()
+
+
+def test_a_live_65536_block_pool_view_streams_and_draws_every_frame(browser, lab):
+    """The benchmark's own run (``bench_widgets.live_lab_run``), shortened: kernel task, comm, websocket, widget
+    manager, PoolView. Frames arrive, every frame the kernel sent is received, and each one that arrived is drawn."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    res = bench.load("bench_widgets").live_lab_run(page, lab, seconds=3, name="live_65536.ipynb")
+    assert page.evaluate("() => document.querySelector('.jp-OutputArea-output .kv-pool').dataset.n") == "65536"
+    assert res["steps"] > 0 and len(res["python_ms"]) > 5 and len(res["arrivals"]) > 5  # frames arrive
+    assert res["sent_seen"] == res["sent"] and res["received"] == res["sent"]  # none dropped
+    assert len(set(res["drawn"])) >= len(res["arrivals"])  # and each one that arrived was drawn
+    assert res["arrivals"] == sorted(res["arrivals"]) and not errors, errors
     page.close()

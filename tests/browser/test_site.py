@@ -43,7 +43,10 @@ CJK_PROBE = r"""(sel) => {
   for (let node; (node = walker.nextNode());) {
     let off = 0;
     for (const c of node.textContent) {
-      if (han(c)) { range.setStart(node, off); range.setEnd(node, off + c.length); widths.push(range.getBoundingClientRect().width / size); }
+      if (han(c)) {
+        range.setStart(node, off); range.setEnd(node, off + c.length);
+        widths.push(range.getBoundingClientRect().width / size);
+      }
       off += c.length;
     }
   }
@@ -53,7 +56,10 @@ CJK_PROBE = r"""(sel) => {
   ref.remove();
   const cv = document.createElement("canvas"), ctx = cv.getContext("2d", { willReadFrequently: true });
   cv.width = cv.height = Math.ceil(size * 2);
-  const bitmap = (c) => { ctx.clearRect(0, 0, cv.width, cv.height); ctx.font = cs.font; ctx.fillText(c, 2, size * 1.5); return cv.toDataURL(); };
+  const bitmap = (c) => {
+    ctx.clearRect(0, 0, cv.width, cv.height); ctx.font = cs.font; ctx.fillText(c, 2, size * 1.5);
+    return cv.toDataURL();
+  };
   const chars = [...new Set([...el.textContent].filter(han))];
   return { family: cs.fontFamily, widths, tofu, chars: chars.length, bitmaps: new Set(chars.map(bitmap)).size,
            tofuBitmap: chars.some((c) => bitmap(c) === bitmap("\u{10FFFD}")) };
