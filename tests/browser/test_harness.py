@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -15,6 +17,7 @@ from kvlab.viz import frames as fr
 from kvlab.viz.palette import (CANDIDATE_RGB, FLASH_RGB, MOVE_RGB, OUTLINE_RGB, RUN_RGB, STATE_RGB, VICTIM_RGB)
 
 pytestmark = pytest.mark.browser
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 B64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
 
@@ -349,3 +352,25 @@ def test_exported_html_replays_offline(browser, tmp_path):
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.at(-1).seq") == first + len(rec) - 1
     assert [u for u in requests if not u.startswith("file:")] == [] and not errors
     page.close()
+
+
+def test_docs_screenshots(harness, tmp_path):
+    """One screenshot per view of a realistic run, at a notebook cell's width. ``KVLAB_SCREENSHOTS=1`` writes them
+    to docs/img (the pictures docs/widgets.md shows); otherwise they go to a temporary folder."""
+    shots = DOCS_IMG if os.environ.get("KVLAB_SCREENSHOTS") == "1" else tmp_path
+    dashboard = ('{status: "idle", speed: 200, policy: "lru", block_size: 16, workload: "bursty", '
+                 'panels: ["pool", "fragmentation", "eviction"], controls: ["policy", "block_size", "workload"], '
+                 'options: {policy: ["clock", "fifo", "lfu", "lru", "opt", "random"], block_size: [8, 16, 32, 64], '
+                 'workload: ["steady", "bursty", "sharing", "defrag"]}}')
+    for name, view, preset, sizes, state in (("pool_view", "pool", "steady", [16, 32, 64], "{}"),
+                                             ("eviction_view", "eviction", "sharing", None, "{}"),
+                                             ("fragmentation_view", "fragmentation", "defrag", None, "{}"),
+                                             ("dashboard", "dashboard", "bursty", None, dashboard)):
+        p = BlockPool(1024, block_sizes=sizes, with_storage=False, seed=1)
+        rec = record(p, RandomWorkload(p, preset=preset, seed=1, steps=600), 600, every=10)
+        harness.evaluate("() => { const app = document.getElementById('app'); app.innerHTML = '';"
+                         " app.style.width = '1100px'; }")
+        mount(harness, view, list(rec), state)
+        assert harness.locator(".kv-label").inner_text().startswith("step 600 of 600 · ")
+        harness.locator(".kv-root").screenshot(path=str(shots / f"{name}.png"))
+        assert Image.open(shots / f"{name}.png").size[0] <= 1100
