@@ -244,3 +244,35 @@ def test_a_browser_without_a_cjk_font_is_caught(browser, site, tmp_path):
         assert any("missing-glyph box" in p for p in problems), problems
     finally:
         bare.close()
+
+
+# ------------------------------------------------------------------------------------------ exported replays
+@pytest.mark.browser
+@pytest.mark.parametrize("view", ["pool", "eviction", "fragmentation", "dashboard"])
+def test_an_exported_replay_opens_on_its_last_frame_plays_and_pauses_offline(browser, tmp_path, view):
+    from kvlab import BlockPool
+    from kvlab.viz import RandomWorkload, export_html, record
+
+    p = BlockPool(64, with_storage=False)
+    rec = record(p, RandomWorkload(p, preset="defrag", seed=3, steps=300), 300, every=3)
+    page = offline_page(browser)
+    page.goto(export_html(rec, tmp_path / f"{view}.html", view=view).as_uri())
+    last = len(rec) - 1
+    page.wait_for_selector(f".kv-root[data-index='{last}']")  # the end of the run, not an empty first frame
+    assert distinct_colours(page.locator(".kv-root").screenshot()) > 3
+    # Only the player is there to click: nothing that would need a kernel (run, step, speed, settings).
+    visible = page.evaluate("() => [...document.querySelectorAll('button, select, input')].filter((e) => "
+                            "e.offsetParent).map((e) => e.dataset.act || e.className)")
+    assert sorted(visible) == sorted(["back", "toggle", "fwd", "kv-slider"]), visible
+    assert "NaN" not in page.evaluate("() => document.body.innerText")
+    root = page.locator(".kv-root")
+    page.click("[data-act=toggle]")  # play: from the first frame, since it stood at the last
+    page.wait_for_function(f"() => document.querySelector('.kv-root').dataset.index !== '{last}'")
+    assert root.get_attribute("data-playing") == "1"
+    page.click("[data-act=toggle]")  # pause
+    assert root.get_attribute("data-playing") == "0"
+    paused = root.get_attribute("data-index")
+    page.wait_for_timeout(200)
+    assert root.get_attribute("data-index") == paused and int(paused) < last
+    assert (page.outside, page.failed, page.errors) == ([], [], [])
+    page.context.close()
