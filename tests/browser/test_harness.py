@@ -374,3 +374,23 @@ def test_docs_screenshots(harness, tmp_path):
         assert harness.locator(".kv-label").inner_text().startswith("step 600 of 600 · ")
         harness.locator(".kv-root").screenshot(path=str(shots / f"{name}.png"))
         assert Image.open(shots / f"{name}.png").size[0] <= 1100
+
+
+def test_views_scale_to_a_narrow_cell(harness, known_pool):
+    p, _ = known_pool
+    big = BlockPool(4096, with_storage=False)
+    big.allocate(1000)
+    for view, frame in (("pool", build_frame(big)), ("fragmentation", build_frame(big)),
+                        ("dashboard", build_frame(p))):
+        harness.evaluate("() => { const app = document.getElementById('app'); app.innerHTML = '';"
+                         " app.style.width = '420px'; }")
+        mount(harness, view, [frame], '{panels: ["pool", "fragmentation", "eviction"], controls: []}'
+              if view == "dashboard" else "{}")
+        widths = harness.evaluate("() => [...document.querySelectorAll('.kv-root canvas, .kv-root .kv-legend, "
+                                  ".kv-root .kv-player')].map(e => e.getBoundingClientRect().right - "
+                                  "document.getElementById('app').getBoundingClientRect().left)")
+        assert widths and max(widths) <= 421, (view, max(widths))
+        sizes = harness.evaluate("() => [...document.querySelectorAll('.kv-root *')].filter(e => [...e.childNodes]"
+                                 ".some(n => n.nodeType === 3 && n.textContent.trim())).map(e => "
+                                 "parseFloat(getComputedStyle(e).fontSize))")
+        assert min(sizes) >= 14
