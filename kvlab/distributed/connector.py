@@ -204,13 +204,13 @@ class _Connector:
         self.pool = manager.pool
         self.storage = self.pool.storage_of()
         spec = self.storage.spec
-        mine = spec_vector(spec)
+        mine = link.control(spec_vector(spec))
         theirs = torch.zeros_like(mine)
         work = link.isend(mine, peer, TAG_HELLO)
         link.recv(theirs, peer, TAG_HELLO)
         link.wait(work, "the spec handshake")
-        a, b = mine.tolist(), theirs.tolist()
-        if mine[4] < 0:
+        a, b = mine.cpu().tolist(), theirs.cpu().tolist()
+        if a[4] < 0:
             raise SpecMismatchError(f"rank {link.rank}: dtype {spec.dtype} cannot be transferred (one of {DTYPES})")
         if a[:3] + a[4:] != b[:3] + b[4:]:
             names = [n for n, x, y in zip(("layers", "kv heads", "head_dim", "", "dtype"), a, b) if x != y and n]

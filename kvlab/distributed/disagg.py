@@ -34,9 +34,10 @@ Batches = Seq[Seq[Seq[int]]]
 PREFILL, DECODE = 0, 1
 
 
-def make_manager(cfg: TinyConfig, block_size: int, num_blocks: int) -> SequenceManager:
-    """A pool of ``num_blocks`` blocks for ``cfg``'s K/V (CPU, fp32) with a prefix cache."""
-    return SequenceManager(BlockPool(num_blocks, spec=cfg.kv_spec(block_size)), prefix_cache=True)
+def make_manager(cfg: TinyConfig, block_size: int, num_blocks: int,
+                 device: torch.device | str = "cpu") -> SequenceManager:
+    """A pool of ``num_blocks`` blocks for ``cfg``'s K/V (fp32, on ``device``) with a prefix cache."""
+    return SequenceManager(BlockPool(num_blocks, spec=cfg.kv_spec(block_size, device=device)), prefix_cache=True)
 
 
 def _check_batches(batches: Any, cfg: TinyConfig) -> list[list[list[int]]]:
@@ -64,8 +65,8 @@ def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig = TinyConfig()
     tokens, the prefill logits and the sender's :class:`TransferReport` (as a dict). ``pace`` seconds of pause
     between layers let a live view keep up (the notebook; 0 elsewhere)."""
     batches = _check_batches(batches, cfg)
-    model = TinyLlama(cfg)
-    manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks)
+    model = TinyLlama(cfg, device=link.device)
+    manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks, link.device)
     conn = KVSender(link, manager, peer)
     first: list[list[int]] = []
     logits: list[list[list[float]]] = []
@@ -102,8 +103,8 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig = TinyCo
     Returns the generated tokens, the logits of each decode step and the receiver's report (as a dict)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    model = TinyLlama(cfg)
-    manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks)
+    model = TinyLlama(cfg, device=link.device)
+    manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks, link.device)
     conn = KVReceiver(link, manager, peer)
     tokens: list[list[list[int]]] = []
     logits: list[list[list[list[float]]]] = []
@@ -241,6 +242,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-block-size", type=int, default=None, help="decode rank's (default: the same)")
     p.add_argument("--blocks", type=int, default=512, help="blocks per pool (default 512)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds any wait on a peer may take")
+    p.add_argument("--device", default="cpu", help="under torchrun: 'cuda' puts each rank's pool on its GPU "
+                                                   "(LOCAL_RANK) and uses NCCL; default cpu and gloo")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -253,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TinyConfig()
     dbs = args.decode_block_size or args.block_size
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        link = from_env(args.timeout)
+        link = from_env(args.timeout, args.device)
         if link.world_size != 2:
             raise ConfigError(f"kvlab disagg runs on 2 ranks, torchrun started {link.world_size}")
         if link.rank == PREFILL:

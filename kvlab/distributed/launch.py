@@ -69,6 +69,11 @@ class Link:
     rank: int
     world_size: int
     timeout: float = DEFAULT_TIMEOUT
+    device: torch.device = torch.device("cpu")  # where control messages live: NCCL moves only CUDA tensors
+
+    def control(self, data: list[int] | torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A small control message (counts, the spec handshake) on the link's device."""
+        return torch.as_tensor(data, dtype=dtype).to(self.device)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Start sending ``tensor`` (contiguous) to rank ``dst``; wait on the returned work with :meth:`wait`."""
@@ -96,18 +101,18 @@ class Link:
 
     def send_json(self, obj: Any, dst: int, tag: int) -> None:
         """Send a JSON-able value: its length, then its UTF-8 bytes (no pickle crosses ranks)."""
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        self.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag)
+        data = self.control(torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8), torch.uint8)
+        self.send(self.control([data.numel()]), dst, tag)
         if data.numel():
             self.send(data, dst, tag)
 
     def recv_json(self, src: int, tag: int) -> Any:
-        n = torch.zeros(1, dtype=torch.int64)
+        n = self.control([0])
         self.recv(n, src, tag)
-        data = torch.empty(int(n), dtype=torch.uint8)
+        data = torch.empty(int(n), dtype=torch.uint8, device=self.device)
         if int(n):
             self.recv(data, src, tag)
-        return json.loads(bytes(data.numpy()).decode())
+        return json.loads(bytes(data.cpu().numpy()).decode())
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         try:
@@ -131,16 +136,21 @@ def _check_world(world_size: Any, timeout: Any) -> None:
 
 
 def from_env(timeout: float = DEFAULT_TIMEOUT, device: torch.device | str = "cpu") -> Link:
-    """Join the process group ``torchrun`` set up (``env://`` rendezvous): NCCL for a CUDA ``device``, else gloo."""
+    """Join the process group ``torchrun`` set up (``env://`` rendezvous): NCCL for a CUDA ``device`` (this rank's
+    GPU is ``LOCAL_RANK``), else gloo."""
     _check_world(1, timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ConfigError(f"from_env needs torchrun's environment; {', '.join(missing)} not set")
+    dev = torch.device(device)
+    if dev.type == "cuda":  # one GPU per rank
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=timeout))
     world = dist.group.WORLD
     assert world is not None
-    return Link(world, dist.get_rank(), dist.get_world_size(), float(timeout))
+    return Link(world, dist.get_rank(), dist.get_world_size(), float(timeout), dev)
 
 
 # ---------------------------------------------------------------------------------------------- processes

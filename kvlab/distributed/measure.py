@@ -63,7 +63,7 @@ def _spec(spec: dict[str, Any]) -> KVSpec:
 
 
 def _go(link: Link, peer: int, send: bool) -> None:
-    flag = torch.ones(1, dtype=torch.int64)
+    flag = link.control([1])
     (link.send if send else link.recv)(flag, peer, TAG_GO)
 
 
