@@ -60,7 +60,7 @@ def _sources(name: str) -> list[nbformat.NotebookNode]:
 def test_each_late_chapter_has_boxes_slides_predictions_and_exercises(name):
     cells = _sources(name)
     text = "\n".join(c.source for c in cells)
-    assert "教师框 (Instructor box)" in text and "学习目标" in text and "先修" in text and "时间" in text
+    assert "教师栏 (Instructor box)" in text and "学习目标" in text and "先修" in text and "时间" in text
     assert "在 vLLM 里 (In vLLM)" in text
     assert all(c.metadata.get("slideshow", {}).get("slide_type") in ("slide", "subslide", "fragment", "skip", "-")
                for c in cells)
