@@ -64,7 +64,7 @@ def test_the_wheel_says_what_it_is(wheel):
     assert by_extra["widgets"] == {"anywidget", "ipywidgets"}  # enough for VS Code and Colab: no JupyterLab
     assert by_extra["lab"] == by_extra["widgets"] | {"jupyterlab", "ipykernel"}
     assert by_extra["lab"] < by_extra["test"] < by_extra["dev"]
-    assert {"pytest", "playwright", "build"} <= by_extra["test"] and {"ruff", "mypy", "nbstripout"} <= by_extra["dev"]
+    assert {"pytest", "playwright", "build", "nbstripout"} <= by_extra["test"] and {"ruff", "mypy"} <= by_extra["dev"]
 
 
 def test_the_wheel_carries_the_course(wheel):
@@ -165,3 +165,38 @@ def test_readme_links_resolve_on_a_package_index_page():
             prefix = f"{REPO_URL}/{kind}/main/"
             if url.startswith(prefix):
                 assert (REPO / url.removeprefix(prefix).split("#")[0]).exists(), url
+
+
+# ---------------------------------------------------------------------------------------------------- notebooks
+def _clean_filter() -> list[str]:
+    """The nbstripout command ``make install`` configures as git's clean filter, run with this Python."""
+    (cmd,) = re.findall(r"filter\.nbstripout\.clean \"'\$\(abspath \$\(BIN\)\)/python' (.+?)\"",
+                        (REPO / "Makefile").read_text())
+    return [sys.executable, *cmd.split()]
+
+
+def test_notebooks_go_through_the_output_filter():
+    attributes = (REPO / ".gitattributes").read_text().split("\n")
+    assert "*.ipynb filter=nbstripout diff=ipynb" in attributes
+
+
+def test_the_committed_notebooks_pass_the_filter_unchanged():
+    """Else every checkout with the filter would show them as modified (nbstripout renumbers cell ids unless told
+    to keep them). One run over all of them: ``-t`` writes each result to stdout in turn."""
+    paths = sorted((REPO / "chapters").rglob("*.ipynb"))
+    out = subprocess.run([*_clean_filter(), "-t", *map(str, paths)], capture_output=True, check=True).stdout
+    assert out == b"".join(p.read_bytes() for p in paths)
+
+
+def test_the_filter_strips_what_an_executed_notebook_gains():
+    import nbformat
+
+    src = REPO / "chapters" / "index.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="a 354 KB figure\n")]
+    code.execution_count = 7
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    out = subprocess.run(_clean_filter(), input=nbformat.writes(nb).encode(), capture_output=True,
+                         check=True).stdout
+    assert out == src.read_bytes()
