@@ -176,3 +176,22 @@ def test_2_2_3_conclusions(run):
     per_user, shared_prefix = -(-500 // 16), 300 // 16
     assert c["plain_blocks"] == c["users"] * per_user
     assert c["shared_blocks"] == shared_prefix + c["users"] * (per_user - shared_prefix)
+
+
+def test_the_glossary_names_what_the_code_computes():
+    """Every measure the glossary names exists under that name in kvlab, and the two fragmentation measures
+    are different numbers on one pool."""
+    text = (CHAPTERS / "GLOSSARY.md").read_text(encoding="utf-8")
+    for name in ("internal waste", "unusable free memory", "external fragmentation (contiguity)", "attention slots",
+                 "prefix-sharing loss", "prefix-hit bound"):
+        assert f"{name}**" in text, name
+    row = kvlab.measure_block_size(kvlab.make_workload("chat", 5, 0), 16)
+    for field in ("waste", "prefix_loss", "table_entries", "alloc_calls", "attention_slots", "attention_ms",
+                  "attention_spread"):
+        assert hasattr(row, field) and f"SweepRow.{field}" in text, field
+    pool = kvlab.BlockPool(8, spec=kvlab.KVSpec(block_size=16, device="cpu"), with_storage=False)
+    pool.free(pool.allocate(8)[::2])
+    report = kvlab.FragmentationDetector(pool).detect_fragmentation()
+    for key in ("internal_waste", "fragmentation_percent", "external_fragmentation", "scatter"):
+        assert key in report and f'"{key}"' in text, key
+    assert report["fragmentation_percent"] == 0 and report["external_fragmentation"] == pytest.approx(0.75)
