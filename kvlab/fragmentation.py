@@ -20,12 +20,12 @@ blocks into the lowest FREE holes of the same class with one batched :meth:`Bloc
 hooks let every owner rewrite its block table. PENDING and EVICTING blocks are never moved (their data is in
 flight). ``max_moves`` bounds the work of one call, so compaction can run a little per engine step.
 
-What the text's ``_reallocate_active_blocks`` got wrong: it moved each small block into a block *twice* as large
-(more internal waste, not less, and no free space made contiguous); it wrote the target's fields directly,
-bypassing the pool's free lists and state machine; no block table learned the new location, so the owner kept
-reading the old block; and it then released the source although its refcount was still positive, so the data
-was either kept twice or freed under its reader. Compaction moves data into blocks of the *same* size, toward
-low addresses, through the pool, and tells the owners.
+What the text's ``_reallocate_active_blocks`` gets wrong: it returns after the first move (one block per call);
+the copy leaves the target exactly the source's size; with FREE blocks as the text builds them (no data) every
+migration is refused; it writes the target's fields directly, bypassing the pool's free lists and state machine;
+no block table learns the new location; the source stays referenced, so its release fails and the data is held
+twice; and the target is left at refcount 0, immediately evictable. Compaction moves data into blocks of the
+*same* size, toward low addresses, through the pool, and tells the owners.
 """
 from __future__ import annotations
 
