@@ -18,6 +18,7 @@ from kvlab.distributed import backend_for
 from kvlab.distributed.connector import MAX_RUNS, TAG_ANNOUNCE, TAG_PLAN, runs
 from kvlab.distributed.disagg import make_manager
 from kvlab.distributed.tp import head_split, run_tp, single_process
+import kvlab.distributed as kd
 from kvlab.errors import ConfigError
 
 CFG = TinyConfig()
@@ -293,3 +294,32 @@ def test_replication_needs_tp_a_multiple_of_the_kv_heads():
 
 def test_the_backend_follows_the_device():
     assert backend_for("cuda:0") == "nccl" and backend_for("cpu") == "gloo"
+
+
+# ---------------------------------------------------------------------------------------------- measuring, exercises
+def test_the_measurement_moves_the_same_bytes_as_the_plain_send():
+    small = dict(num_layers=2, num_kv_heads=2, head_dim=16)
+    runs_, scattered = kd.measure_transfers([kd.TransferCase(16, 100, 3, **small),
+                                             kd.TransferCase(16, 100, 3, scattered=True, **small)],
+                                            rounds=1, threads=True, timeout=20)
+    for t in (runs_, scattered):
+        assert t.blocks == 3 * 7 and t.bytes == 3 * 7 * CFG.kv_spec(16).bytes_per_block
+        assert t.connector > 0 and t.plain > 0
+    with pytest.raises(ConfigError, match="unknown layout fields \\['heads'\\]"):
+        kd.measure_transfer(16, 100, heads=2)
+    with pytest.raises(ConfigError, match="dtype must name a torch dtype"):
+        kd.measure_transfer(16, 100, dtype="float99")
+    with pytest.raises(ConfigError, match="prompt_len"):
+        kd.prefill_seconds(0)
+
+
+def test_the_chapter_exercises_judge_by_running_kvlab():
+    from kvlab import exercises as ex
+    ex.reset()
+    assert ex.check("2.2.7-bytes", 5 * CFG.kv_spec(16).bytes_per_block)
+    assert not ex.check("2.2.7-bytes", 13 * CFG.kv_spec(16).bytes_per_block)
+    half = CFG.kv_spec(16).bytes_per_block // 2
+    assert ex.check("2.2.7-tp-block", (half, half))
+    assert not ex.check("2.2.7-tp-block", (half, half // 2))
+    assert {"2.2.7-skipped", "2.2.7-crossover"} <= set(ex.list_predictions("2.2.7"))
+    ex.reset()

@@ -14,7 +14,7 @@ from .connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, K
 from .disagg import DisaggResult, decode_rank, demo_batches, make_manager, prefill_rank, reference, run_disagg
 from .errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
 from .launch import Link, backend_for, free_port, from_env, run_threads, spawn
-from .measure import TransferTiming, measure_transfer, prefill_seconds
+from .measure import TransferCase, TransferTiming, measure_transfer, measure_transfers, prefill_seconds
 from .tp import TPShard, head_split, run_tp, single_process
 from . import exercises  # registers the chapter's exercises with kvlab.exercises
 
@@ -23,6 +23,7 @@ __all__ = [
     "SaveSpec", "TransferReport", "spec_vector", "DisaggResult", "decode_rank", "demo_batches", "make_manager",
     "prefill_rank",
     "reference", "run_disagg", "PeerLostError", "SpecMismatchError", "TransferError", "TransferTimeoutError",
-    "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferTiming", "measure_transfer",
+    "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferCase", "TransferTiming",
+    "measure_transfer", "measure_transfers",
     "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process", "exercises",
 ]

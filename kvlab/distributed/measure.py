@@ -57,9 +57,28 @@ class TransferTiming:
         return self.bytes / self.plain / 1e9
 
 
-def _spec(spec: dict[str, Any]) -> KVSpec:
-    return KVSpec(spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], spec["block_size"],
-                  getattr(torch, spec["dtype"]), torch.device("cpu"))
+@dataclass(frozen=True)
+class TransferCase:
+    """One measurement: ``requests`` prompts of ``tokens`` tokens of a KV layout, blocks in runs or scattered."""
+    block_size: int = 16
+    tokens: int = 4096
+    requests: int = 4
+    num_layers: int = 4
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    scattered: bool = False
+
+    def spec(self) -> KVSpec:
+        """The (CPU) spec both ranks use; :class:`ConfigError` for bad sizes or an unknown dtype name."""
+        for name in ("tokens", "requests"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"dtype must name a torch dtype, got {self.dtype!r}")
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype, torch.device("cpu"))
 
 
 def _go(link: Link, peer: int, send: bool) -> None:
@@ -67,10 +86,13 @@ def _go(link: Link, peer: int, send: bool) -> None:
     (link.send if send else link.recv)(flag, peer, TAG_GO)
 
 
-def transfer_rank(link: Link, *, spec: dict[str, Any], tokens: int, requests: int, rounds: int,
-                  scattered: bool = False) -> dict[str, Any]:
-    """One rank of :func:`measure_transfer`: rank 0 sends, rank 1 receives and times."""
-    s = _spec(spec)
+def transfer_rank(link: Link, *, cases: list[TransferCase], rounds: int) -> list[dict[str, Any]]:
+    """One rank of :func:`measure_transfers`: rank 0 sends, rank 1 receives and times, case after case."""
+    return [_measure_case(link, c, rounds) for c in cases]
+
+
+def _measure_case(link: Link, case: TransferCase, rounds: int) -> dict[str, Any]:
+    s, tokens, requests, scattered = case.spec(), case.tokens, case.requests, case.scattered
     per_seq = -(-tokens // s.block_size)
     manager = SequenceManager(BlockPool(requests * per_seq + 1, spec=s), prefix_cache=None)
     sender = link.rank == 0
@@ -138,26 +160,34 @@ def transfer_rank(link: Link, *, spec: dict[str, Any], tokens: int, requests: in
             "blocks": conn.report.blocks_received // rounds, **best}
 
 
-def measure_transfer(block_size: int = 16, tokens: int = 4096, requests: int = 4, *, num_layers: int = 4,
-                     num_kv_heads: int = 8, head_dim: int = 64, dtype: str = "float32", rounds: int = 5,
-                     scattered: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                     threads: bool = False) -> TransferTiming:
-    """Time the connector against a plain send of the same bytes (see the module docstring). ``scattered``
-    interleaves the sender's blocks of the requests (a pool that has been busy a while), so every layer is
-    gathered into a staging buffer first instead of being sent from the pool in runs."""
-    for name, v in (("block_size", block_size), ("tokens", tokens), ("requests", requests), ("rounds", rounds)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name} must be a positive int, got {v!r}")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ConfigError(f"dtype must name a torch dtype, got {dtype!r}")
-    spec = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
-            "dtype": dtype}
-    _spec(spec)  # bad sizes refused here, before any process starts
-    kw = {"spec": spec, "tokens": tokens, "requests": requests, "rounds": rounds, "scattered": scattered}
+def measure_transfers(cases: list[TransferCase], rounds: int = 5, *, timeout: float = DEFAULT_TIMEOUT,
+                      threads: bool = False) -> list[TransferTiming]:
+    """Time the connector against a plain send of the same bytes for each case, in one two-rank group (see the
+    module docstring). A ``scattered`` case interleaves the sender's blocks of its requests (a pool that has been
+    busy a while), so every layer is gathered into a staging buffer first instead of sent from the pool in runs."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ConfigError(f"rounds must be a positive int, got {rounds!r}")
+    for c in cases:
+        c.spec()  # bad sizes refused here, before any process starts
+    kw = {"cases": list(cases), "rounds": rounds}
     _, got = (run_threads if threads else spawn)([transfer_rank, transfer_rank], [kw, kw], timeout=timeout)
-    assert got["bytes"] == got["plain_bytes"], got
-    return TransferTiming(block_size, tokens, requests, got["blocks"], got["bytes"], got["connector"], got["plain"],
-                          scattered)
+    out = []
+    for c, g in zip(cases, got):
+        assert g["bytes"] == g["plain_bytes"], g
+        out.append(TransferTiming(c.block_size, c.tokens, c.requests, g["blocks"], g["bytes"], g["connector"],
+                                  g["plain"], c.scattered))
+    return out
+
+
+def measure_transfer(block_size: int = 16, tokens: int = 4096, requests: int = 4, *, rounds: int = 5,
+                     timeout: float = DEFAULT_TIMEOUT, threads: bool = False, **layout: Any) -> TransferTiming:
+    """:func:`measure_transfers` of one :class:`TransferCase` (``layout``: its other fields)."""
+    unknown = sorted(set(layout) - set(TransferCase.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"measure_transfer got unknown layout fields {unknown}; "
+                          f"known: {sorted(TransferCase.__dataclass_fields__)}")
+    return measure_transfers([TransferCase(block_size, tokens, requests, **layout)], rounds, timeout=timeout,
+                             threads=threads)[0]
 
 
 @torch.no_grad()
@@ -169,6 +199,8 @@ def prefill_seconds(prompt_len: int, cfg: TinyConfig = TinyConfig(), block_size:
         raise ConfigError(f"prompt_len must be a positive int, got {prompt_len!r}")
     model = TinyLlama(cfg)
     prompt = [(7 * i) % cfg.vocab_size for i in range(prompt_len)]
+    warm = SequenceManager(BlockPool(8, spec=cfg.kv_spec(block_size)))
+    model.step(warm, [warm.create(prompt[:64])], [prompt[:64]])  # first-use costs stay out of the timing
     best = float("inf")
     for _ in range(rounds):
         manager = SequenceManager(BlockPool(-(-prompt_len // block_size) + 1, spec=cfg.kv_spec(block_size)))
