@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kvlab import BlockStatus, EventRecorder, TinyConfig
+from kvlab import BlockStatus, EventRecorder, OutOfBlocksError, TinyConfig
 from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, PeerLostError,
                                RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
                                decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
@@ -323,3 +323,25 @@ def test_the_chapter_exercises_judge_by_running_kvlab():
     assert not ex.check("2.2.7-tp-block", (half, half // 2))
     assert {"2.2.7-skipped", "2.2.7-crossover"} <= set(ex.list_predictions("2.2.7"))
     ex.reset()
+
+
+def test_a_decode_rank_out_of_blocks_gives_back_what_it_took():
+    got = {}
+    small = make_manager(CFG, 16, 8)  # 3 prompts of 70 tokens need 15 blocks
+
+    def decode(link):
+        try:
+            decode_rank(link, manager=small)
+        except OutOfBlocksError as e:
+            got["decode"] = str(e)
+
+    def prefill(link):
+        try:
+            prefill_rank(link, BATCHES)
+        except TransferError as e:
+            got["prefill"] = type(e).__name__
+
+    run_threads([prefill, decode], timeout=10)
+    assert "asked for" in got["decode"] and got["prefill"] in ("PeerLostError", "TransferTimeoutError")
+    small.check_invariants()
+    assert len(small) == 0 and small.pool.num_free_blocks == 8

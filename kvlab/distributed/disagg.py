@@ -18,15 +18,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KVLabError
 from ..model import TinyConfig, TinyLlama
 from ..pool import BlockPool
-from ..sequence import SequenceManager
+from ..sequence import Sequence, SequenceManager
 from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
 from .launch import DEFAULT_TIMEOUT, Link, from_env, run_threads, spawn
 
@@ -109,12 +109,17 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig = TinyCo
     tokens: list[list[list[int]]] = []
     logits: list[list[list[list[float]]]] = []
     while (requests := conn.poll_requests()) is not None:
-        seqs = []
-        for r in requests:
-            seq = manager.create(list(r.prompt), tenant=r.tenant)  # the local prefix hit
-            manager.append_tokens([seq], [list(r.prompt[seq.num_tokens:])])  # blocks for what will arrive
-            conn.update_state_after_alloc(r, seq)
-            seqs.append(seq)
+        seqs: list[Sequence] = []
+        try:
+            for r in requests:
+                seq = manager.create(list(r.prompt), tenant=r.tenant)  # the local prefix hit
+                seqs.append(seq)
+                manager.append_tokens([seq], [list(r.prompt[seq.num_tokens:])])  # blocks for what will arrive
+                conn.update_state_after_alloc(r, seq)
+        except KVLabError:  # e.g. out of blocks: give back what this step took, then report it
+            for s in seqs:
+                manager.free(s)
+            raise
         conn.start_load_kv(conn.build_connector_meta())
         for layer in range(cfg.num_layers):
             conn.wait_for_layer_load(layer)
@@ -174,7 +179,6 @@ class DisaggResult:
     sent: TransferReport
     received: TransferReport
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def compare(self, ref: dict[str, Any]) -> dict[str, Any]:
         """``{"tokens_equal": bool, "max_logit_diff": float}`` against :func:`reference`'s result."""
