@@ -19,6 +19,10 @@ baselines, as the PagedAttention paper compares against both:
 * ``"exact-length"``: each request reserves exactly its prompt + output length, an oracle; only external
   fragmentation separates it from paging.
 
+"Utilisation" is read as usage by token (the KV memory holding running requests' tokens, time-averaged), not as
+kvlab's ``utilisation``, which also counts the prefix cache's blocks kept after their requests finished: on a trace
+without shared prefixes those hold data nobody reads again, and would credit paging with memory doing no work.
+
 A verdict compares one figure with the text's threshold and says plainly when the measurement does not support
 the claim. The traces are fixed files and the engine is deterministic, so the same arguments give the same
 figures on every run and machine.
@@ -146,9 +150,10 @@ def measure_claims(requests: int = 2000, long_requests: int = 400, *, num_blocks
                          f"{cb['mean_running']:.1f} (max {cb['max_running']})", p["mean_running"], 20.0))
         gain = p["usage_by_token"] / cb["usage_by_token"] - 1
         out.append(Claim("资源利用率提升30%以上 (utilisation +30% or more)", b, f"{chat_setup}; {vs}",
-                         f"share of the KV memory holding live tokens: paged {p['usage_by_token']:.1%}, {b} "
-                         f"{cb['usage_by_token']:.1%} ({gain:+.0%}); reserved but empty: paged "
-                         f"{1 - 1 / _slots_per_token(p):.1%}, {b} {1 - 1 / _slots_per_token(cb):.1%}", gain, 0.30))
+                         f"usage by token (KV memory holding running requests' tokens): paged "
+                         f"{p['usage_by_token']:.1%}, {b} {cb['usage_by_token']:.1%} ({gain:+.0%}); "
+                         f"reserved but empty: paged {1 - 1 / _slots_per_token(p):.1%}, {b} "
+                         f"{1 - 1 / _slots_per_token(cb):.1%}", gain, 0.30))
         cut = 1 - p["latency_mean_s"] / cb["latency_mean_s"]
         out.append(Claim("响应时间减少50%以上 (response time -50% or more)", b,
                          f"{chat_setup}; {vs}; simulated seconds",

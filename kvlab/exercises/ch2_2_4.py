@@ -50,7 +50,7 @@ def fragmentation_case(seed: int) -> tuple[np.ndarray, int, int]:
 
 @register("2.2.4-fragmentation",
           "写一个函数 fragmentation(free, top_order)：free 是按地址排列的基本块是否空闲的布尔数组，"
-          "最大的块跨 2**top_order 个基本块（且必须对齐到 2**top_order）。返回“不可用的空闲内存”百分比"
+          "最大的块跨 2**top_order 个基本块（且必须对齐到 2**top_order）。返回“不可用空闲内存”百分比"
           "（fragmentation_percent，整数）：空闲空间里无法拼成一个最大块的那一部分所占的比例。没有空闲空间时返回 0。",
           ("不是所有连续的空闲基本块都能拼成一个最大块。",
            "把数组按 2**top_order 切成对齐的窗口（末尾不足一个窗口的部分不算），只有全空闲的窗口才可用。",
@@ -196,7 +196,7 @@ def _judge_curve(answer: Any) -> Verdict:
           "改一个参数 (move a parameter)：把实验的池改成只有一种块大小 block_sizes=(16,)，随机释放 50% 的块 "
           "(n=128, seed=1)。fragmentation_percent 读多少？完整整理一次搬几个块？答案写成 (percent, moves)。",
           ("只有一种块大小时，一个空闲块能不能满足任何请求？",
-           "不可用的空闲内存只在“拼不成最大尺寸块”时出现；压缩仍按地址把高处的块搬到低处的空洞。",
+           "不可用空闲内存只在“拼不成最大尺寸块”时出现；压缩仍按地址把高处的块搬到低处的空洞。",
            "percent = 0（每个空闲块都是最大尺寸）；moves = 位置 ≥ 已分配块数 的已分配块数，和三种尺寸时一样。"),
           kind="parameter")
 def _judge_one_size(answer: Any) -> Verdict:
