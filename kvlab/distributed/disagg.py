@@ -256,11 +256,15 @@ def main(args: argparse.Namespace) -> int:
     for name in ("prompts", "prompt_len", "new_tokens", "block_size", "blocks"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"--device {args.device!r} is not a torch device (cpu, cuda)") from None
     batches = demo_batches(args.prompts, args.prompt_len, args.shared)
     cfg = TinyConfig()
     dbs = args.decode_block_size or args.block_size
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        link = from_env(args.timeout, args.device)
+        link = from_env(args.timeout, device)
         if link.world_size != 2:
             raise ConfigError(f"kvlab disagg runs on 2 ranks, torchrun started {link.world_size}")
         if link.rank == PREFILL:
