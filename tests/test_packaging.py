@@ -115,9 +115,11 @@ def student(wheel, tmp_path_factory):
 
 def test_an_installed_wheel_is_kvlab_from_the_wheel(student):
     run, venv, cwd = student
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvlab; print(kvlab.__file__)"], cwd=cwd,
-                           capture_output=True, text=True, check=True).stdout.strip()
+    code = "import kvlab, kvlab.resources as r; print(kvlab.__file__); print(r.shipped('chapters'))"
+    where, chapters = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=cwd, capture_output=True,
+                                     text=True, check=True).stdout.split()
     assert Path(where).is_relative_to(venv), where
+    assert Path(chapters).is_relative_to(venv)  # what `kvlab html` and `kvlab chapters` read by default
     p = run("--version")
     assert p.returncode == 0 and p.stdout.startswith(f"kvlab {kvlab.__version__};"), p
     assert "FastBlockPool: compiled" in p.stdout  # the wheel's own binary
