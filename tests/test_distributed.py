@@ -321,7 +321,7 @@ def test_the_chapter_exercises_judge_by_running_kvlab():
     half = CFG.kv_spec(16).bytes_per_block // 2
     assert ex.check("2.2.7-tp-block", (half, half))
     assert not ex.check("2.2.7-tp-block", (half, half // 2))
-    assert {"2.2.7-skipped", "2.2.7-crossover"} <= set(ex.list_predictions("2.2.7"))
+    assert {"2.2.7-skipped", "2.2.7-long-prompt"} <= set(ex.list_predictions("2.2.7"))
     ex.reset()
 
 

@@ -15,9 +15,9 @@ from .tp import TPShard
 
 register_prediction("2.2.7-skipped", "演示的第二批里，decode 进程会跳过（不接收）多少个块？"
                     "(in the demo's second batch, how many blocks does the decode rank skip?)")
-register_prediction("2.2.7-crossover", "在本机上，对这个小模型，把 prompt 的 KV 传过来和在 decode 端重新计算，"
-                    "哪个更快？(on this machine, for this tiny model: is moving a prompt's KV faster than "
-                    "recomputing it?)", choices=("transfer", "recompute", "depends on the length"))
+register_prediction("2.2.7-long-prompt", "本章测得最长的提示（完整模式 32k token，快速模式 4k）上，把 KV 传过来和在 "
+                    "decode 端重新计算，哪个更快？(for the longest prompt measured, is moving its KV or recomputing it "
+                    "faster?)", choices=("transfer", "recompute"))
 
 
 def transfer_bytes(prompt_len: int, shared: int, prompts: int = 1) -> int:
