@@ -141,3 +141,61 @@ def test_chapter_2_2_6_prints_its_conclusions(printed):
             if re.match(r"^\S+ \(.*\)\s+(supported|NOT)\s+(supported|NOT)$", line)}
     assert list(rows.values()) == [["supported", "supported"], ["supported", "NOT"], ["supported", "NOT"],
                                    ["supported", "supported"], ["supported", "NOT"], ["NOT", "NOT"]]
+
+
+# ---------------------------------------------------------------------------------------------- checkers
+def _reference_fragmentation(free, top_order):
+    total = int(free.sum())
+    if not total:
+        return 0
+    k = 1 << top_order
+    windows = free[: len(free) // k * k].reshape(-1, k)
+    return int(round(100 * (1 - k * int(windows.all(axis=1).sum()) / total)))
+
+
+def _ignores_alignment(free, top_order):
+    """Counts every run of 2**top_order free blocks as usable, wherever it starts."""
+    total, k, usable, run = int(free.sum()), 1 << top_order, 0, 0
+    for f in [*free.tolist(), False]:
+        if f:
+            run += 1
+        else:
+            usable, run = usable + run // k * k, 0
+    return int(round(100 * (1 - usable / total))) if total else 0
+
+
+def _text_formula(free, top_order):
+    """The text's (total_free - largest_free) / total_free over the free blocks, here all of one size."""
+    n = int(free.sum())
+    return int((n - 1) / n * 100) if n else 0
+
+
+def test_the_fragmentation_checker_tells_the_reference_from_the_usual_wrong_functions():
+    from kvlab import exercises
+
+    assert exercises.check("2.2.4-fragmentation", _reference_fragmentation)
+    for wrong in (_ignores_alignment, _text_formula, lambda free, top_order: 0):
+        result = exercises.check("2.2.4-fragmentation", wrong)
+        assert not result and "你的函数返回" in result.message, wrong
+
+
+def test_the_errata_checker_names_each_wrong_part():
+    from kvlab import exercises
+
+    assert ch2_2_4.reallocation_scenario() == (1, 2, 0, 8)
+    assert exercises.check("2.2.4-errata", [1, 2, 0, 8])
+    wrong = exercises.check("2.2.4-errata", (1, 1, 1, 16))  # what the text's code means to do
+    assert not wrong and [d.startswith("✓") for d in wrong.details] == [True, False, False, False]
+
+
+def test_choice_exercises_refuse_an_answer_that_is_no_choice_without_measuring(monkeypatch):
+    from kvlab import exercises
+    from kvlab.exercises import ch2_2_6
+
+    def never(*a, **k):
+        raise AssertionError("measured for a malformed answer")
+    monkeypatch.setattr(ch2_2_6, "long_sequence_bottleneck", never)
+    monkeypatch.setattr(ch2_2_6, "memory_trend", never)
+    for key in ("2.2.6-bottleneck", "2.2.6-memory", "2.2.4-curve", "2.2.5-gain"):
+        result = exercises.check(key, "memory?")
+        assert not result and "选一个" in result.message, key
