@@ -213,9 +213,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 def lab_rows(quick: bool) -> list[dict]:
     """The live path through JupyterLab: kernel task -> comm -> websocket -> widget manager -> PoolView."""
-    if not Path(CHROMIUM).exists():
-        return [{"name": "lab: skipped (no Chromium)", "value": 0, "unit": "", "baseline": 0, "ratio": 0,
-                 "goal": "-"}]
+    import importlib.util
+
+    missing = [what for what, there in (("Chromium", Path(CHROMIUM).exists()),
+                                        ("jupyterlab", importlib.util.find_spec("jupyterlab") is not None)) if not there]
+    if missing:
+        return [{"name": f"lab: skipped (no {' or '.join(missing)})", "value": 0, "unit": "", "baseline": 0,
+                 "ratio": 0, "goal": "-"}]
     from playwright.sync_api import sync_playwright
 
     from kvlab.viz.browser import lab_server
