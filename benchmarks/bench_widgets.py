@@ -215,8 +215,8 @@ def lab_rows(quick: bool) -> list[dict]:
     """The live path through JupyterLab: kernel task -> comm -> websocket -> widget manager -> PoolView."""
     import importlib.util
 
-    missing = [what for what, there in (("Chromium", Path(CHROMIUM).exists()),
-                                        ("jupyterlab", importlib.util.find_spec("jupyterlab") is not None)) if not there]
+    present = {"Chromium": Path(CHROMIUM).exists(), "jupyterlab": importlib.util.find_spec("jupyterlab") is not None}
+    missing = [what for what, there in present.items() if not there]
     if missing:
         return [{"name": f"lab: skipped (no {' or '.join(missing)})", "value": 0, "unit": "", "baseline": 0,
                  "ratio": 0, "goal": "-"}]
