@@ -227,11 +227,12 @@ def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batc
                          num_heads: int = 8, head_dim: int = 64, rounds: int = 5, device: Any = None,
                          seed: int = 0, on_step: Callable[[], Any] | None = None
                          ) -> dict[int, tuple[float, float, float]]:
-    """(median, fastest, slowest) over ``rounds`` of the milliseconds of one decode step of :func:`kvlab.attention.paged_attention` (fp32, one
-    layer, ``num_heads`` x ``head_dim``) at each block size, over ``batch`` sequences whose lengths are evenly
-    spaced quantiles of the workload's (clipped to ``max_len``), their blocks scattered over the pool in a
-    seeded random order. Each round visits every size in turn, so a burst of load elsewhere on the machine
-    slows all sizes alike instead of one. ``on_step()`` is called after each timing (progress bars)."""
+    """(median, fastest, slowest) over ``rounds`` of the milliseconds of one decode step of
+    :func:`kvlab.attention.paged_attention` (fp32, one layer, ``num_heads`` x ``head_dim``) at each block size,
+    over ``batch`` sequences whose lengths are evenly spaced quantiles of the workload's (clipped to
+    ``max_len``), their blocks scattered over the pool in a seeded random order. Each round visits every size in
+    turn, so a burst of load elsewhere on the machine slows all sizes alike instead of one. ``on_step()`` is
+    called after each timing (progress bars)."""
     if not len(workload):
         raise ConfigError(f"workload {workload.name!r} has no requests")
     lens = np.sort(workload.sequence_lengths())

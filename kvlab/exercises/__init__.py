@@ -127,7 +127,7 @@ class Exercise:
             verdict = self.judge(answer)
             ok, msg = verdict[0], verdict[1]
             if len(verdict) == 3:
-                details = verdict[2]  # type: ignore[misc]
+                details = verdict[2]
         except Unreadable as e:  # an answer of a type the checker does not compare: wrong, and why
             ok, msg = False, str(e)
         except KVLabError:
@@ -328,7 +328,8 @@ def summary(chapter: str) -> Summary:
         if k not in _PROGRESS.predicted:
             rows.append((k, "未预测 (not predicted)"))
         else:
-            shown = {True: "命中 (matched)", False: "未命中 (missed)"}.get(_PROGRESS.revealed.get(k), "待揭晓 (pending)")
+            seen = _PROGRESS.revealed.get(k)
+            shown = "待揭晓 (pending)" if seen is None else "命中 (matched)" if seen else "未命中 (missed)"
             rows.append((k, f"{_PROGRESS.predicted[k]!r}: {shown}"))
     return Summary(chapter, len(keys), sum(_PROGRESS.solved.get(k, False) for k in keys),
                    sum(k in _PROGRESS.solved for k in keys), len(preds),

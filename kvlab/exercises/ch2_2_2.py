@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..block import BlockStatus
 from ..errors import ConfigError, KVLabError
@@ -130,9 +131,12 @@ def zipf_hit_rate(policy: str, n_blocks: int = 32, n_docs: int = 400, n_requests
     owner: dict[int, int] = {}  # doc -> its block, block -> its doc
     future = FutureUses([[d] for d in docs])
     chosen = OPTPolicy(lambda b: future.next_use(owner[b])) if policy == "opt" else policy
-    cache = BlockPool(n_blocks, spec=KVSpec(block_size=16, device="cpu"), eviction_policy=chosen,
+    cache = BlockPool(n_blocks, spec=KVSpec(block_size=16, device=torch.device("cpu")), eviction_policy=chosen,
                       with_storage=False, seed=seed)
-    cache.evict_hooks.append(lambda blk: where.pop(owner.pop(blk)))
+
+    def forget(blk: int) -> None:  # an evicted document is no longer cached
+        del where[owner.pop(blk)]
+    cache.evict_hooks.append(forget)
     hits = 0
     for i, d in enumerate(docs):
         future.advance(i)

@@ -49,7 +49,8 @@ def strategy_scenario() -> list[str]:
            "画出每次分配后各级空闲链表里有什么：切分留下的另一半还在链表里。",
            "第一次只能把 128 一半一半切到 16（split），留下 16、32、64 各一块；下一次直接取 16（exact），以此类推。"))
 def _judge_strategies(answer: Any) -> Verdict:
-    return same(answer, strategy_scenario(), "策略 (strategies)", [f"第 {i + 1} 次 (request {i + 1})" for i in range(4)])
+    return same(answer, strategy_scenario(), "策略 (strategies)",
+                [f"第 {i + 1} 次 (request {i + 1})" for i in range(4)])
 
 
 # ---------------------------------------------------------------------------- predictions
@@ -94,7 +95,8 @@ def text_allocator_story(callers: int = 3) -> list[int]:
            "没有任何代码把块标成 ALLOCATED，所以每次都找到同一个块 0：[0, 0, 0]。检查和占用之间的空档不需要线程。"),
           kind="errata")
 def _judge_errata_handout(answer: Any) -> Verdict:
-    return same(answer, text_allocator_story(), "块 id (block ids)", [f"请求 {i + 1} (request {i + 1})" for i in range(3)])
+    return same(answer, text_allocator_story(), "块 id (block ids)",
+                [f"请求 {i + 1} (request {i + 1})" for i in range(3)])
 
 
 TEXT_EVICT = '''\
