@@ -138,3 +138,22 @@ def test_fast_mode(monkeypatch, value, fast):
     monkeypatch.setenv("KVLAB_FAST", value)
     assert ex.fast_mode() is fast
     assert ex.sized(1000, 10) == (10 if fast else 1000)
+
+
+# Plausible wrong functions a student writes; each must meet a case that exposes it.
+DISCRIMINATING = {
+    "2.2.1-waste": [lambda t, bs: bs - t % bs,  # a full last block counted as empty
+                    lambda t, bs: t % bs,  # used slots, not empty ones
+                    lambda t, bs: (t // bs + 1) * bs - t,  # one block too many when t is a multiple
+                    lambda t, bs: max(bs - t, 0)],  # only right for one-block sequences
+    "2.2.1-utilisation": [lambda ls, bs: sum(ls) / (math.ceil(sum(ls) / bs) * bs),  # sequences glued together
+                          lambda ls, bs: sum(ls) / sum((n // bs + 1) * bs for n in ls),  # floor + 1, not ceil
+                          lambda ls, bs: sum(ls) / (len(ls) * bs),  # one block per sequence
+                          lambda ls, bs: sum(n / (math.ceil(n / bs) * bs) for n in ls) / len(ls)],  # mean of ratios
+}
+
+
+@pytest.mark.parametrize("key, i", [(k, i) for k, fns in DISCRIMINATING.items() for i in range(len(fns))])
+def test_plausible_wrong_functions_fail(key, i):
+    r = ex.check(key, DISCRIMINATING[key][i])
+    assert not r.ok and "kvlab" in r.message, str(r)

@@ -69,6 +69,17 @@ def test_bad_predictions_are_refused_and_leave_the_record_as_it_was():
     with pytest.raises(ConfigError, match="unknown prediction 'nope'"):
         ex.predict("nope", 1)
     assert ex.reveal(key, first).ok  # the refused calls changed nothing
+    numeric = next(k for k in ex.list_predictions() if not ex.PREDICTIONS[k].choices)
+    with pytest.raises(ConfigError, match="expected a number"):
+        ex.predict(numeric, "lots")
+
+
+def test_a_numeric_prediction_matches_within_its_tolerance():
+    key = "2.2.1-azure-ratio"  # within 30%
+    ex.predict(key, 20)
+    assert ex.reveal(key, 23.1).ok and not ex.reveal(key, 30.0).ok
+    ex.predict(key, 5)
+    assert not ex.reveal(key, 23.1).ok
 
 
 def test_summary_counts_right_answers_and_matched_predictions():

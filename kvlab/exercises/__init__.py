@@ -188,7 +188,8 @@ def register(key: str, prompt: str, hints: Sequence[str], kind: str = "compute"
 
 
 def register_prediction(key: str, question: str, choices: Sequence[str] = (), rel_tol: float = 0.0) -> Prediction:
-    """Declare the prediction ``key``: a question answered before a measurement (a value, or one of ``choices``)."""
+    """Declare the prediction ``key``: a question answered before a measurement, one of ``choices`` or (without
+    choices) a number, matched within ``rel_tol``."""
     if key in PREDICTIONS or key in EXERCISES:
         raise ConfigError(f"prediction {key!r} is defined twice")
     if rel_tol < 0 or not math.isfinite(rel_tol):
@@ -265,7 +266,7 @@ def predict(key: str, value: Any) -> str:
         raise ConfigError(f"prediction {key!r}: {e}") from None
     if p.choices and c not in p.choices:
         raise ConfigError(f"prediction {key!r}: {value!r} is not one of the choices {list(p.choices)}")
-    if not p.choices and not isinstance(c, (int, float)) and p.rel_tol:
+    if not p.choices and not isinstance(c, (int, float)):
         raise ConfigError(f"prediction {key!r}: expected a number, got {value!r}")
     _PROGRESS.predicted[key] = c
     return f"[{key}] 已记录预测 (prediction recorded): {c!r}"
