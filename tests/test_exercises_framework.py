@@ -94,7 +94,10 @@ def test_summary_counts_right_answers_and_matched_predictions():
     s = ex.summary("2.2.2")
     assert (s.right, s.attempted, s.predicted) == (1, 2, len(keys))
     rows = dict(s.rows)
-    assert rows["2.2.2-refcount"] == "✓" and rows["2.2.2-lru"].startswith("✗") and rows["2.2.2-transitions"] == "—"
+    assert rows["2.2.2-refcount"] == "✓ 第一次就对 (first try)" and rows["2.2.2-lru"].startswith("✗")
+    assert rows["2.2.2-transitions"] == "—"
+    ex.check("2.2.2-lru", [2, 3, 1, 0])
+    assert dict(ex.summary("2.2.2").rows)["2.2.2-lru"] == "✓ (1 次未中后 after 1 misses)"
     assert "1/" in str(s) and "| `2.2.2-lru` |" in s._repr_markdown_()
     with pytest.raises(ConfigError, match="2.2.1"):
         ex.summary("9.9")

@@ -315,15 +315,21 @@ class Summary:
 
 
 def summary(chapter: str) -> Summary:
-    """The score of ``chapter`` (e.g. ``"2.2.1"``) in this kernel: right answers and matched predictions."""
+    """The score of ``chapter`` (e.g. ``"2.2.1"``) in this kernel: right answers (and whether the first answer,
+    the student's prediction, was right) and matched predictions."""
     keys, preds = list_exercises(chapter), list_predictions(chapter)
     if not keys and not preds:
         chapters = sorted({e.chapter for e in EXERCISES.values()})
         raise ConfigError(f"no exercises for chapter {chapter!r}; known: {', '.join(chapters)}")
     rows = []
     for k in keys:
-        state = ("✓" if _PROGRESS.solved[k] else f"✗ ({_PROGRESS.misses.get(k, 0)} 次未中 misses)") \
-            if k in _PROGRESS.solved else "—"
+        misses = _PROGRESS.misses.get(k, 0)
+        if k not in _PROGRESS.solved:
+            state = "—"
+        elif _PROGRESS.solved[k]:  # a first answer is a prediction: say whether it held
+            state = "✓ 第一次就对 (first try)" if not misses else f"✓ ({misses} 次未中后 after {misses} misses)"
+        else:
+            state = f"✗ ({misses} 次未中 misses)"
         rows.append((k, state))
     for k in preds:
         if k not in _PROGRESS.predicted:
