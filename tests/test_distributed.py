@@ -41,12 +41,17 @@ def test_two_processes_decode_what_one_process_decodes():
     assert res.sent.messages == res.received.messages == 2 * CFG.num_layers * 2 < res.sent.blocks_sent
 
 
-@pytest.mark.parametrize("interleaved,decode_block_size", [(False, 16), (True, 16), (True, 8)])
-def test_every_token_arrives_bitwise(interleaved, decode_block_size):
-    """Rows sent straight from the pool in runs, rows gathered from scattered blocks (more than MAX_RUNS runs),
-    and re-chunked token rows all land where the receiver's block tables say."""
+@pytest.mark.parametrize("interleaved,decode_block_size,fragmented",
+                         [(False, 16, False), (True, 16, False), (True, 8, False), (False, 16, True), (True, 16, True)])
+def test_every_token_arrives_bitwise(interleaved, decode_block_size, fragmented):
+    """Rows sent straight from the pool in runs or gathered from scattered blocks (more than MAX_RUNS runs),
+    received in place or, into a fragmented pool, through staging, and re-chunked token rows: all land where
+    the receiver's block tables say."""
     prompts = [[(7 * i + j) % CFG.vocab_size for j in range(37 + 5 * i)] for i in range(12)]
     a, b = make_manager(CFG, 16, 256), make_manager(CFG, decode_block_size, 256)
+    held = b.pool.allocate(256) if fragmented else []
+    if fragmented:  # every other block free: the receiver's blocks come out one id apart
+        b.pool.free(held[::2])
     seqs = [a.create(p) for p in prompts]
     if interleaved:  # block by block, request after request: each prompt's blocks lie far apart
         for at in range(0, max(map(len, prompts)), 16):
@@ -82,12 +87,14 @@ def test_every_token_arrives_bitwise(interleaved, decode_block_size):
 
     run_threads([send, receive], timeout=20)
     assert (got["runs"] > MAX_RUNS) == interleaved
+    assert (len(runs([r for q in got["seqs"] for r in q.block_table])) > MAX_RUNS) == fragmented
     sa, sb = a.pool.storage_of(), b.pool.storage_of()
     for s, q in zip(seqs, got["seqs"]):
         for layer in range(CFG.num_layers):
             ka, va = sa.read_slots(layer, s.slots())
             kb, vb = sb.read_slots(layer, q.slots())
             assert torch.equal(ka, kb) and torch.equal(va, vb)
+    b.pool.free(held[1::2])
     b.check_invariants()
 
 

@@ -90,6 +90,19 @@ def copy_rows(dst: torch.Tensor, dst_runs: Seq[tuple[int, int]] | None, src: tor
         torch.index_select(src, 0, index, out=dst)
 
 
+def cut(total: int, *run_lists: Seq[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``total`` flattened rows as pieces ``(offset, length)``, cut wherever a run of any list starts, so each
+    piece lies inside one run of every list (one slice of each pool)."""
+    points = {0, total}
+    for rs in run_lists:
+        at = 0
+        for _, n in rs:
+            points.add(at)
+            at += n
+    ordered = sorted(points)
+    return [(a, b - a) for a, b in zip(ordered, ordered[1:]) if b > a]
+
+
 def segment_tag(layer: int, half: int, segment: int) -> int:
     """The tag of segment ``segment`` of K (``half`` 0) or V (1) of ``layer``: every message has its own."""
     return TAG_LAYER + ((layer * 2 + half) << 12) + segment
@@ -252,8 +265,14 @@ class _Connector:
         if self.pool.events:
             self.pool.events.publish(event)
 
+    def _row_bytes(self) -> int:
+        """Bytes of one row (K and V) of one layer."""
+        return 2 * self._halves(0)[0][0].numel() * self.storage.kv.element_size()
+
     def _fail(self, seqs: Seq[Sequence], error: TransferError) -> TransferError:
-        """Give back every sequence of the failed step (a live one only), so the pool holds nothing of it."""
+        """Abort the link (no late message may land in a block that is about to be freed), then give back
+        every sequence of the failed step (a live one only), so the pool holds nothing of it."""
+        self.link.abort()
         for s in seqs:
             if s.alive:
                 self.manager.free(s)
@@ -273,7 +292,8 @@ class KVSender(_Connector):
         self._sends: list[Any] = []
         self._buffers: list[torch.Tensor] = []
         self._index = torch.empty(0, dtype=torch.long)
-        self._runs: list[tuple[int, int]] = []
+        self._flat: list[int] = []
+        self._pieces: list[tuple[int, int]] = []
         self._all_runs: list[tuple[int, int]] = []
         self._nbytes = 0
         self._done: set[int] = set()
@@ -307,9 +327,10 @@ class KVSender(_Connector):
                                   m.request.tenant] for m in meta], self.peer, TAG_ANNOUNCE)
             if not meta:
                 return
-            starts = self.link.recv_json(self.peer, TAG_PLAN)
+            plan = self.link.recv_json(self.peer, TAG_PLAN)
         except TransferError as e:
             raise self._fail([m.seq for m in meta], e) from e
+        starts, theirs = plan["starts"], plan["runs"]
         if len(starts) != len(meta) or any(not 0 <= s < len(m.request.prompt) for s, m in zip(starts, meta)):
             raise self._fail([m.seq for m in meta], TransferError(
                 f"rank {self.link.rank}: the receiver asked for start tokens {starts} for prompts of "
@@ -317,21 +338,26 @@ class KVSender(_Connector):
         for m, s in zip(meta, starts):
             m.start = int(s)
         self._rows_per_layer = [self._rows(m.seq, m.start, len(m.request.prompt)) for m in meta]
-        flat = [r for rows in self._rows_per_layer for r in rows]
+        flat = self._flat = [r for rows in self._rows_per_layer for r in rows]
+        if theirs is not None and sum(theirs) != len(flat):
+            raise self._fail([m.seq for m in meta], TransferError(
+                f"rank {self.link.rank}: the receiver's runs {theirs[:10]} do not cover the {len(flat)} rows"))
         # Rows that lie in a few runs of consecutive ids (the free stack hands blocks out in runs) are sent
-        # straight from the pool, one message per run; scattered ones are gathered into one message.
-        self._runs = self._all_runs = runs(flat)
-        if len(self._runs) > MAX_RUNS:
-            self._runs = []
+        # straight from the pool; scattered ones are gathered into staging first. Messages are cut wherever a
+        # run starts on either side, so each lands in one slice of the receiver's pool.
+        self._all_runs = runs(flat)
+        gather = len(self._all_runs) > MAX_RUNS
+        mine = [] if gather else [self._all_runs]
+        self._pieces = cut(len(flat), *mine, *([] if theirs is None else [[(0, n) for n in theirs]]))
+        if gather:
             self._buffers = self._staging(len(flat))
             self._index = torch.tensor(flat, dtype=torch.long, device=self.storage.kv.device)
         else:
             self._buffers = []
-        self._nbytes = 2 * len(flat) * self._halves(0)[0][0].numel() * self.storage.kv.element_size() \
-            * self.storage.spec.num_layers
+        self._nbytes = len(flat) * self._row_bytes() * self.storage.spec.num_layers
         self._sends = []
         try:
-            self.link.send_json([n for _, n in self._runs] or [len(flat)], self.peer, TAG_SEGMENTS)
+            self.link.send_json([n for _, n in self._pieces], self.peer, TAG_SEGMENTS)
         except TransferError as e:
             raise self._fail([m.seq for m in meta], e) from e
 
@@ -346,9 +372,10 @@ class KVSender(_Connector):
             buf = self._buffers[layer]
             for half, out in zip(halves, buf):
                 copy_rows(out, None, half, self._all_runs, self._index)
-            parts = [[buf[0]], [buf[1]]]
+            parts = [[buf[j, a:a + n] for a, n in self._pieces] for j in (0, 1)]
         else:
-            parts = [[h[a:a + n] for a, n in self._runs] for h in halves]
+            flat = self._flat
+            parts = [[h[flat[a]:flat[a] + n] for a, n in self._pieces] for h in halves]
         try:
             for j, segments in enumerate(parts):
                 for i, t in enumerate(segments):
@@ -356,7 +383,7 @@ class KVSender(_Connector):
         except TransferError as e:
             raise self._fail([m.seq for m in self._step], e) from e
         if self.pool.events:
-            per_row = 2 * halves[0][0].numel() * halves[0].element_size()
+            per_row = self._row_bytes()
             for m, rows in zip(self._step, self._rows_per_layer):
                 B = self.pool.block_size
                 ids = tuple(m.seq.block_table[m.start // B:-(-len(m.request.prompt) // B)])
@@ -407,6 +434,7 @@ class KVReceiver(_Connector):
         self._buffers: list[torch.Tensor] = []
         self._index = torch.empty(0, dtype=torch.long)
         self._runs: list[tuple[int, int]] = []
+        self._nbytes = 0
         self._rows_per_req: list[list[int]] = []
         self._loaded: set[int] = set()
         self._layers_done = 0
@@ -446,9 +474,12 @@ class KVReceiver(_Connector):
 
     # ---------------------------------------------------------------- worker side: bytes
     def start_load_kv(self, meta: list[LoadSpec]) -> None:
-        """Tell the sender where each request's needed tokens start, hear how it cuts each layer into
-        messages, and post every receive into staging memory (all layers at once, so they arrive back to
-        back)."""
+        """Tell the sender where each request's needed tokens start (and how this rank's blocks lie), hear how it
+        cuts each layer into messages, and post every receive at once, so the layers arrive back to back.
+
+        Blocks in a few runs receive in place (each message lands in one slice of the pool; on a fault the
+        link is aborted before any block is freed, so no late message can land in a reused block); scattered
+        ones receive into staging memory and are copied into the pool as each layer completes."""
         self._t0 = time.perf_counter()
         self._step, self._layers_done = meta, 0
         rows = [self._rows(m.seq, m.start, len(m.request.prompt)) for m in meta]
@@ -456,22 +487,28 @@ class KVReceiver(_Connector):
         self._index = torch.tensor(flat, dtype=torch.long, device=self.storage.kv.device)
         self._runs = runs(flat)
         self._rows_per_req = rows
-        self._buffers = self._staging(self._index.numel())
+        direct = len(self._runs) <= MAX_RUNS
+        self._buffers = [] if direct else self._staging(len(flat))
+        self._nbytes = len(flat) * self._row_bytes() * self.storage.spec.num_layers
         try:
-            self.link.send_json([m.start for m in meta], self.peer, TAG_PLAN)
+            self.link.send_json({"starts": [m.start for m in meta],
+                                 "runs": [n for _, n in self._runs] if direct else None}, self.peer, TAG_PLAN)
             segments = self.link.recv_json(self.peer, TAG_SEGMENTS)
-            if sum(segments) != self._index.numel() or len(segments) >= 1 << 12:
-                raise TransferError(f"rank {self.link.rank}: the sender cuts {self._index.numel()} rows into "
-                                    f"segments {segments[:10]}")
+            pieces, at = [], 0
+            for n in segments:
+                pieces.append((at, n))
+                at += n
+            if at != len(flat) or len(pieces) >= 1 << 12 or direct and any(
+                    flat[a + n - 1] - flat[a] != n - 1 for a, n in pieces):
+                raise TransferError(f"rank {self.link.rank}: the sender cuts {len(flat)} rows into segments "
+                                    f"{segments[:10]} that do not fit this rank's blocks")
             self._recvs = []
-            for layer, buf in enumerate(self._buffers):
-                works = []
-                for j in (0, 1):
-                    at = 0
-                    for i, n in enumerate(segments):
-                        works.append(self.link.irecv(buf[j, at:at + n], self.peer, segment_tag(layer, j, i)))
-                        at += n
-                self._recvs.append(works)
+            for layer in range(self.storage.spec.num_layers):
+                halves = self._halves(layer)
+                targets = [[halves[j][flat[a]:flat[a] + n] for a, n in pieces] if direct else
+                           [self._buffers[layer][j, a:a + n] for a, n in pieces] for j in (0, 1)]
+                self._recvs.append([self.link.irecv(t, self.peer, segment_tag(layer, j, i))
+                                    for j in (0, 1) for i, t in enumerate(targets[j])])
         except TransferError as e:
             raise self._fail([m.seq for m in meta], e) from e
 
@@ -488,18 +525,18 @@ class KVReceiver(_Connector):
                                      f"{[m.request.request_id for m in self._step]}")
         except TransferError as e:
             raise self._fail([m.seq for m in self._step], e) from e
-        buf = self._buffers[layer]
-        for half, data in zip(self._halves(layer), buf):
-            copy_rows(half, self._runs, data, None, self._index)
+        if self._buffers:
+            for half, data in zip(self._halves(layer), self._buffers[layer]):
+                copy_rows(half, self._runs, data, None, self._index)
         self._layers_done += 1
         if self.pool.events:
             B = self.pool.block_size
-            per_row = buf.numel() * buf.element_size() // max(1, buf.shape[1])
+            per_row = self._row_bytes()
             for m, rows in zip(self._step, self._rows_per_req):
                 ids = tuple(m.seq.block_table[m.start // B:])
                 self._publish(BlocksReceived(self.pool.clock.now(), m.request.request_id, layer, ids,
                                              per_row * len(rows)))
-        if self._layers_done == len(self._buffers):
+        if self._layers_done == self.storage.spec.num_layers:
             self._finish_step()
 
     def _finish_step(self) -> None:
@@ -511,7 +548,7 @@ class KVReceiver(_Connector):
             r.tokens_skipped += m.start
             self._loaded.add(m.request.request_id)
         r.requests += len(self._step)
-        r.bytes += sum(b.numel() * b.element_size() for b in self._buffers)
+        r.bytes += self._nbytes
         r.messages += sum(map(len, self._recvs))
         r.seconds += time.perf_counter() - self._t0
         self._step = []

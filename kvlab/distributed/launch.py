@@ -60,6 +60,8 @@ class Group(Protocol):
 
     def allreduce(self, tensors: list[torch.Tensor], /) -> dist.Work: ...
 
+    def abort(self) -> None: ...
+
 
 @dataclass
 class Link:
@@ -86,6 +88,14 @@ class Link:
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` at most ``timeout`` seconds; the backend's failure becomes a typed error."""
         self._call(lambda: work.wait(datetime.timedelta(seconds=self.timeout)), what)
+
+    def abort(self) -> None:
+        """Tear the group down after a failure: pending receives are cancelled, so no late message lands in
+        memory that is about to be reused; every later call on this link fails."""
+        try:
+            self.group.abort()
+        except RuntimeError:  # already torn down by the failure itself
+            pass
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.wait(self.isend(tensor, dst, tag), f"sending {tensor.numel() * tensor.element_size()} bytes to "
@@ -169,7 +179,10 @@ def _child(rank: int, world_size: int, port: int, timeout: float, fn: RankFn, kw
                      TransferError(f"rank {rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # the group was aborted after a failure
+                pass
 
 
 def spawn(fns: Sequence[RankFn], kwargs: Sequence[dict[str, Any]] | None = None, *,
