@@ -229,6 +229,31 @@ def test_a_silent_peer_is_a_timeout_and_the_pool_stays_consistent():
     assert got["pending"] == 0 and got["live"] == 0 and got["free"] == 128
 
 
+def test_an_aborted_link_takes_no_late_message():
+    got = {}
+
+    def late(link):
+        time.sleep(1.5)
+        try:
+            link.send(torch.ones(64), 1, 99)
+        except TransferError as e:
+            got["send"] = type(e).__name__
+
+    def waits(link):
+        buf = torch.zeros(64)
+        work = link.irecv(buf, 0, 99)
+        try:
+            link.wait(work, "a message that comes too late")
+        except TransferTimeoutError:
+            got["wait"] = "timeout"
+        link.abort()
+        time.sleep(2.0)  # the late send has come and gone
+        got["untouched"] = bool((buf == 0).all())
+
+    run_threads([late, waits], timeout=0.5)
+    assert got == {"wait": "timeout", "send": "PeerLostError", "untouched": True}
+
+
 def test_the_sender_frees_its_blocks_when_the_receiver_goes_away():
     got = {}
 

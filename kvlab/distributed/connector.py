@@ -18,12 +18,13 @@ worker                         ``start_save`` (announce, hear what the peer    `
                                                                                ``get_finished``
 =============================  ==============================================  =================================
 
-What moves, per step and per layer, is **one message**: the rows of every request of the step, gathered with
-one ``index_select`` into a staging buffer on the sender and scattered with one ``index_copy_`` on the
-receiver. A row is a whole block when both pools use the same block size, else a token (the transfer then
-re-chunks: it reads the sender's slots and writes the receiver's, so block boundaries need not agree). The
-receiver never lets the backend write into its pool directly: a late or torn message lands in staging memory,
-and the pool only changes once a layer has fully arrived.
+What moves, per step, layer and half (K, V), is the rows of every request of the step, in as few messages as
+the two pools' layouts allow. A row is a whole block when both pools use the same block size, else a token (the
+transfer then re-chunks: it reads the sender's slots and writes the receiver's, so block boundaries need not
+agree). Rows lying in a few runs of consecutive ids (the free stack hands blocks out in runs) go straight from
+the sender's pool into the receiver's, one message per run, with no copy on either side; a side whose rows are
+scattered copies them through a staging buffer (the sender gathers a layer into one message, the receiver
+copies a layer out once it has fully arrived).
 
 Blocks the decode rank already caches (a shared prefix, found by its own prefix cache) are not sent: the
 receiver tells the sender, per request, the first token it needs. Every block sent, received or skipped is
@@ -31,8 +32,9 @@ published as an event on the pool's bus (:class:`BlocksSent`, :class:`BlocksRece
 
 Faults: the two ranks compare their KV layouts when the connector is built (:class:`SpecMismatchError` for
 other layers, KV heads, head size or dtype: before any block moves). If the peer exits or stays silent past
-the link's timeout, the connector frees every sequence of the step (blocks go FREE or back to the prefix
-cache; none stays half-written in a table) and raises :class:`PeerLostError` / :class:`TransferTimeoutError`.
+the link's timeout, the connector aborts the link (pending receives are cancelled, so no late message can land
+in a block once it is reused), frees every sequence of the step (blocks go FREE or back to the prefix cache;
+none stays half-written in a table) and raises :class:`PeerLostError` / :class:`TransferTimeoutError`.
 """
 from __future__ import annotations
 
