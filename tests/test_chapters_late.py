@@ -118,6 +118,9 @@ def test_chapter_2_2_5_prints_its_conclusions(printed):
     out = _out(printed, LATE[1])
     assert re.search(r"with pre-allocation only the first burst splits \(\d+ = \d+ / \d+ bursts: True\)", out)
     assert re.search(r"without pre-allocation :\s+\d+ splits", out)
+    assert "holds up to 16 blocks (6% of the pool) in reserve" in out  # one burst (fast mode: BURST = 16)
+    wide = re.search(r"the reserve grows to \d+ blocks \((\d+) bursts' worth\) for the same splits \((\d+)\)", out)
+    assert wide and int(wide[1]) > 1 and f"only the first burst splits ({wide[2]} =" in out
     assert "locks at n=1 are equal ( 2 = 2 ): the n=1 row compares identical work" in out
     assert "batching takes 16 times fewer locks (n = 16)" in out
     assert "reserved for tenant 1: 48 | free for everyone else: 16" in out
