@@ -2,13 +2,15 @@
 plain ``torch.distributed`` send of a contiguous tensor of exactly the same bytes, in the same run and the same
 process group (the physical limit of the transport here).
 
-Each case moves 4 prompts of 512 tokens (quick: 128) with a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads
-of 128, fp16: 128 KiB per token, 256 MiB in all): the connector announces the requests, the receiver allocates its blocks, every layer goes as
-one message per half (K, V) per run of consecutive blocks, or, for the *scattered* case (each prompt's blocks
-interleaved with the others', as in a busy pool), gathered into one staging message per half; the receiver
-scatters each layer into its blocks with one ``index_copy_`` per half. The variants alternate round by round
-and each figure is its best round, timed on the receiver. Goals (issue 20): >= 0.5x the plain send for 16-token
-blocks, >= 0.8x for 256-token blocks. ``python benchmarks/bench_transfer.py [--quick]``.
+Each case moves 4 prompts of 512 tokens (quick: 128) with a Llama-3-8B-shaped KV cache (32 layers, 8 KV
+heads of 128, fp16: 128 KiB per token, 256 MiB in all): the connector announces the requests, the receiver
+allocates its blocks, and every layer goes as one message per half (K, V) per run of consecutive blocks,
+straight from the sender's pool into the receiver's. In the *scattered* case each prompt's blocks are
+interleaved with the others' on the sender (as in a busy pool): with 16-token blocks that is 128 runs a layer,
+so the sender gathers each layer into one staging message per half; with 256-token blocks it is 8 runs, sent
+as 8 messages per half without a copy. The variants alternate round by round and each figure is its best
+round, timed on the receiver. Goals (issue 20): >= 0.5x the plain send for 16-token blocks, >= 0.8x for
+256-token blocks. ``python benchmarks/bench_transfer.py [--quick]``.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     for c, t in zip(cases, measure_transfers(cases, rounds)):  # one two-process group for every case
         goal = GOALS[c.block_size]
-        layout = "scattered blocks (gathered)" if c.scattered else "blocks in runs"
+        layout = "scattered blocks" if c.scattered else "blocks in runs"
         verdict = "" if quick else (" (met)" if t.ratio >= goal else " (not met)")
         name = f"KV transfer, B={c.block_size}, 4 x {tokens} tokens, {layout}"
         rows.append({"name": name + ": throughput", "value": t.gb_per_s, "unit": "GB/s",
