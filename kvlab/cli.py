@@ -366,8 +366,8 @@ def _html_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
 
 
-@command("html", "execute the chapters and render them to static HTML with widget state, for a course site",
-         _html_args)
+@command("html", "execute the chapters and render them to static HTML with widget state, for a course site "
+                 "that works offline (its scripts are pinned copies in the site's _kvlab/ folder)", _html_args)
 def _html(args: argparse.Namespace) -> int:
     from .render import render_chapters
 
