@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -97,6 +98,12 @@ def test_vendored_runtime_is_pinned_and_matches_its_recorded_hashes():
             "LICENSE-requirejs.txt"} <= set(files)
     # anywidget's front end speaks the protocol of the Python package the kernel runs
     assert manifest["anywidget"]["version"].split(".")[:2] == anywidget.__version__.split(".")[:2]
+    # the refresh script copies exactly the files the manifest lists (it is the script that wrote it)
+    spec = importlib.util.spec_from_file_location("kvlab_vendor_refresh", assets.VENDOR / "refresh.py")
+    refresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refresh)
+    assert {k: [dest for _, dest in v] for k, v in refresh.FILES.items()} == \
+        {k: list(e["files"]) for k, e in manifest.items()}
 
 
 def test_a_changed_vendored_file_is_refused(tmp_path, monkeypatch):
