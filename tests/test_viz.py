@@ -396,6 +396,11 @@ def test_a_view_follows_its_run_and_its_pause_pauses_the_workload():
     assert base64.b64decode(bundle["image/png"]) == figure_png(view.figure())
     last = decode_frame(view.frame)
     assert last.when == "step 40 of 40" and last.step == p.clock.now()
+    watched = PoolView(p)
+    watched.frames_received = 1  # a browser said it draws the view: its display is left as it is
+    watched.displays.append(other := Handle())
+    watched.live(RandomWorkload(p, seed=4, steps=5)).run()
+    assert watched.status == "done" and not other.updates
 
 
 def test_frames_count_workload_steps_and_evictions_say_when():

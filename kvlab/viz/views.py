@@ -8,9 +8,10 @@ sent (or the recording loaded into it) and sends them as history when a browser 
 drawn again, or late, holds the whole run.
 
 A view driven by a :class:`LiveRun` follows it: its ``status`` trait is the run's state, and its one pause
-button pauses the workload (a ``control`` message), not just the picture. When the run ends, the view's
-displays are refreshed, so a saved notebook's ``image/png`` is the final frame, not the first (a browser draws
-the refreshed view again, from the history: the final frame, with every earlier one on the slider).
+button pauses the workload (a ``control`` message), not just the picture. When the run ends and no browser has
+reported drawing the view (a notebook executed by nbclient, as ``kvlab html`` does), the view's displays are
+refreshed, so the saved ``image/png`` is the final frame, not the first; a browser that draws a refreshed view
+gets the whole history and opens on the final frame.
 """
 from __future__ import annotations
 
@@ -117,7 +118,10 @@ class FrameView(anywidget.AnyWidget):
 
     def _run_state(self, state: str) -> None:
         self.status = state
-        if state in ENDED:
+        if state in ENDED and not self.frames_received:
+            # No browser has said it draws the view (nbclient, a site build, or a cell that blocked the kernel
+            # for the whole run): redraw its displays so the saved picture is the final frame. A view a browser
+            # is drawing keeps its display: redrawing it would resend the whole history in one burst.
             self.refresh_displays()
 
     def start(self) -> None:
