@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab import BlockStatus, EventRecorder, OutOfBlocksError, TinyConfig
-from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, PeerLostError,
+from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender,
                                RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
                                decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
 from kvlab.distributed import backend_for

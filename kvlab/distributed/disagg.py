@@ -58,12 +58,13 @@ def _check_batches(batches: Any, cfg: TinyConfig) -> list[list[list[int]]]:
     return out
 
 
-def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig = TinyConfig(), block_size: int = 16,
+def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig | None = None, block_size: int = 16,
                  num_blocks: int = 512, peer: int = DECODE, manager: SequenceManager | None = None,
                  pace: float = 0.0) -> dict[str, Any]:
     """The prefill rank: compute each batch's prompts, ship their KV, free them once sent. Returns the first
     tokens, the prefill logits and the sender's :class:`TransferReport` (as a dict). ``pace`` seconds of pause
     between layers let a live view keep up (the notebook; 0 elsewhere)."""
+    cfg = cfg or TinyConfig()
     batches = _check_batches(batches, cfg)
     model = TinyLlama(cfg, device=link.device)
     manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks, link.device)
@@ -95,12 +96,13 @@ def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig = TinyConfig()
     return {"first_tokens": first, "logits": logits, "report": conn.report.as_dict()}
 
 
-def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig = TinyConfig(), block_size: int = 16,
+def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None = None, block_size: int = 16,
                 num_blocks: int = 512, peer: int = PREFILL, manager: SequenceManager | None = None,
                 pace: float = 0.0) -> dict[str, Any]:
     """The decode rank: receive each batch's prompt KV into its own blocks (skipping what its prefix cache
     holds), decode ``max_new_tokens`` tokens per request (the first comes from the prefill rank), free them.
     Returns the generated tokens, the logits of each decode step and the receiver's report (as a dict)."""
+    cfg = cfg or TinyConfig()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     model = TinyLlama(cfg, device=link.device)
@@ -146,9 +148,10 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig = TinyCo
     return {"tokens": tokens, "logits": logits, "report": conn.report.as_dict()}
 
 
-def reference(batches: Batches, max_new_tokens: int, *, cfg: TinyConfig = TinyConfig(),
+def reference(batches: Batches, max_new_tokens: int, *, cfg: TinyConfig | None = None,
               block_size: int = 16, num_blocks: int = 512) -> dict[str, Any]:
     """The same batches in one process and one pool: tokens, prefill logits and decode-step logits."""
+    cfg = cfg or TinyConfig()
     batches = _check_batches(batches, cfg)
     model, manager = TinyLlama(cfg), make_manager(cfg, block_size, num_blocks)
     tokens, prefill, decode = [], [], []
@@ -200,13 +203,14 @@ def _report(d: dict[str, Any]) -> TransferReport:
     return TransferReport(**{k: v for k, v in d.items() if k != "gb_per_s"})
 
 
-def run_disagg(batches: Batches, max_new_tokens: int = 8, *, cfg: TinyConfig = TinyConfig(),
+def run_disagg(batches: Batches, max_new_tokens: int = 8, *, cfg: TinyConfig | None = None,
                block_size: int = 16, decode_block_size: int | None = None, num_blocks: int = 512,
                timeout: float = DEFAULT_TIMEOUT, threads: bool = False,
                managers: tuple[SequenceManager, SequenceManager] | None = None,
                pace: float = 0.0) -> DisaggResult:
     """Run prefill (rank 0) and decode (rank 1) as two processes on 127.0.0.1 (gloo), or as two threads of
     this process (``threads=True``; ``managers`` then lets the caller watch both pools)."""
+    cfg = cfg or TinyConfig()
     batches = _check_batches(batches, cfg)
     pre: dict[str, Any] = {"batches": batches, "cfg": cfg, "block_size": block_size, "num_blocks": num_blocks,
                            "pace": pace}

@@ -191,10 +191,11 @@ def measure_transfer(block_size: int = 16, tokens: int = 4096, requests: int = 4
 
 
 @torch.no_grad()
-def prefill_seconds(prompt_len: int, cfg: TinyConfig = TinyConfig(), block_size: int = 16, chunk: int = 2048,
+def prefill_seconds(prompt_len: int, cfg: TinyConfig | None = None, block_size: int = 16, chunk: int = 2048,
                     rounds: int = 1) -> float:
     """Best of ``rounds`` wall times of computing a ``prompt_len``-token prompt's KV with the tiny decoder,
     ``chunk`` tokens per step."""
+    cfg = cfg or TinyConfig()
     if not isinstance(prompt_len, int) or prompt_len < 1:
         raise ConfigError(f"prompt_len must be a positive int, got {prompt_len!r}")
     model = TinyLlama(cfg)

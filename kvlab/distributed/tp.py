@@ -123,9 +123,10 @@ def generate(step: Any, manager: SequenceManager, prompts: Seq[Seq[int]], max_ne
     return out, logits
 
 
-def tp_rank(link: Link, prompts: Seq[Seq[int]], *, max_new_tokens: int = 8, cfg: TinyConfig = TinyConfig(),
+def tp_rank(link: Link, prompts: Seq[Seq[int]], *, max_new_tokens: int = 8, cfg: TinyConfig | None = None,
             block_size: int = 16, num_blocks: int = 256) -> dict[str, Any]:
     """One rank of a tensor-parallel run: its own pool of ``num_kv_heads / tp`` heads, greedy generation."""
+    cfg = cfg or TinyConfig()
     shard = TPShard(TinyLlama(cfg), link.world_size, link.rank)
     pool = BlockPool(num_blocks, spec=shard.kv_spec(block_size))
     manager = SequenceManager(pool, prefix_cache=True)
@@ -135,20 +136,22 @@ def tp_rank(link: Link, prompts: Seq[Seq[int]], *, max_new_tokens: int = 8, cfg:
             "bytes_per_block": pool.bytes_per_block}
 
 
-def single_process(prompts: Seq[Seq[int]], max_new_tokens: int, *, cfg: TinyConfig = TinyConfig(),
+def single_process(prompts: Seq[Seq[int]], max_new_tokens: int, *, cfg: TinyConfig | None = None,
                    block_size: int = 16, num_blocks: int = 256) -> dict[str, Any]:
     """The reference: the whole model in one pool."""
+    cfg = cfg or TinyConfig()
     model = TinyLlama(cfg)
     pool = BlockPool(num_blocks, spec=cfg.kv_spec(block_size))
     tokens, logits = generate(model.step, SequenceManager(pool, prefix_cache=True), prompts, max_new_tokens)
     return {"tokens": tokens, "logits": logits, "bytes_per_block": pool.bytes_per_block}
 
 
-def run_tp(prompts: Seq[Seq[int]], max_new_tokens: int = 8, *, tp: int = 2, cfg: TinyConfig = TinyConfig(),
+def run_tp(prompts: Seq[Seq[int]], max_new_tokens: int = 8, *, tp: int = 2, cfg: TinyConfig | None = None,
            block_size: int = 16, num_blocks: int = 256, timeout: float = DEFAULT_TIMEOUT,
            threads: bool = False) -> list[dict[str, Any]]:
     """Run ``tp`` ranks (processes on 127.0.0.1, or threads) and return each rank's result. The head split is
     checked here first, so a ``tp`` that does not fit is refused before any process starts."""
+    cfg = cfg or TinyConfig()
     for r in range(tp if isinstance(tp, int) and tp > 0 else 1):
         head_split(cfg, tp, r)
     kw = {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens, "cfg": cfg,
