@@ -195,3 +195,11 @@ def test_the_glossary_names_what_the_code_computes():
     for key in ("internal_waste", "fragmentation_percent", "external_fragmentation", "scatter"):
         assert key in report and f'"{key}"' in text, key
     assert report["fragmentation_percent"] == 0 and report["external_fragmentation"] == pytest.approx(0.75)
+
+
+def test_2_2_1_balanced_optimum_is_below_the_texts_band_for_every_seed():
+    """The chapter's claim that survives a change of requests: the pick moves by a notch, never into 256-512."""
+    for name in ("chat", "code"):
+        picks = {kvlab.sweep(kvlab.make_workload(name, 2000, seed=s), attention=False, progress=False)
+                 .recommend("balanced") for s in (0, 1, 2)}
+        assert picks <= {32, 64, 128}, (name, picks)
