@@ -3,7 +3,9 @@
 Each subcommand is one function registered with :func:`command`, next to a function that declares its
 arguments; :func:`main` builds the parser from the registry. Adding ``kvlab run`` or ``kvlab bench`` is one more
 registered pair. Exit codes: 0 success, 2 bad arguments or bad input (argparse's convention; the message says
-which), 1 any other kvlab error. Heavy modules are imported inside the handlers so ``kvlab --help`` is quick.
+which), 1 any other kvlab error or a file that could not be read or written, 130 interrupted, 141 the reader of
+stdout went away. Every error is one line on stderr. Heavy modules are imported inside the handlers so
+``kvlab --help`` is quick.
 """
 from __future__ import annotations
 
