@@ -552,14 +552,20 @@ def test_figure_helpers_show_as_images_in_a_fresh_kernel(tmp_path):
         "await v.live(RandomWorkload(q, seed=1, steps=30))\n"
         "import hashlib\nlast = v._repr_mimebundle_()[0]['image/png']\nassert last != first\n"
         "print(hashlib.sha256(last.encode()).hexdigest())",
+        # a chapter's dashboard: shown, then stepped in the same cell; no run ends, the cell does
+        "from kvlab.viz import Dashboard\nd = Dashboard(preset='eviction', num_blocks=64)\ndisplay(d)\n"
+        "for _ in range(30):\n    d.step()\n"
+        "print(hashlib.sha256(d._repr_mimebundle_()[0]['image/png'].encode()).hexdigest())",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
-    for cell in nb.cells[1:-3]:
+    for cell in nb.cells[1:-4]:
         (out,) = cell.outputs
         assert "image/png" in out["data"], (cell.source, out["data"].get("text/plain"))
         assert base64.b64decode(out["data"]["image/png"])[:4] == b"\x89PNG"
-    (shown,), (printed,) = nb.cells[-2].outputs, nb.cells[-1].outputs
+    (shown,), (printed,) = nb.cells[-3].outputs, nb.cells[-2].outputs
     assert "application/vnd.jupyter.widget-view+json" in shown["data"]
     saved = hashlib.sha256(shown["data"]["image/png"].encode()).hexdigest()
     assert saved == printed["text"].strip()  # the output was updated in place to the final frame
+    dash, stepped = nb.cells[-1].outputs
+    assert hashlib.sha256(dash["data"]["image/png"].encode()).hexdigest() == stepped["text"].strip()

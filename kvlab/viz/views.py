@@ -8,14 +8,16 @@ sent (or the recording loaded into it) and sends them as history when a browser 
 drawn again, or late, holds the whole run.
 
 A view driven by a :class:`LiveRun` follows it: its ``status`` trait is the run's state, and its one pause
-button pauses the workload (a ``control`` message), not just the picture. When the run ends and no browser has
-reported drawing the view (a notebook executed by nbclient, as ``kvlab html`` does), the view's displays are
-refreshed, so the saved ``image/png`` is the final frame, not the first; a browser that draws a refreshed view
-gets the whole history and opens on the final frame.
+button pauses the workload (a ``control`` message), not just the picture.
+
+After each cell and when a run ends, a view that no browser has reported drawing (a notebook executed by
+nbclient, as ``kvlab html`` does) redraws its displays if its frame changed, so the saved ``image/png`` is the
+latest frame, not the first; a browser that draws a redrawn view gets the whole history and opens on its end.
 """
 from __future__ import annotations
 
 import base64
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
@@ -34,6 +36,13 @@ from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fr
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
 HISTORY_BYTES = 256 << 20  # frames a view keeps to send as history (the oldest go first)
+_DISPLAYED: weakref.WeakSet[FrameView] = weakref.WeakSet()  # views shown with a display id
+
+
+def _refresh_after_cell(*_result: Any) -> None:
+    """IPython's post_run_cell hook: bring the pictures of unwatched views up to date."""
+    for view in list(_DISPLAYED):
+        view.refresh_if_unwatched()
 CONTROLS = ("run", "pause", "step", "stop")  # what the browser's buttons send
 ENDED = ("done", "stopped", "failed")
 
@@ -57,7 +66,8 @@ class FrameView(anywidget.AnyWidget):
         self.history = Recording(max_bytes=HISTORY_BYTES)  # every frame sent (views share the bytes objects)
         self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
         self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
-        self.displays: list[Any] = []  # IPython display handles of this view, refreshed when a run ends
+        self.displays: list[Any] = []  # IPython display handles of this view (see refresh_if_unwatched)
+        self._pictured = b""  # the frame the displays were last drawn from
         self.on_msg(self._on_msg)
         if recording is not None:
             self.load(recording)
@@ -118,11 +128,8 @@ class FrameView(anywidget.AnyWidget):
 
     def _run_state(self, state: str) -> None:
         self.status = state
-        if state in ENDED and not self.frames_received:
-            # No browser has said it draws the view (nbclient, a site build, or a cell that blocked the kernel
-            # for the whole run): redraw its displays so the saved picture is the final frame. A view a browser
-            # is drawing keeps its display: redrawing it would resend the whole history in one burst.
-            self.refresh_displays()
+        if state in ENDED:
+            self.refresh_if_unwatched()
 
     def start(self) -> None:
         """Run (or resume) the workload as a task on the running event loop."""
@@ -195,12 +202,20 @@ class FrameView(anywidget.AnyWidget):
         return data, meta
 
     def _ipython_display_(self) -> None:
-        """Display with a display id, so the picture can be brought up to date when a run ends."""
+        """Display with a display id, so the picture can be brought up to date later (after each cell and when
+        a run ends; see :meth:`refresh_if_unwatched`)."""
+        from IPython import get_ipython
         from IPython.display import display
         data, meta = self._repr_mimebundle_()
         handle = display(data, metadata=meta, raw=True, display_id=True)
-        if handle is not None:
-            self.displays.append(handle)
+        if handle is None:
+            return
+        self.displays.append(handle)
+        self._pictured = self.frame
+        _DISPLAYED.add(self)
+        shell = get_ipython()
+        if shell is not None and _refresh_after_cell not in shell.events.callbacks["post_run_cell"]:
+            shell.events.register("post_run_cell", _refresh_after_cell)
 
     def refresh_displays(self) -> None:
         """Redraw every display of this view from its latest frame (widget and ``image/png``)."""
@@ -209,6 +224,15 @@ class FrameView(anywidget.AnyWidget):
         data, meta = self._repr_mimebundle_()
         for handle in self.displays:
             handle.update(data, metadata=meta, raw=True)
+        self._pictured = self.frame
+
+    def refresh_if_unwatched(self) -> None:
+        """Redraw the displays if the frame changed since they were drawn and no browser has reported drawing
+        the view: a notebook executed by nbclient (as ``kvlab html`` does) or a cell that kept the kernel busy
+        then saves the latest picture, not the first. A view a browser draws is left alone: redrawing it would
+        send its whole history again."""
+        if self.displays and not self.frames_received and self.frame is not self._pictured:
+            self.refresh_displays()
 
 
 class PoolView(FrameView):
