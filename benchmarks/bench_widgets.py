@@ -180,7 +180,7 @@ t0 = time.perf_counter()
 run.start()
 await asyncio.sleep({seconds})
 run.stop()
-await asyncio.sleep(0.1)
+await asyncio.gather(run.task, return_exceptions=True)  # the task has ended: its final frame is sent
 print("KVLAB-LIVE", json.dumps({{"sent": view.frames_sent, "steps": run.steps, "seconds": time.perf_counter() - t0,
                                  "python_ms": python_ms, "wall_ms": wall_ms}}))"""
 

@@ -93,11 +93,12 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
 
 
 def open_notebook(page: Any, lab_url: str, name: str, timeout_ms: int = 90_000) -> None:
-    """Open notebook ``name`` (relative to the server's root) in ``page`` and wait for its kernel to be idle."""
-    page.goto(f"{lab_url}/lab/tree/{name}")
-    page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-Notebook')", timeout=timeout_ms)
-    page.wait_for_function("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status"
-                           " === 'idle'", timeout=timeout_ms)
+    """Open notebook ``name`` (relative to the server's root) in ``page`` as the only tab (``?reset``: notebooks
+    an earlier page opened are not restored) and wait until it is in front with its kernel idle."""
+    page.goto(f"{lab_url}/lab/tree/{name}?reset")
+    page.wait_for_function("(name) => window.jupyterapp?.shell.currentWidget?.context?.path === name && "
+                           "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'",
+                           arg=name, timeout=timeout_ms)
 
 
 def run_cell(page: Any, index: int) -> None:
