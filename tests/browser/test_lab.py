@@ -54,7 +54,8 @@ def cell_pixel(page, i: int, b: int) -> list[int]:
     return page.evaluate("""([i, b]) => {
       const root = document.querySelectorAll('.jp-OutputArea-output .kv-root')[i], p = root.kv.panels[0];
       const g = p.layout(), ctx = p.canvas.getContext('2d');
-      return Array.from(ctx.getImageData((b % g.cols) * g.cell + 1, Math.floor(b / g.cols) * g.cell + 1, 1, 1).data.slice(0, 3));
+      const x = (b % g.cols) * g.cell + 1, y = Math.floor(b / g.cols) * g.cell + 1;
+      return Array.from(ctx.getImageData(x, y, 1, 1).data.slice(0, 3));
     }""", [i, b])
 
 
