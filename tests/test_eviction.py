@@ -160,10 +160,16 @@ def test_lru_touch_and_re_reference_move_a_block_last():
 
 
 def drawn_victims(seed: int, n: int = 16, k: int = 8) -> list[int]:
-    """What the random policy must evict, derived here: block b (cached in order 0..n-1) draws the b-th number of
-    random.Random(seed); the smallest draw goes first."""
-    rng = random.Random(seed)
-    return [b for _, b in sorted((rng.random(), b) for b in range(n))][:k]
+    """What the random policy must evict, derived here: the candidates sit in a list (cached in order 0..n-1, a
+    victim's place taken by the last one), and eviction j takes the place random.Random(f"{seed}/{j}") draws."""
+    blocks, out = list(range(n)), []
+    for j in range(k):
+        i = random.Random(f"{seed}/{j}").randrange(len(blocks))
+        out.append(blocks[i])
+        last = blocks.pop()
+        if i < len(blocks):
+            blocks[i] = last
+    return out
 
 
 RANDOM_VICTIMS = {seed: drawn_victims(seed) for seed in (0, 7)}
@@ -197,6 +203,21 @@ def test_random_victims_do_not_depend_on_who_looked(look):
 
 def test_random_seeds_differ():
     assert RANDOM_VICTIMS[0] != RANDOM_VICTIMS[7]
+
+
+def test_random_is_fair_to_a_newly_cached_block():
+    """32 cached blocks; each step evicts one and caches a fresh block in its place. A uniform choice takes the
+    newest block 1 time in 32; one key drawn per block when cached (smallest first) took it most of the time,
+    because the blocks that survived evictions are those whose keys were large."""
+    pool = BlockPool(32, spec=SPEC, eviction_policy="random", seed=3)
+    pool.decref(pool.allocate(32))
+    newest, hits, steps = None, 0, 2000
+    for _ in range(steps):
+        victim = pool.evict()
+        hits += victim == newest
+        newest = pool.allocate(1)[0]
+        pool.decref([newest])
+    assert 0.5 / 32 < hits / steps < 2 / 32, hits
 
 
 @each_pool

@@ -77,7 +77,7 @@ SCORES: dict[str, dict[str, Any]] = {
     "opt": {"what": "next use (workload time; never = ∞)", "order": "farthest next use goes first", "sign": -1},
     "clock": {"what": "place in the hand's sweep", "order": "0 goes first; a block read since the hand last "
               "passed gets a second chance", "sign": 1},
-    "random": {"what": "random draw", "order": "smallest draw goes first", "sign": 1},
+    "random": {"what": "place in this eviction's random draw", "order": "place 0 goes first", "sign": 1},
 }
 UNKNOWN_SCORE = {"what": "score", "order": "lowest goes first", "sign": 1}
 
