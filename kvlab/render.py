@@ -44,7 +44,7 @@ def write_runtime(folder: Path) -> Path:
 def render_notebook(path: Path, dest: Path, *, timeout: int = 600, kernel_name: str = "python3",
                     runtime: Path | None = None) -> Path:
     """Execute ``path`` (cwd: its folder) with widget state stored, and write it to ``dest`` as HTML. The page
-    loads its scripts from ``runtime`` (default: ``_kvlab/`` beside ``dest``, written here if missing)."""
+    loads its scripts from ``runtime`` (default: ``_kvlab/`` beside ``dest``, written there first)."""
     import nbformat
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
