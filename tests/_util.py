@@ -1,5 +1,11 @@
-"""Helpers shared by the tests: small specs and a proof that a rejected call changed nothing."""
+"""Helpers shared by the tests: small specs, a proof that a rejected call changed nothing, and a copy of the
+checkout. Test modules import them from here, never from a conftest (two conftest modules share that name, and
+which one an import finds depends on what pytest collected first)."""
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,3 +35,33 @@ def assert_same_state(before: tuple, after: tuple) -> None:
     assert f0 == f1 and p0 == p1
     assert st0 == st1  # counters, lock acquisitions and the clock
     assert (kv0 is None and kv1 is None) or torch.equal(kv0.view(torch.uint8), kv1.view(torch.uint8))  # bitwise
+
+
+REPO = Path(__file__).resolve().parents[1]
+# What a build leaves behind, never copied: the copy must compile its own binary.
+_UNCOPIED = (".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "site", "*.egg-info",
+             "*.pyc", ".ipynb_checkpoints", "bench-results")
+
+
+def _project_files() -> list[Path] | None:
+    """Tracked and untracked-but-not-ignored files, relative to the checkout; None where git cannot say."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [Path(p) for p in out.decode().split("\0") if p]
+
+
+def copy_project(dest: Path) -> Path:
+    """The project's source in ``dest``, without build outputs."""
+    files = _project_files()
+    if files is None:
+        shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(*_UNCOPIED))
+        return dest
+    for rel in files:
+        src = REPO / rel
+        if src.is_file():  # a path deleted but not yet committed is skipped
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest

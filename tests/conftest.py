@@ -9,19 +9,16 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from _util import small_spec
+from _util import copy_project, small_spec
 from kvlab import BlockPool, KVSpec
 
-REPO = Path(__file__).parents[1]
 
 
 def in_ci() -> bool:
@@ -90,34 +87,6 @@ def pool(spec: KVSpec) -> BlockPool:
 
 
 # What a build leaves behind, never copied: the copy must compile its own binary.
-_UNCOPIED = (".git", ".venv", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist", "site", "*.egg-info",
-             "*.pyc", ".ipynb_checkpoints", "bench-results")
-
-
-def _project_files() -> list[Path] | None:
-    """Tracked and untracked-but-not-ignored files, relative to the checkout; None where git cannot say."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                             check=True, capture_output=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return [Path(p) for p in out.decode().split("\0") if p]
-
-
-def copy_project(dest: Path) -> Path:
-    """The project's source in ``dest``, without build outputs."""
-    files = _project_files()
-    if files is None:
-        shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(*_UNCOPIED))
-        return dest
-    for rel in files:
-        src = REPO / rel
-        if src.is_file():  # a path deleted but not yet committed is skipped
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
-
-
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     """kvlab built as a wheel, as `pip install .` would build it, from a copy of the checkout (a build must

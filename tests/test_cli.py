@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from _util import REPO
 
 from kvlab import ConfigError, make_workload, write_trace
 from kvlab import cli

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import kvlab
-from conftest import REPO, copy_project
+from _util import REPO, copy_project
 
 if sys.version_info >= (3, 11):
     import tomllib
