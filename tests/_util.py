@@ -3,6 +3,9 @@ checkout. Test modules import them from here, never from a conftest (two conftes
 which one an import finds depends on what pytest collected first)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,6 +14,9 @@ import numpy as np
 import torch
 
 from kvlab import BlockPool, KVSpec
+
+if TYPE_CHECKING:
+    import nbformat
 
 
 def small_spec(**kw) -> KVSpec:
@@ -65,3 +71,28 @@ def copy_project(dest: Path) -> Path:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     return dest
+
+
+CHAPTERS = REPO / "chapters"
+
+
+def execute_notebook(path: Path, timeout: int) -> "nbformat.NotebookNode":
+    """Run every cell of the notebook at ``path`` in a fresh kernel in fast mode (no GPU), from the chapters
+    folder; returns the executed notebook. ``timeout`` bounds each cell, in seconds."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits the test's environment
+    try:
+        NotebookClient(nb, kernel_name="python3", timeout=timeout, resources={"metadata": {"path": str(CHAPTERS)}},
+                       startup_timeout=60).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb

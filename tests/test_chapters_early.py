@@ -9,37 +9,20 @@ planted in reverse) fails here.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import nbformat
 import pytest
 
 import kvlab
 from kvlab import exercises as ex
+from _util import CHAPTERS, execute_notebook
 
-CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 EARLY = ("2_2_1_block_size.ipynb", "2_2_2_block_management.ipynb", "2_2_2_appendix_errata.ipynb",
          "2_2_3_allocation.ipynb")
 
 
 def execute(name: str) -> nbformat.NotebookNode:
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(CHAPTERS / name, as_version=4)
-    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(CHAPTERS)}},
-                       startup_timeout=60).execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return nb
+    return execute_notebook(CHAPTERS / name, timeout=240)
 
 
 def conclusions(nb: nbformat.NotebookNode) -> dict:

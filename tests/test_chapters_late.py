@@ -5,36 +5,20 @@ figures that differ between fast and full mode are checked at both sizes where t
 sizes are in ``tests/test_claims.py``)."""
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from kvlab.exercises import ch2_2_4
+from _util import CHAPTERS, execute_notebook
 
-CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 LATE = ("2_2_4_defragmentation.ipynb", "2_2_5_performance.ipynb", "2_2_6_applications.ipynb")
 
 
 def _execute(name: str) -> str:
     """Run chapter ``name`` in fast mode in a fresh kernel; returns all it printed."""
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(CHAPTERS / name, as_version=4)
-    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        NotebookClient(nb, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(CHAPTERS)}},
-                       startup_timeout=60).execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    nb = execute_notebook(CHAPTERS / name, timeout=180)
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outs if o.output_type == "error"]
     return "".join(o.get("text", "") for o in outs if o.output_type == "stream")

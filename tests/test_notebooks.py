@@ -15,6 +15,7 @@ import pytest
 import kvlab
 import kvlab.distributed
 import kvlab.viz
+from _util import execute_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
@@ -88,21 +89,7 @@ def test_uses_only_public_api(path: Path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_executes_in_fast_mode(path: Path):
     """Run all cells in a fresh kernel; each chapter must finish within two minutes on CPU."""
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    env = {"KVLAB_FAST": "1", "CUDA_VISIBLE_DEVICES": ""}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits the test's environment
-    try:
-        NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(CHAPTERS)}},
-                       startup_timeout=60).execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    nb = execute_notebook(path, timeout=120)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
 
