@@ -73,6 +73,7 @@ import json
 import math
 import operator
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import date
@@ -510,9 +511,7 @@ def _jsonl_text(workload: Workload) -> str:
 
 
 def _csv_text(workload: Workload) -> str:
-    out = io.StringIO()
-    w = csv.DictWriter(out, fieldnames=FIELDS)
-    w.writeheader()
+    rows = []
     for r in workload:
         for name in ("tenant", "prefix_id"):
             value = getattr(r, name)
@@ -523,8 +522,20 @@ def _csv_text(workload: Workload) -> str:
         row.update({name: "" if row[name] is None else " ".join(map(str, row[name]))
                     for name in ("prompt_tokens", "hash_ids")})
         row.update(prefix_id=row["prefix_id"] or "", arrival=repr(row["arrival"]))
+        rows.append(row)
+    # Python 3.10's csv writer refuses NUL ("need to escape"); 3.11+ writes it as it is. On 3.10 a character
+    # absent from the text stands in for NUL while writing, so both write the same file.
+    names = "".join(str(row[k]) for row in rows for k in ("tenant", "prefix_id"))
+    nul = next((chr(c) for c in range(0xE000, 0x110000) if chr(c) not in names), "") \
+        if sys.version_info < (3, 11) and "\x00" in names else ""
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=FIELDS)
+    w.writeheader()
+    for row in rows:
+        if nul:
+            row.update(tenant=row["tenant"].replace("\x00", nul), prefix_id=row["prefix_id"].replace("\x00", nul))
         w.writerow(row)
-    return out.getvalue()
+    return out.getvalue().replace(nul, "\x00") if nul else out.getvalue()
 
 
 def _utf8_ok(text: str) -> bool:

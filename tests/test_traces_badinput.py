@@ -61,6 +61,7 @@ def workloads(draw) -> Workload:
 @given(w=workloads(), suffix=st.sampled_from([".jsonl", ".csv"]))
 @example(w=Workload("w", [Request(3, 0.25, len(BIG), 7, 'a,"b"\nc', "sys,\"1\"", 5, BIG)]), suffix=".csv")
 @example(w=Workload("w", [Request(3, 0.25, len(BIG), 7, 'a,"b"\nc', "sys,\"1\"", 5, BIG)]), suffix=".jsonl")
+@example(w=Workload("w", [Request(0, 0.0, 1, 0, ",", "\x00", 1)]), suffix=".csv")  # NUL: Python 3.10's writer
 def test_any_workload_round_trips(tmp_path_factory, w, suffix):
     path = tmp_path_factory.mktemp("rt") / f"{w.name}{suffix}"
     limit = csv.field_size_limit()
