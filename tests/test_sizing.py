@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import numpy as np
 import pytest
@@ -162,7 +162,9 @@ def test_measure_block_size_equals_reference(seed, name, n, bs):
 def test_sweep_counts_and_cost_model_by_hand():
     res = sweep(TINY, [8, 2, 4], attention=False, progress=False)
     assert [r.block_size for r in res.rows] == [2, 4, 8]
-    assert res.rows == [measure_block_size(TINY, b) for b in (2, 4, 8)]
+    # the counts, field by field; the timings are NaN (not measured), and Python 3.13's dataclass == says NaN != NaN
+    assert [astuple(r)[:-2] for r in res.rows] == [astuple(measure_block_size(TINY, b))[:-2] for b in (2, 4, 8)]
+    assert all(math.isnan(r.attention_ms) for r in res.rows)
     # entries + calls: 21, 14, 9 -> normalised by 21; waste 3/24, 9/32, 13/40; prefix loss 0, 1/3, 1
     # attention slots (entries x B): 30, 36, 40 -> normalised by 40
     assert [r.attention_slots for r in res.rows] == [30, 36, 40]
