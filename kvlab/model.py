@@ -14,7 +14,7 @@ where K/V live, never what attention computes.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -147,14 +147,8 @@ class TinyLlama:
         """Greedy generation for a batch of prompts through the paged cache (prompts may hit the prefix cache).
         Returns the sequences (still live; free them when done) and the generated tokens of each."""
         seqs = [manager.create(p, tenant=tenant) for p in prompts]
-        feed = [list(p)[s.num_tokens:] for s, p in zip(seqs, prompts)]
-        out: list[list[int]] = [[] for _ in seqs]
-        for _ in range(max_new_tokens):
-            nxt = self.step(manager, seqs, feed).argmax(-1).tolist()
-            for o, t in zip(out, nxt):
-                o.append(t)
-            feed = [[t] for t in nxt]
-        return seqs, out
+        feed = [list(p)[s.num_tokens:] for s, p in zip(seqs, prompts)]  # what a prefix hit did not cache
+        return seqs, greedy(self.step, manager, seqs, feed, max_new_tokens)[0]
 
     def generate_full(self, prompt: Seq[int], max_new_tokens: int) -> list[int]:
         """Reference greedy generation recomputing the whole prefix at each step."""
@@ -162,3 +156,23 @@ class TinyLlama:
         for _ in range(max_new_tokens):
             toks.append(int(self.forward_full(toks)[-1].argmax()))
         return toks[len(prompt):]
+
+
+Step = Callable[[SequenceManager, Seq[Sequence], Seq[Seq[int]]], torch.Tensor]
+
+
+def greedy(step: Step, manager: SequenceManager, seqs: Seq[Sequence], feed: Seq[Seq[int]],
+           max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decoding through the paged cache: ``step(manager, seqs, feed)`` appends the tokens fed to each
+    sequence and returns one row of logits per sequence (``TinyLlama.step``, or a tensor-parallel one); each
+    row's argmax is fed next. Returns each sequence's new tokens and every step's logits."""
+    out: list[list[int]] = [[] for _ in seqs]
+    logits: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        lg = step(manager, seqs, feed)
+        logits.append(lg)
+        nxt = [int(t) for t in lg.argmax(-1).tolist()]
+        for o, t in zip(out, nxt):
+            o.append(t)
+        feed = [[t] for t in nxt]
+    return out, logits

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, KVLabError
-from ..model import TinyConfig, TinyLlama
+from ..model import TinyConfig, TinyLlama, greedy
 from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
 from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
@@ -130,20 +130,11 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
         conn.get_finished()
         for s in seqs:
             manager.cache_full_blocks(s)  # the received blocks serve later prompts with the same prefix
-        out = [[r.first_token] for r in requests]
-        steps: list[list[list[float]]] = []
-        feed = [[r.first_token] for r in requests]
-        for _ in range(max_new_tokens - 1):
-            lg = model.step(manager, seqs, feed)
-            steps.append(lg.tolist())
-            nxt = lg.argmax(-1).tolist()
-            for o, t in zip(out, nxt):
-                o.append(int(t))
-            feed = [[t] for t in nxt]
+        rest, steps = greedy(model.step, manager, seqs, [[r.first_token] for r in requests], max_new_tokens - 1)
         for s in seqs:
             manager.free(s)
-        tokens.append(out)
-        logits.append(steps)
+        tokens.append([[r.first_token, *more] for r, more in zip(requests, rest)])
+        logits.append([lg.tolist() for lg in steps])
     manager.check_invariants()
     return {"tokens": tokens, "logits": logits, "report": conn.report.as_dict()}
 

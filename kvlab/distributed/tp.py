@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionWorkspace, paged_attention
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama, rms_norm, rope
+from ..model import TinyConfig, TinyLlama, greedy, rms_norm, rope
 from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
 from ..spec import KVSpec
@@ -109,18 +109,10 @@ def generate(step: Any, manager: SequenceManager, prompts: Seq[Seq[int]], max_ne
     logits. The sequences are freed at the end."""
     seqs = [manager.create(list(p)) for p in prompts]
     feed = [list(p)[s.num_tokens:] for s, p in zip(seqs, prompts)]
-    out: list[list[int]] = [[] for _ in seqs]
-    logits = []
-    for _ in range(max_new_tokens):
-        lg = step(manager, seqs, feed)
-        logits.append(lg.tolist())
-        nxt = lg.argmax(-1).tolist()
-        for o, t in zip(out, nxt):
-            o.append(int(t))
-        feed = [[t] for t in nxt]
+    out, logits = greedy(step, manager, seqs, feed, max_new_tokens)
     for s in seqs:
         manager.free(s)
-    return out, logits
+    return out, [lg.tolist() for lg in logits]
 
 
 def tp_rank(link: Link, prompts: Seq[Seq[int]], *, max_new_tokens: int = 8, cfg: TinyConfig | None = None,
