@@ -302,7 +302,8 @@ class RandomPolicy(EvictionPolicy):
     def order(self) -> Iterator[tuple[int, float]]:
         """This eviction's draw: a Fisher–Yates shuffle done lazily (the swaps in a dict; nothing copied)."""
         rng = random.Random(f"{self.seed}/{self._evictions}")
-        blocks, moved, n, changes = self._blocks, {}, len(self._blocks), self._changes
+        blocks, n, changes = self._blocks, len(self._blocks), self._changes
+        moved: dict[int, int] = {}
         for pos in range(n):
             j = rng.randrange(pos, n)
             yield moved.get(j, blocks[j]), float(pos)
