@@ -6,9 +6,9 @@ candidate (a prefix-cache head whose child is still cached) it simply takes the 
 its candidates with scores (lower score = evicted sooner), which is what a widget shows to explain a choice.
 
 Cost per operation: LRU is O(1) (an insertion-ordered dict), CLOCK O(1) amortised (a ring with a hand); FIFO
-(by creation), LFU and Belady's OPT use a heap with lazy deletion, O(log n); random draws from a list, O(1). The text's version scanned
-every active block with ``min`` on each eviction, O(n). ``docs/eviction.md`` compares them all and shows how to
-write a policy of your own.
+(by creation), LFU and Belady's OPT use a heap with lazy deletion, O(log n); random draws from a list, O(1).
+The text's version scanned every active block with ``min`` on each eviction, O(n). ``docs/eviction.md``
+compares them all and shows how to write a policy of your own.
 """
 from __future__ import annotations
 

@@ -226,8 +226,8 @@ class BlockPool(TextbookNames):
         """Allocate ``n`` blocks of ``size_class`` (refcount 1 each): from the free stack, else by splitting a
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError` if
         the pool cannot supply ``n`` (if an ``evict_guard`` vetoes candidates the capacity check counted, the
-        evictions already made stay, and the blocks taken go back). ``status=PENDING`` reserves blocks whose data is still to arrive;
-        ``block_id`` takes that one FREE block (``n`` must be 1)."""
+        evictions already made stay, and the blocks taken go back). ``status=PENDING`` reserves blocks whose data
+        is still to arrive; ``block_id`` takes that one FREE block (``n`` must be 1)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
             if type(status) not in (int, BlockStatus) or status not in (ALLOCATED, PENDING):
