@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch is installed first and pinned: with no torch present, an open range takes PyPI's build, which on Linux
-# is the CUDA one (several GB; it runs on a CPU too). PyTorch's CPU-only build (a few hundred MB):
+# is the CUDA one (4.6 GB installed for 2.13.0; it runs on a CPU too). PyTorch's CPU-only build (750 MB):
 #   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# or choose a CUDA version: TORCH_INDEX=https://download.pytorch.org/whl/cu128 (see pytorch.org for the list).
+# PyTorch's index for a given CUDA version works the same way (pytorch.org lists them).
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 # What `make install` adds: dev = JupyterLab, widgets, the test tools, ruff, mypy and nbstripout.
