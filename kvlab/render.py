@@ -81,7 +81,7 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
         notebooks = _notebooks(src, solutions)
         runtime = write_runtime(out / STATIC)
         return [render_notebook(nb, out / nb.relative_to(src).with_suffix(".html"), timeout=timeout, runtime=runtime)
-                for nb in tqdm(notebooks, desc="rendering", unit="notebook")]
+                for nb in tqdm(notebooks, desc="rendering", unit="notebook", disable=None)]  # None: off in logs
     finally:
         if fast:
             if old is None:
