@@ -97,7 +97,7 @@ class TextbookNames:
         pool = cast("BlockPool", self)  # only ever mixed into BlockPool
         with pool.lock:
             total = pool.num_free_blocks
-            if not total:
+            if not total or not pool.max_order:  # one class: every free block is usable, no scan needed
                 return 0
             top = 1 << pool.max_order
             aligned = pool.arrays.status[:pool.num_blocks // top * top].reshape(-1, top)

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import random
 import re
 import subprocess
 import sys
@@ -100,6 +101,21 @@ def test_refcounts_saturate_and_large_pools_carry_no_details():
     assert small.tokens is not None and small.owner.tolist() == [-1] * 16
 
 
+def test_frames_are_independent_bytes_and_token_sums_exact():
+    """The builder writes every frame into the same buffers: a frame already sent must not change with the next,
+    and the token total behind internal waste must not overflow (2**31 tokens here)."""
+    p = BlockPool(16, block_sizes=[2**27], with_storage=False)
+    with FrameBuilder(p) as b:
+        p.free(p.allocate(16)[:4])
+        first = b.build()
+        kept = bytes(first)
+        for i in p.allocate(4) + list(range(4, 16)):
+            p.set_token_count(i, 2**27)  # every block full
+        second = b.build()
+    assert first == kept and decode_frame(first).state.tolist() == [fr.FREE] * 4 + [fr.ALLOCATED] * 12
+    f = decode_frame(second)
+    assert f.state.tolist() == [fr.ALLOCATED] * 16 and f.internal_waste == 0.0
+
 def test_decode_rejects_what_is_not_a_frame():
     data = build_frame(BlockPool(16, with_storage=False))
     with pytest.raises(ConfigError, match="not a kvlab frame"):
@@ -119,6 +135,30 @@ def test_pacer_lets_one_frame_per_interval():
     assert pacer.due()
     with pytest.raises(ConfigError, match="fps"):
         Pacer(0)
+
+
+def test_a_forced_frame_or_a_stall_does_not_move_the_cadence():
+    t = [0.0]
+    pacer = Pacer(10, clock=lambda: t[0])
+    pacer.mark()  # the cadence starts: ticks at 0.1, 0.2, ...
+    t[0] = 0.13
+    assert pacer.due()
+    pacer.mark()  # a late frame: the next is still due at 0.2
+    t[0] = 0.15
+    assert not pacer.due()
+    pacer.mark()  # a forced frame (a pause, a step): the next is still due at 0.2
+    t[0] = 0.19
+    assert not pacer.due()
+    t[0] = 0.21
+    assert pacer.due()
+    pacer.mark()
+    t[0] = 0.55  # a stall over three ticks: they are skipped, the next is due at 0.6
+    assert pacer.due()
+    pacer.mark()
+    t[0] = 0.59
+    assert not pacer.due()
+    t[0] = 0.61
+    assert pacer.due()
 
 
 class Sink:
@@ -148,6 +188,52 @@ def test_live_run_sends_paced_latest_frames_and_always_the_final_one():
     final = decode_frame(sink.frames[-1])
     assert np.array_equal(final.state, reference_frame(p)["state"]) and final.step == p.clock.now()
     assert not p.events.subscribers and run.run() == 0
+
+
+class ClockSink(Sink):
+    """A sink that notes the clock's time of every frame it is shown."""
+
+    def __init__(self, clock) -> None:
+        super().__init__()
+        self.clock, self.times = clock, []
+
+    def show_frame(self, data: bytes) -> None:
+        super().show_frame(data)
+        self.times.append(self.clock())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), stalls=st.booleans())
+def test_live_run_keeps_its_cadence_on_a_jittered_clock(seed, stalls):
+    """10 s of steps 0.5-30 ms apart at 10 fps: a frame at the first step of each tenth of a second, so 100
+    paced frames plus the final one; with stalls of 0.35-0.5 s, the ticks a stall covers are skipped and every
+    later frame stays on the cadence (the first step of each tick it reaches)."""
+    rng = random.Random(seed)
+    times = [0.0]
+    while True:
+        gap = rng.uniform(0.35, 0.5) if stalls and rng.random() < 0.02 else rng.uniform(0.0005, 0.03)
+        if times[-1] + gap >= 10:
+            break
+        times.append(times[-1] + gap)
+    t = [0.0]
+    p = BlockPool(64, with_storage=False)
+    w = RandomWorkload(p, seed=seed % 1000)
+    steps = iter(range(1, len(times) + 1))
+
+    def step() -> bool:
+        i = next(steps)
+        t[0] = times[i - 1]  # the step ends at this time of the fake clock
+        w()
+        return i < len(times)
+
+    sink = ClockSink(lambda: t[0])
+    run = LiveRun(p, step, [sink], fps=10, clock=lambda: t[0])
+    run.run()
+    ticks = [int(x // 0.1) for x in times]
+    first_of_tick = [x for k, x in enumerate(times) if k == 0 or ticks[k] != ticks[k - 1]]
+    assert sink.times[:-1] == first_of_tick and sink.times[-1] == times[-1]  # the final frame, always sent
+    if not stalls:
+        assert len(first_of_tick) == 100
 
 
 def test_live_run_on_asyncio_finishes_pauses_and_stops_without_leftover_tasks():

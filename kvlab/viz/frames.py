@@ -50,7 +50,7 @@ HEADER = struct.Struct("<4sIIIdffffII")
 MAGIC = b"KVF1"
 FLAG_DETAILS = 1
 DETAILS_LIMIT = 4096  # pools up to this size carry per-block tokens/owner/last access for hover in replays
-MAX_EVICTIONS = 16  # per frame: the latest ones; ``evictions_total`` counts all
+MAX_EVICTIONS = 8  # per frame: the latest ones, as many as a view lists; ``evictions_total`` counts all
 MAX_MOVES = 256
 _SEQ = count()  # frame numbers are unique in the process, so no two frames are equal bytes (a synced trait
 #                 set to equal bytes sends nothing, and the browser would count one frame less)
@@ -70,12 +70,21 @@ class Frame:
     scatter: float
     state: np.ndarray
     refcount: np.ndarray
-    size_class: np.ndarray
-    flash: np.ndarray
+    meta: np.ndarray  # size_class << 3 | flash
     tokens: np.ndarray | None
     owner: np.ndarray | None
     last_access: np.ndarray | None
     tail: dict[str, Any]
+
+    # Derived when read, not when decoded: a view decodes every frame it sends (for its series and evictions),
+    # and two fresh 65,536-element arrays per live frame would cost more than the rest of decoding.
+    @property
+    def size_class(self) -> np.ndarray:
+        return self.meta >> 3
+
+    @property
+    def flash(self) -> np.ndarray:
+        return self.meta & 7
 
     @property
     def evictions(self) -> list[dict[str, Any]]:
@@ -117,8 +126,18 @@ class FrameBuilder:
     def __init__(self, pool: BlockPool, *, details_limit: int = DETAILS_LIMIT) -> None:
         self.pool = pool
         self.details = pool.num_blocks <= details_limit
-        self._flash = np.zeros(pool.num_blocks, np.uint8)
-        self._ids = np.arange(pool.num_blocks, dtype=np.int64)
+        n = pool.num_blocks
+        self._flash = np.zeros(n, np.uint8)
+        self._ids = np.arange(n, dtype=np.int64)
+        # The body of every frame is written into these buffers, then copied once into the frame's bytes: no
+        # temporary arrays and few passes over memory, since inside a running workload the pool's arrays are out
+        # of the CPU cache and each pass over 65,536 blocks costs several times what it does warm.
+        self._body = np.empty(3 * n, np.uint8)
+        self._state, self._refs8, self._meta = self._body[:n], self._body[n:2 * n], self._body[2 * n:]
+        self._cached, self._allocated = np.empty(n, np.uint8), np.empty(n, np.uint8)
+        # Every block holds at most block_size tokens per base block it spans: an int32 sum is exact (and skips
+        # a cast per element) unless the pool is huge.
+        self._tokens_sum = np.int32 if n * pool.block_size < 2**31 else np.int64
         self._evictions: list[dict[str, Any]] = []
         self._evictions_total = 0
         self._moves: list[list[int]] = []
@@ -161,28 +180,39 @@ class FrameBuilder:
 
     def build(self) -> bytes:
         """One frame of the pool as it is now, with the flashes collected since the previous frame."""
-        p = self.pool
+        p, n = self.pool, self.pool.num_blocks
+        state, refs8, meta, cached = self._state, self._refs8, self._meta, self._cached
         with p.lock:  # the same atomic read as pool.snapshot(), without copying the arrays we do not send
             status, refs, order = p.arrays.status, p.arrays.refcount, p.arrays.size_class
             head = None
             if p.max_order:  # per-block fields live at a block's first base block: spread them over its span
                 head = self._ids & ~((1 << order.astype(np.int64)) - 1)
                 refs = refs[head]
-            state = frame_states(status, refs)
-            refs8 = np.minimum(refs, 255).astype(np.uint8)
-            meta = (order << 3) | self._flash
-            used = status != FREE
-            n_used = int(np.count_nonzero(used))
-            tokens = int(p.arrays.tokens.sum())
+            np.minimum(refs, 255, out=refs8, casting="unsafe")
+            # frame_states in place, in uint8 arithmetic: a cached block (ALLOCATED, no reference) gets CACHED
+            np.equal(refs8, 0, out=cached, casting="unsafe")
+            np.bitwise_and(cached, np.equal(status, ALLOCATED, out=self._allocated, casting="unsafe"), out=cached)
+            np.multiply(cached, CACHED - ALLOCATED, out=cached)
+            np.add(status, cached, out=state)
+            np.left_shift(order, 3, out=meta)
+            np.bitwise_or(meta, self._flash, out=meta)
             runs = p.free_runs()
+            free = int(runs.sum())  # the runs cover every FREE base block
+            tokens = int(p.arrays.tokens.sum(dtype=self._tokens_sum))
             step = float(p.clock.now())
             external = p.calculate_fragmentation() / 100
-            details = b"".join((a if head is None else a[head]).astype(t).tobytes() for a, t in
-                               ((p.arrays.tokens, "<u2"), (p.arrays.owner, "<i4"), (p.arrays.last_access, "<f8"))) if self.details else b""
-        n = p.num_blocks
-        free = n - n_used
+            details = b""
+            if self.details:
+                details = b"".join((a if head is None else a[head]).astype(t).tobytes() for a, t in (
+                    (p.arrays.tokens, "<u2"), (p.arrays.owner, "<i4"), (p.arrays.last_access, "<f8")))
+            return self._finish(n, free, runs, tokens, step, external, details)  # flashes reset under the lock
+
+    def _finish(self, n: int, free: int, runs: np.ndarray, tokens: int, step: float, external: float,
+                details: bytes) -> bytes:
+        """Header, body and tail as one bytes object (the body's one copy); consumes what was collected."""
+        n_used = n - free
         scatter = 1 - int(runs.max()) / free if free else 0.0
-        waste = 1 - tokens / (n_used * p.block_size) if n_used else 0.0
+        waste = 1 - tokens / (n_used * self.pool.block_size) if n_used else 0.0
         tail: dict[str, Any] = {}
         if self.step is not None:
             tail["run"] = {"step": self.step, "steps": self.steps}
@@ -191,12 +221,11 @@ class FrameBuilder:
         if self._moves:
             tail["moves"] = self._moves
         tail_bytes = json.dumps(tail, separators=(",", ":")).encode() if tail else b""
-        head = HEADER.pack(MAGIC, next(_SEQ) & 0xFFFFFFFF, n, p.block_size, step, n_used / n, external, waste, scatter,
-                           FLAG_DETAILS if self.details else 0, len(tail_bytes))
-        self._flash[:] = 0
+        head = HEADER.pack(MAGIC, next(_SEQ) & 0xFFFFFFFF, n, self.pool.block_size, step, n_used / n, external,
+                           waste, scatter, FLAG_DETAILS if self.details else 0, len(tail_bytes))
+        self._flash.fill(0)
         self._evictions, self._moves = [], []
-        return b"".join((head, state.tobytes(), refs8.tobytes(), meta.astype(np.uint8).tobytes(), details,
-                         tail_bytes))
+        return b"".join((head, self._body.data, details, tail_bytes))
 
 
 def build_frame(pool: BlockPool) -> bytes:
@@ -226,5 +255,4 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
         last = np.frombuffer(buf, "<f8", n, o + 6 * n)
         o += 14 * n
     tail = json.loads(bytes(buf[o:o + tail_len])) if tail_len else {}
-    return Frame(seq, n, bs, step, util, ext, waste, scatter, state, refs, meta >> 3, meta & 7, tokens, owner,
-                 last, tail)
+    return Frame(seq, n, bs, step, util, ext, waste, scatter, state, refs, meta, tokens, owner, last, tail)

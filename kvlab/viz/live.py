@@ -62,22 +62,34 @@ class Recording:
 
 
 class Pacer:
-    """Lets frames through ``fps`` times a second on a fixed cadence (``clock`` is injectable): the next frame is
-    due one interval after the previous one was due, so a frame sent a little late (a slow step, a busy machine)
-    does not push back all later ones; one more than an interval late, or one sent before it was due (a forced
-    frame), restarts the cadence from now."""
+    """Lets frames through ``fps`` times a second on a fixed cadence (``clock`` is injectable): the first frame
+    marked starts the cadence, and frame k is due at ``start + k / fps``. A frame sent late (a slow step, a busy
+    machine) does not push later ones back: the next is due at the first tick after it, so a stall skips only
+    the ticks it covered and the run keeps its rate. A frame sent before it was due (a forced one: a pause, a
+    step, the end of a run) leaves the cadence as it was."""
 
     def __init__(self, fps: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
         if not fps > 0:
             raise ConfigError(f"fps must be > 0, got {fps!r}")
-        self.interval, self.clock, self.next = 1.0 / fps, clock, -math.inf
+        self.interval, self.clock = 1.0 / fps, clock
+        self.start: float | None = None
+        self.ticks = 0  # the next frame is due at start + ticks * interval
+
+    @property
+    def next(self) -> float:
+        """When the next frame is due (-inf before the first)."""
+        return -math.inf if self.start is None else self.start + self.ticks * self.interval
 
     def due(self) -> bool:
         return self.clock() >= self.next
 
     def mark(self) -> None:
+        """A frame is being sent now."""
         now = self.clock()
-        self.next = self.next + self.interval if 0 <= now - self.next < self.interval else now + self.interval
+        if self.start is None:
+            self.start, self.ticks = now, 1
+        elif now >= self.next:  # max: never due again in the tick just served, whatever the rounding
+            self.ticks = max(self.ticks + 1, math.floor((now - self.start) / self.interval) + 1)
 
 
 StepFn = Callable[[], bool]
@@ -137,7 +149,7 @@ class LiveRun:
         """Send the pool's current frame to every view if one is due (or ``force``); True if sent."""
         if not (force or self.pacer.due()):
             return False
-        self.pacer.mark()  # the next frame is due 1/fps after this one began, however long sending it takes
+        self.pacer.mark()  # marked when it begins, however long sending it takes; a forced frame keeps the cadence
         data = self.builder.build()
         for v in self.views:
             v.show_frame(data)
