@@ -9,12 +9,15 @@ import os
 from pathlib import Path
 
 import pytest
+import numpy as np
 from PIL import Image
 
 from kvlab import BlockPool
 from kvlab.viz import FrameBuilder, RandomWorkload, build_frame, decode_frame, export_html, record
 from kvlab.viz import frames as fr
-from kvlab.viz.palette import (CANDIDATE_RGB, FLASH_RGB, MOVE_RGB, OUTLINE_RGB, RUN_RGB, STATE_RGB, VICTIM_RGB)
+from kvlab.viz.palette import (CANDIDATE_RGB, FLASH_RGB, FLASH_WEIGHT, MOVE_RGB, OUTLINE_RGB, RUN_RGB, STATE_RGB,
+                               VICTIM_RGB)
+from kvlab.viz.static import pool_colors
 
 pytestmark = pytest.mark.browser
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
@@ -66,6 +69,50 @@ def test_pool_view_large_pool_and_refcount_numbers(harness):
     assert cell(harness, 65535) == list(STATE_RGB["FREE"])
     assert cell(harness, 7) == mix(STATE_RGB["ALLOC1"], STATE_RGB["ALLOC8"], 1 / 7)
 
+
+GRID_JS = """() => {
+  // Every cell's colour at three points (its top-left, centre and bottom-right pixel), as base64 RGB.
+  const p = document.querySelector('.kv-root').kv.panels[0], g = p.layout();
+  const img = p.canvas.getContext('2d').getImageData(0, 0, g.w, g.h).data, out = new Uint8Array(g.n * 9);
+  for (let b = 0; b < g.n; b++) {
+    const x0 = (b % g.cols) * g.cell, y0 = Math.floor(b / g.cols) * g.cell;
+    [[0, 0], [g.cell >> 1, g.cell >> 1], [g.cell - 1, g.cell - 1]].forEach(([dx, dy], k) => {
+      const o = ((y0 + dy) * g.w + x0 + dx) * 4;
+      out.set(img.subarray(o, o + 3), b * 9 + k * 3);
+    });
+  }
+  let s = ''; for (let i = 0; i < out.length; i += 8192) s += String.fromCharCode(...out.subarray(i, i + 8192));
+  return [g.cell, btoa(s)];
+}"""
+
+
+def test_a_65536_block_grid_paints_every_cell_in_its_colour_with_flashes_of_every_age(harness):
+    """The large-pool paint (one pixel per block, scaled up) against the palette: each cell, whole, has its
+    state's colour blended towards its newest flash by that flash's age, as in the small grids."""
+    p = BlockPool(65536, with_storage=False, seed=3)
+    w = RandomWorkload(p, preset="sharing", seed=3)
+    with FrameBuilder(p) as b:
+        frames = []
+        for _ in range(6):
+            for _ in range(300):
+                w()
+            frames.append(b.build())
+    mount(harness, "pool", frames)
+    cell_px, data = harness.evaluate(GRID_JS)
+    assert cell_px < 6  # the scaled-up path
+    got = np.frombuffer(base64.b64decode(data), np.uint8).reshape(-1, 3, 3)
+    decoded = [decode_frame(f) for f in frames]
+    want = pool_colors(decoded[-1]).astype(np.float64)
+    base = want.copy()
+    for age in (3, 2, 1, 0):  # newest flash wins
+        fl = decoded[-1 - age].flash
+        for code in set(np.unique(fl).tolist()) - {0}:
+            at = fl == code
+            want[at] = np.floor(base[at] + (np.array(FLASH_RGB[code]) - base[at]) * FLASH_WEIGHT[age] + 0.5)
+    assert all(np.any(decoded[-1 - age].flash) for age in range(4))  # every age is on show
+    for k in range(3):
+        bad = np.flatnonzero((got[:, k] != want).any(axis=1))
+        assert bad.size == 0, (k, bad[:5], got[bad[:5], k], want[bad[:5]])
 
 def test_size_classes_are_outlined(harness):
     p = BlockPool(64, block_sizes=[16, 32, 64], with_storage=False)
