@@ -55,7 +55,8 @@ class FrameView(anywidget.AnyWidget):
     _css = css_source()
     frame = traitlets.Bytes(b"").tag(sync=True)
     frames_sent = traitlets.Int(0).tag(sync=True)
-    frames_received = traitlets.Int(0).tag(sync=True)  # written by the browser
+    # Written by the browser after every frame; not echoed back (ipywidgets would send one more message per frame)
+    frames_received = traitlets.Int(0).tag(sync=True, echo_update=False)
     status = traitlets.Unicode("").tag(sync=True)  # the state of the LiveRun driving the view; "" for none
 
     def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
