@@ -47,7 +47,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__, hotpath_compiled
 
-    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.")
+    # Raw: the --version line is printed as written, not wrapped at the terminal's width
+    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     from .attention import DECODE_KERNEL_COMPILED
 
     fast = "compiled (kvlab/_fastpath.c)" if hotpath_compiled else "pure Python (no compiled kvlab/_fastpath.c)"
