@@ -372,8 +372,10 @@ def test_sort_free_lists_changes_only_the_order():
 
 
 def test_version_says_whether_the_fast_path_is_compiled():
-    out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "COLUMNS": "40"})  # one line however narrow the terminal
     assert ("compiled (kvlab/_fastpath.c)" in out.stdout) == COMPILED, out.stdout
+    assert out.stdout.count("\n") == 1 and "CPU paged decode: " in out.stdout, out.stdout
     env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True,
                          env=env)
