@@ -86,7 +86,7 @@ class PyFastBlockPool(BlockPool):
                     if self.events:
                         self.events.publish(ev.Allocated(t, tuple(out), 0, owner, "ALLOCATED", "free"))
                     return out
-                if not self.max_order and n <= len(stack) + len(self.policy):  # the capacity check passes
+                if not self.max_order and n - len(stack) <= self._evictable(0, n - len(stack)):  # the check passes
                     return self._allocate_evicting(n, owner)
         return super().allocate(n, size_class=size_class, owner=owner, status=status, block_id=block_id)
 

@@ -10,8 +10,10 @@ Registered blocks are marked reusable: at refcount 0 they stay ALLOCATED with th
 pool's policy evicts them. The cache keeps the chains whole:
 
 * a block is registered only on top of its registered parent, so whoever holds a cached child holds its parent;
-* ``pool.evict_guard`` vetoes a block while blocks are still registered on top of it, so chains lose their
-  tails first and no cached child is ever orphaned (unreachable because its head is gone);
+* ``pool.evict_guard`` (a :class:`ChainGuard`) vetoes a block while blocks are still registered on top of it,
+  so chains lose their tails first and no cached child is ever orphaned (unreachable because its head is gone);
+  it also tells the pool which cached blocks will go once their tails have, so an allocation the chains cannot
+  serve is refused before it evicts anything;
 * ``pool.evict_hooks`` tells the cache which block left, ``pool.relocation_hooks`` where blocks moved;
 * an entry is trusted only while its block is still the same allocation (ALLOCATED, reusable, same creation
   stamp); anything else (a block unmarked or swapped out behind the cache's back) is a stale entry, dropped
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -150,6 +152,35 @@ def _hash(parent: bytes | None, chunk: bytes, salted: hashlib.blake2b) -> bytes:
     return h.digest()
 
 
+class ChainGuard:
+    """The prefix cache's ``pool.evict_guard``: a registered block may be evicted only once no block is
+    registered on top of it (chains lose their tails first), and only if the guard it wraps agrees.
+
+    :meth:`held_back` answers the pool's capacity check: which cached blocks no eviction of other cached blocks
+    will free. Evicting a tail frees its parent, so a cached block is held back only by an entry above it that
+    no eviction removes (a stale entry whose block is not cached) or by a block the wrapped guard keeps."""
+
+    def __init__(self, cache: "PrefixCache", digest: list[bytes | None], children: dict[bytes, int],
+                 inner: Callable[[int], bool] | None) -> None:
+        self.cache, self.inner = cache, inner
+        self._digest, self._children = digest, children  # the cache's own, shared: asked once per candidate
+
+    def __call__(self, b: int) -> bool:
+        digest = self._digest[b]
+        return (digest is None or digest not in self._children) and (self.inner is None or self.inner(b))
+
+    def held_back(self, min_order: int = 0) -> set[int]:
+        """The cached blocks of class >= ``min_order`` that this guard keeps however many others are evicted."""
+        inner, kept = self.inner, []
+        if inner is not None:
+            if (later := getattr(inner, "held_back", None)) is not None:
+                kept = list(later(min_order))
+            else:  # a plain guard keeps its verdicts: ask it about every candidate
+                size = self.cache.pool.fields.size_class
+                kept = [b for b, _ in self.cache.pool.policy.order() if size[b] >= min_order and not inner(b)]
+        return self.cache.held_back(min_order, kept)
+
+
 class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 
@@ -165,6 +196,7 @@ class PrefixCache:
         self._parent: list[bytes | None] = [None] * n  # block -> its parent's digest (None: a prompt's first block)
         self._tokens: list[bytes | None] = [None] * n  # block -> its token ids as int64 bytes, compared on hits
         self._created = array("q", bytes(8 * n))  # block -> the pool's allocation stamp when it was registered
+        self._suspects: set[int] = set()  # registered blocks that may be stale (the pool's stale_hooks said so)
         f = pool.fields
         self._status, self._reusable, self._stamp = f.status, f.reusable, f.created  # what _valid reads
         self._refs = f.refcount
@@ -174,8 +206,8 @@ class PrefixCache:
         self.reuse_gaps = array("q")  # per revived hit block: clock ticks it was idle (cached) before the hit
         pool.evict_hooks.append(self._on_evict)
         pool.relocation_hooks.append(self._on_relocate)
-        prev = pool.evict_guard
-        pool.evict_guard = self._may_evict if prev is None else (lambda b: self._may_evict(b) and prev(b))
+        pool.stale_hooks.append(self._on_stale)
+        pool.evict_guard = ChainGuard(self, self._digest, self._children, pool.evict_guard)
 
     def __len__(self) -> int:
         return len(self._block)
@@ -194,6 +226,35 @@ class PrefixCache:
         """The hash ``block_id`` is registered under, or None if it is not (or no longer) registered."""
         b = self.pool.check_id(block_id)
         return self._digest[b] if self._digest[b] is not None and self._valid(b) else None
+
+    def held_back(self, min_order: int = 0, kept: Sequence[int] = ()) -> set[int]:
+        """The cached blocks (of class >= ``min_order``) that evicting other such blocks never frees: each one
+        with an entry above it that no such eviction removes, plus ``kept`` (block ids another guard keeps) and
+        the cached blocks below those. Only the entries the pool said may be stale are looked at (its
+        ``stale_hooks``), then each stuck chain is walked down: a referenced block's chain below it is
+        referenced too."""
+        pool = self.pool
+        if not is_int(min_order) or not 0 <= min_order <= pool.max_order:
+            raise ConfigError(f"min_order must be a size class of this pool, 0..{pool.max_order}, got {min_order!r}")
+        kept = pool.check_ids(kept)
+        size = pool.fields.size_class
+
+        def candidate(b: int) -> bool:
+            return self._status[b] == ALLOCATED and not self._refs[b] and size[b] >= min_order
+
+        # Stale entries whose blocks are no candidates (evicting a candidate would drop its entry).
+        stuck = [b for b in self._suspects if not self._valid(b) and not candidate(b)]
+        if min_order:  # a cached block of a smaller class is no candidate: it stays, and so does its chain
+            a = pool.arrays
+            small = np.flatnonzero((a.status == ALLOCATED) & (a.refcount == 0) & (a.size_class < min_order))
+            stuck += [b for b in small.tolist() if self._digest[b] is not None]
+        out = set(kept)
+        for b in [*stuck, *kept]:
+            while (up := self._parent[b]) is not None and (b := self._block.get(up, -1)) >= 0 and candidate(b):
+                if b in out:
+                    break
+                out.add(b)
+        return out
 
     def _valid(self, b: int) -> bool:
         return self._status[b] == ALLOCATED and self._reusable[b] == 1 and self._stamp[b] == self._created[b]
@@ -341,6 +402,7 @@ class PrefixCache:
         digest, parent = self._digest[b], self._parent[b]
         assert digest is not None
         self._digest[b] = self._parent[b] = self._tokens[b] = None
+        self._suspects.discard(b)
         if self._block.get(digest) == b:
             del self._block[digest]
         if parent is not None:
@@ -353,14 +415,12 @@ class PrefixCache:
         if self.pool.events:
             self.pool.events.publish(PrefixEvicted(self.pool.clock.now(), b, digest.hex()))
 
-    def _may_evict(self, b: int) -> bool:
-        """Veto evicting a registered block while blocks are registered on top of it (tails go before heads)."""
-        digest = self._digest[b]
-        return digest is None or digest not in self._children
-
     def _on_evict(self, b: int) -> None:
         if self._digest[b] is not None:
             self._drop(b)
+
+    def _on_stale(self, ids: list[int]) -> None:
+        self._suspects.update(b for b in ids if self._digest[b] is not None)
 
     def _on_relocate(self, src: np.ndarray, dst: np.ndarray) -> None:
         for a, b in zip(src.tolist(), dst.tolist()):
@@ -370,6 +430,9 @@ class PrefixCache:
             self._digest[b], self._parent[b], self._tokens[b] = digest, self._parent[a], self._tokens[a]
             self._created[b] = self._created[a]
             self._digest[a] = self._parent[a] = self._tokens[a] = None
+            if a in self._suspects:
+                self._suspects.remove(a)
+                self._suspects.add(b)
             self._block[digest] = b
 
     # ------------------------------------------------------------------ reporting
@@ -389,6 +452,8 @@ class PrefixCache:
         dropped on sight.)"""
         reg = {d: b for b, d in enumerate(self._digest) if d is not None}
         assert reg == self._block, "the hash index and the block entries disagree"
+        stale = {b for b in reg.values() if not self._valid(b)}
+        assert stale <= self._suspects <= set(reg.values()), f"unreported stale entries {stale - self._suspects}"
         for b in reg.values():
             assert len(self._tokens[b] or b"") == 8 * self.block_size, f"block {b}: stored tokens are not a block"
         kids: dict[bytes, int] = {}

@@ -759,6 +759,9 @@ def _prefix_specs() -> list[Spec]:
              {"parent": parent + [ok("any bytes", b"\1" * 16)],
               "token_ids": tokens_values([1, 2, 3, 4]) + [ok("empty", [])], "tenant": TENANT}, reader=True),
         Spec("PrefixCache.get_stats", method(C, "get_stats"), {}, {}, reader=True),
+        Spec("PrefixCache.held_back", method(C, "held_back", ("min_order", "kept")), {"min_order": 0, "kept": []},
+             {"min_order": class_values(0), "kept": ids_values("cached", ok_states=KVBLOCK, dup=True)},
+             reader=True),
     ]
 
 

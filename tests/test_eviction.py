@@ -247,32 +247,121 @@ def test_migration_keeps_lru_order():
     assert [pool.evict() for _ in range(3)] == [7, ids[1], ids[2]]
 
 
-def test_allocation_refused_by_the_guard_leaks_no_block():
-    """A guard that vetoes candidates the capacity check counted ends the allocation mid-way: every block taken
-    goes back (none is left ALLOCATED without a holder) and the pool stays consistent."""
-    pool = BlockPool(4, spec=SPEC)
+def pool_state(pool: BlockPool) -> tuple:
+    """Everything an allocation may change: clock, fields, free stacks, policy order, counters."""
+    snap = pool.snapshot()
+    return (pool.clock.now(), {k: v.tolist() for k, v in snap.items()}, pool.free_lists.ids(),
+            [b for b, _ in pool.policy.order()], dict(pool.counts), pool.lock_acquisitions)
+
+
+@each_pool
+def test_allocation_refused_by_the_guard_changes_nothing(cls):
+    """The capacity check counts only what the guard lets go, so a refused allocation evicts nothing, takes no
+    block and leaves the clock, stacks, policy and counters as they were; what the guard allows still works."""
+    pool = cls(4, spec=SPEC)
     ids = pool.allocate(4)
     pool.decref(ids)
     pool.evict_guard = lambda b: b != ids[0]  # ids[0] may never be evicted
+    before, seen = pool_state(pool), EventRecorder(pool.events)
+    with pytest.raises(OutOfBlocksError, match="the guard lets 3 go"):
+        pool.allocate(4)
+    assert pool_state(pool) == before and not seen.events
+    assert sorted(pool.allocate(3)) == sorted(ids[1:])
+    pool.check_invariants()
+
+
+def test_a_guard_that_changes_its_verdict_midway_leaks_no_block():
+    """A guard that breaks the promise the capacity check relies on (it vetoes everything once one block is
+    evicted) ends the reference's allocation mid-way: the blocks taken go back FREE, none is left without a
+    holder. (The fast pools rely on the same promise to take several victims per walk of the policy.)"""
+    pool = BlockPool(4, spec=SPEC)
+    ids = pool.allocate(4)
+    pool.decref(ids)
+    evicted: list[int] = []
+    pool.evict_hooks.append(evicted.append)
+    pool.evict_guard = lambda b: not evicted
     with pytest.raises(OutOfBlocksError):
         pool.allocate(4)
     pool.check_invariants()
-    assert pool.status_counts()["ALLOCATED"] == pool.num_cached_blocks == 1  # only the vetoed block, cached
-    assert sorted(pool.allocate(3)) == sorted(ids[1:])  # the evicted blocks, handed back FREE
+    assert len(evicted) == 1 and pool.num_free_blocks == 1  # the one eviction made stays; its block is FREE
+    assert pool.status_counts()["ALLOCATED"] == pool.num_cached_blocks == 3
+    pool.evict_guard = None
+    assert sorted(pool.allocate(4)) == sorted(ids)
 
 
-@pytest.mark.xfail(strict=True, reason="the evictions made before a guard vetoes the last candidates stay (and the "
-                                       "clock ticks): the pool cannot know in advance which candidates a guard "
-                                       "will veto once others are gone")
-def test_allocation_refused_by_the_guard_changes_nothing():
-    pool = BlockPool(4, spec=SPEC)
-    ids = pool.allocate(4)
-    pool.decref(ids)
-    pool.evict_guard = lambda b: b != ids[0]  # ids[0] may never be evicted
-    before = (pool.clock.now(), pool.status_counts(), pool.num_cached_blocks)
-    with pytest.raises(OutOfBlocksError):
+def cached_chain(cls, n: int = 6, length: int = 4) -> tuple[BlockPool, PrefixCache, list[int]]:
+    """A pool of ``n`` blocks with one registered chain of ``length`` blocks, all cached (refcount 0)."""
+    pool = cls(n, spec=SPEC)
+    cache = PrefixCache(pool)
+    chain = pool.allocate(length)
+    cache.store_blocks(chain, list(range(length * SPEC.block_size)))
+    pool.free(chain)
+    return pool, cache, chain
+
+
+@each_pool
+def test_a_cached_chain_can_be_evicted_whole_tail_first(cls):
+    """Only the tail passes the prefix guard now, yet the whole chain counts: evicting each tail frees its
+    parent. An allocation needing all of it succeeds, taking the chain from its tail."""
+    pool, cache, chain = cached_chain(cls)
+    assert [b for b in chain if pool.evict_guard(b)] == [chain[-1]]
+    got = EventRecorder(pool.events, (Evicted,))
+    assert len(pool.allocate(6)) == 6
+    assert [e.block_id for e in got] == chain[::-1] and len(cache) == 0
+    pool.check_invariants()
+    cache.check_invariants()
+
+
+@each_pool
+def test_a_chain_held_back_by_a_stale_entry_is_refused_before_any_eviction(cls):
+    """A tail swapped out behind the cache's back stays registered (stale) and keeps its parent: the chain
+    below it cannot go, so an allocation that needs it is refused with nothing changed."""
+    pool, cache, chain = cached_chain(cls)
+    pool.begin_eviction([chain[-1]])
+    pool.finish_eviction([chain[-1]])  # FREE, but still registered: a stale entry
+    assert pool.num_free_blocks == 3 and pool.num_cached_blocks == 3
+    before = pool_state(pool)
+    with pytest.raises(OutOfBlocksError, match="the guard lets 0 go"):
         pool.allocate(4)
-    assert (pool.clock.now(), pool.status_counts(), pool.num_cached_blocks) == before
+    assert pool_state(pool) == before
+    assert len(pool.allocate(3)) == 3  # the free blocks still serve
+
+
+@each_pool
+def test_a_chain_held_back_by_a_block_unmarked_while_held_is_refused_before_any_eviction(cls):
+    """Unmarking a held block leaves its entry stale; once freed the block goes FREE and its parent can never
+    go, nor the chain below: the allocation that needs them is refused with nothing changed."""
+    pool = cls(6, spec=SPEC)
+    cache = PrefixCache(pool)
+    chain = pool.allocate(4)
+    cache.store_blocks(chain, list(range(4 * SPEC.block_size)))
+    pool.mark_reusable([chain[-1]], False)
+    pool.free(chain)
+    assert pool.num_free_blocks == 3 and pool.num_cached_blocks == 3
+    before = pool_state(pool)
+    with pytest.raises(OutOfBlocksError, match="the guard lets 0 go"):
+        pool.allocate(4)
+    assert pool_state(pool) == before
+    cache.check_invariants()
+
+
+@each_pool
+def test_stale_hooks_hear_of_reusable_data_leaving_without_an_eviction(cls):
+    """Told of each block that stops keeping reusable data outside an eviction: swapped out, or unmarked while
+    held. Not told of a block that never was reusable, nor of a cached block unmarked (that one is released,
+    which the evict hooks hear)."""
+    pool = cls(8, spec=SPEC)
+    told: list[list[int]] = []
+    evicted: list[int] = []
+    pool.stale_hooks.append(told.append)
+    pool.evict_hooks.append(evicted.append)
+    a, b, c, d = pool.allocate(4)
+    pool.mark_reusable([a, b, d])
+    pool.begin_eviction([a, c])  # a kept reusable data, c never did
+    pool.mark_reusable([b], False)  # held: it stays, without reusable data
+    pool.decref([d])
+    pool.mark_reusable([d], False)  # cached: released
+    assert told == [[a], [b]] and evicted == [d]
 
 
 # ---------------------------------------------------------------------------------------------------- CLOCK

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec,
@@ -251,3 +251,88 @@ def test_no_cached_child_is_ever_orphaned(ops, tenant):
         for b, (_, parent, _) in entries.items():
             assert parent is None or parent in digests, f"block {b} orphaned"
         mgr.check_invariants()
+
+
+class Optimistic(BlockPool):
+    """The capacity check as it was: every cached block counts, whatever the guard will say. An allocation that
+    the guard stops half-way then fails after evicting: the oracle for when the exact check must refuse."""
+
+    def _evictable(self, k: int, need: int) -> int:
+        return len(self.policy)
+
+
+def prefix_state(pool: BlockPool, mgr: SequenceManager) -> tuple:
+    snap = pool.snapshot()
+    return (pool.clock.now(), {k: v.tolist() for k, v in snap.items()}, pool.free_lists.ids(),
+            [b for b, _ in pool.policy.order()], dict(pool.counts), mgr.prefix_cache.entries(),
+            mgr.prefix_cache.get_stats())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "free", "swap", "unmark", "allocate"]),
+                          st.lists(st.integers(0, 1), min_size=1, max_size=30), st.integers(0, 63)),
+                max_size=24),
+       st.sampled_from([None, 1, 3]))
+@example([("run", [0] * 16, 0), ("free", [0], 0), ("swap", [0], 3), ("allocate", [0], 11)], None)  # a stale tail
+@example([("run", [0] * 16, 0), ("free", [0], 0), ("allocate", [0], 10)], 1)  # a vetoed block holds its head
+def test_an_allocation_is_refused_exactly_when_eviction_would_stop_half_way(ops, vetoed):
+    """Random prompts with shared prefixes, finished sequences, stale entries (a cached block swapped out, a held
+    one unmarked) and an optional plain guard under the cache's: each allocation is run on the pool and on a twin
+    whose check counts every cached block. The pool refuses, with nothing changed, exactly when the twin fails
+    after evicting; otherwise both hand out the same blocks."""
+    pools, mgrs = [], []
+    for cls in (BlockPool, Optimistic):
+        pool = cls(12, spec=SPEC, with_storage=False)
+        if vetoed is not None:
+            pool.evict_guard = lambda b: b != vetoed
+        pools.append(pool)
+        mgrs.append(SequenceManager(pool, prefix_cache=True))
+    live: list[list] = [[], []]
+    for op, prompt, x in ops:
+        outcome = [step(pool, mgr, held, op, prompt, x) for pool, mgr, held in zip(pools, mgrs, live)]
+        mine, theirs = outcome
+        if mine is not None and mine[0] == "refused":
+            assert mine[1], "a refused allocation changed the pool or the cache"
+            assert theirs[0] == "refused", "refused what evicting would have served"
+            if not theirs[1]:
+                event("refused, where the twin stopped half-way")
+                return  # the twin evicted before it failed: from here on the two differ
+        assert mine == theirs
+        if mine is not None:
+            event(f"allocation {mine[0]}")
+        mgrs[0].check_invariants()
+        if mine == ("full",) and prefix_state(pools[0], mgrs[0]) != prefix_state(pools[1], mgrs[1]):
+            event("a sequence refused, where the twin evicted first")
+            return
+
+
+def step(pool: BlockPool, mgr: SequenceManager, held: list, op: str, prompt: list[int], x: int) -> tuple | None:
+    """One operation of the test above; an allocation says whether it was served (and with what) or refused
+    (and whether everything stayed as it was)."""
+    try:
+        if op == "run":
+            s = mgr.create(prompt)
+            s.append(prompt[s.num_tokens:])
+            mgr.cache_full_blocks(s)
+            held.append(s)
+        elif op == "free" and held:
+            held.pop(x % len(held)).free()
+        elif op in ("swap", "unmark"):
+            reg = sorted(mgr.prefix_cache.entries())
+            b = reg[x % len(reg)] if reg else None
+            if b is not None and op == "swap" and pool.is_cached(b):
+                pool.begin_eviction([b])
+                pool.finish_eviction([b])
+            elif b is not None and op == "unmark" and pool.fields.refcount[b]:
+                pool.mark_reusable([b], False)
+        elif op == "allocate":
+            before = prefix_state(pool, mgr)
+            try:
+                got = pool.allocate(x % 12 + 1)
+            except OutOfBlocksError:
+                return ("refused", before == prefix_state(pool, mgr))
+            pool.free(got)
+            return ("served", got)
+    except OutOfBlocksError:
+        return ("full",)
+    return None
