@@ -24,6 +24,11 @@ Invariants (:meth:`BlockPool.check_invariants` asserts them after every step of 
 * a block counts at most its capacity in tokens (``SequenceManager.check_invariants`` adds: exactly what the
   block tables put in it).
 
+An ``evict_guard`` may veto victims (the prefix cache's keeps chain heads until their tails are gone). An
+allocation counts only what the guard lets go before it evicts anything, so a refused one changes nothing: a
+plain callable is taken to keep its verdicts for the allocation, and a guard whose verdicts change as blocks go
+says with ``held_back(min_order)`` which cached blocks it keeps however many others are evicted.
+
 Every public mutation takes the lock once, ticks the clock once (only once it has validated its input: a
 rejected call changes nothing, not even the clock) and publishes one typed event per effect, stamped with the
 pool clock (:mod:`kvlab.events`). Ids are ints or numpy integers (never bools or floats); a list may repeat an
@@ -234,8 +239,8 @@ class BlockPool(TextbookNames):
                  status: BlockStatus = BlockStatus.ALLOCATED, block_id: int | None = None) -> list[int]:
         """Allocate ``n`` blocks of ``size_class`` (refcount 1 each): from the free stack, else by splitting a
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError`, with
-        nothing changed, if the pool cannot supply ``n`` — counting as evictable only what the ``evict_guard``
-        lets go (see :meth:`_evictable`). ``status=PENDING`` reserves blocks whose data is still to arrive;
+        nothing changed, if the pool cannot supply ``n``, counting as evictable only what the ``evict_guard``
+        lets go (see the module docstring). ``status=PENDING`` reserves blocks whose data is still to arrive;
         ``block_id`` takes that one FREE block (``n`` must be 1)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
