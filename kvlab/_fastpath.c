@@ -37,12 +37,19 @@ enum { FREE = 0, PENDING = 1, ALLOCATED = 2 };
 
 /* PoolLock: a reentrant lock like threading.RLock, whose acquire and release the fast paths call directly (an
  * RLock's acquire parses its arguments on every call: a sixth of a compiled allocate+free pair). All its state
- * is read and written with the GIL held; only the wait for another thread's release lets go of the GIL. */
+ * is read and written with the GIL held, so an uncontended acquire and release are a few loads and stores: no
+ * OS lock, whose non-blocking acquire still reads the clock for a deadline (a tenth of the pair). Only a thread
+ * that finds it held lets go of the GIL, to wait on `gate`, which the last release opens when someone waits. */
+#ifdef Py_GIL_DISABLED
+#error "PoolLock keeps its state under the GIL: build kvlab without the C on a free-threaded CPython"
+#endif
 typedef struct {
     PyObject_HEAD
-    PyThread_type_lock lock;
-    unsigned long owner;  /* thread ident of the holder, while count > 0 */
-    unsigned long count;  /* how many times the holder has acquired it */
+    PyThread_type_lock gate; /* locked, except from a release that found waiters until a waiter takes it */
+    unsigned long owner;     /* thread ident of the holder, while count > 0 */
+    unsigned long count;     /* how many times the holder has acquired it */
+    unsigned long waiters;   /* threads waiting at the gate */
+    int opened;              /* the gate was opened and the waiter it let through has not run yet */
 } PoolLock;
 
 static PyTypeObject PoolLockType;
@@ -53,15 +60,19 @@ static PyObject *plock_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
         return NULL;
     }
     PoolLock *l = (PoolLock *)tp->tp_alloc(tp, 0);
-    if (l && !(l->lock = PyThread_allocate_lock())) {
+    if (l && !(l->gate = PyThread_allocate_lock())) {
         Py_DECREF(l);
         return PyErr_NoMemory();
     }
+    if (l) PyThread_acquire_lock(l->gate, WAIT_LOCK);  /* shut: a new lock is free, and the gate is for waiting */
     return (PyObject *)l;
 }
 
-static void plock_dealloc(PoolLock *l) {
-    if (l->lock) PyThread_free_lock(l->lock);
+static void plock_dealloc(PoolLock *l) {  /* nobody waits: a waiter's call holds a reference to the pool */
+    if (l->gate) {
+        if (!l->opened) PyThread_release_lock(l->gate);
+        PyThread_free_lock(l->gate);
+    }
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -71,10 +82,13 @@ static void plock_take(PoolLock *l) {
         l->count++;
         return;
     }
-    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
+    while (l->count) {  /* another thread holds it: wait at the gate without the GIL, then look again */
+        l->waiters++;
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(l->lock, WAIT_LOCK);
+        PyThread_acquire_lock(l->gate, WAIT_LOCK);  /* shut again behind us */
         Py_END_ALLOW_THREADS
+        l->waiters--;
+        l->opened = 0;
     }
     l->owner = me;
     l->count = 1;
@@ -85,7 +99,10 @@ static int plock_give(PoolLock *l) {
         PyErr_SetString(PyExc_RuntimeError, "cannot release a PoolLock this thread does not hold");
         return -1;
     }
-    if (!--l->count) PyThread_release_lock(l->lock);
+    if (!--l->count && l->waiters && !l->opened) {  /* let one waiter through (once until it has run) */
+        l->opened = 1;
+        PyThread_release_lock(l->gate);
+    }
     return 0;
 }
 
@@ -136,6 +153,9 @@ static PyTypeObject PoolLockType = {
 typedef struct {
     PyObject *cls;  /* borrowed: FastPath holds the class */
     Py_ssize_t n, offset[MAXFIELDS];
+    int reusable;   /* no weak references to its instances: refcount 1 means nobody else can see one */
+    int ids_field;  /* which field is block_ids (a tuple of ints), -1: none */
+    PyObject *spare; /* owned: the last event of this class, which no subscriber kept, refilled for the next */
 } Layout;
 
 static int layout_of(PyObject *cls, Layout *l);
@@ -176,12 +196,14 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->release); Py_VISIT(h->plock);
     Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
+    for (int i = 0; i < NLAYOUT; i++) Py_VISIT(h->layout[i].spare);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
     return 0;
 }
 
 static int clear(FastPath *h) {
     h->bound = 0;
+    for (int i = 0; i < NLAYOUT; i++) Py_CLEAR(h->layout[i].spare);
     memset(h->layout, 0, sizeof h->layout);
     Py_CLEAR(h->py_allocate); Py_CLEAR(h->py_free); Py_CLEAR(h->py_set_token_counts); Py_CLEAR(h->acquire);
     Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
@@ -343,12 +365,31 @@ static PyObject *delegate(PyObject *self, PyObject *func, PyObject *const *args,
     return r;
 }
 
-static PyObject *ids_tuple(const int32_t *ids, Py_ssize_t n) {
-    PyObject *t = PyTuple_New(n);
+/* An n-item tuple for the block_ids of an event of layout `l`: the spare event's own when nothing else holds it
+ * (refcount 1: only the spare, which nobody can see), else a new one. Fill it with set_item, which drops what
+ * a reused tuple held. Not from CPython 3.14 on, where a tuple caches its hash. */
+static PyObject *ids_for(Layout *l, Py_ssize_t n) {
+#if PY_VERSION_HEX < 0x030E0000
+    if (l && l->spare && l->ids_field >= 0) {
+        PyObject *t = *(PyObject **)((char *)l->spare + l->offset[l->ids_field]);
+        if (t && PyTuple_CheckExact(t) && Py_REFCNT(t) == 1 && PyTuple_GET_SIZE(t) == n) return Py_NewRef(t);
+    }
+#endif
+    return PyTuple_New(n);
+}
+
+static void set_item(PyObject *t, Py_ssize_t i, PyObject *v) {  /* steals v */
+    PyObject *old = PyTuple_GET_ITEM(t, i);
+    PyTuple_SET_ITEM(t, i, v);
+    Py_XDECREF(old);
+}
+
+static PyObject *ids_tuple(Layout *l, const int32_t *ids, Py_ssize_t n) {
+    PyObject *t = ids_for(l, n);
     for (Py_ssize_t i = 0; t && i < n; i++) {
         PyObject *b = PyLong_FromLong(ids[i]);
         if (!b) Py_CLEAR(t);
-        else PyTuple_SET_ITEM(t, i, b);
+        else set_item(t, i, b);
     }
     return t;
 }
@@ -356,8 +397,10 @@ static PyObject *ids_tuple(const int32_t *ids, Py_ssize_t n) {
 /* The layout of event class `cls`, if it is a slotted dataclass whose __init__ only stores its fields (no
  * __post_init__, every field an object slot of a base of `cls`); otherwise n stays 0 and the class is called. */
 static int layout_of(PyObject *cls, Layout *l) {
+    Py_CLEAR(l->spare);
     l->cls = cls;
     l->n = 0;
+    l->reusable = PyType_Check(cls) && !((PyTypeObject *)cls)->tp_weaklistoffset;
     PyObject *names = PyObject_GetAttrString(cls, "__match_args__");
     if (!names) return -1;
     int plain = PyType_Check(cls) && PyTuple_Check(names) && PyTuple_GET_SIZE(names) <= MAXFIELDS &&
@@ -375,26 +418,44 @@ static int layout_of(PyObject *cls, Layout *l) {
         Py_DECREF(d);
     }
     if (plain) l->n = PyTuple_GET_SIZE(names);
+    l->ids_field = -1;
+    for (Py_ssize_t i = 0; plain && i < l->n; i++)
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(names, i), "block_ids") == 0) l->ids_field = (int)i;
     Py_DECREF(names);
     return 0;
 }
 
-/* cls(*args), with its slots filled in place when its layout is known. */
-static PyObject *new_event(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
-    for (int i = 0; i < NLAYOUT; i++) {
-        Layout *l = &h->layout[i];
-        if (l->cls != cls || l->n != nargs) continue;
-        PyObject *e = ((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0);
-        for (Py_ssize_t j = 0; e && j < nargs; j++) *(PyObject **)((char *)e + l->offset[j]) = Py_NewRef(args[j]);
-        return e;
+/* The layout of `cls` built from `nargs` fields, or NULL: the class is then called. */
+static Layout *layout_for(FastPath *h, PyObject *cls, Py_ssize_t nargs) {
+    for (int i = 0; i < NLAYOUT; i++)
+        if (h->layout[i].cls == cls && h->layout[i].n == nargs) return &h->layout[i];
+    return NULL;
+}
+
+/* cls(*args), with its slots filled in place when its layout is known: into the spare event if there is one
+ * (the old field values are ints, strings and tuples of ints, so dropping them runs no Python code). */
+static PyObject *new_event(Layout *l, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
+    if (!l) return PyObject_Vectorcall(cls, args, nargs, NULL);
+    PyObject *e = l->spare;
+    l->spare = NULL;
+    if (!e && !(e = ((PyTypeObject *)cls)->tp_alloc((PyTypeObject *)cls, 0))) return NULL;
+    for (Py_ssize_t j = 0; j < nargs; j++) {
+        PyObject **slot = (PyObject **)((char *)e + l->offset[j]);
+        PyObject *old = *slot;
+        *slot = Py_NewRef(args[j]);
+        Py_XDECREF(old);
     }
-    return PyObject_Vectorcall(cls, args, nargs, NULL);
+    return e;
 }
 
 /* Build cls(*args) and publish it on the bus (only called while someone listens): each subscriber in turn, as
- * EventBus.publish does (indexing the list afresh each time, as its iterator does, so a subscriber may leave). */
+ * EventBus.publish does (indexing the list afresh each time, as its iterator does, so a subscriber may leave).
+ * An event no subscriber kept (its only reference is ours, and it takes no weak references) is not freed but
+ * kept as the class's spare: the allocation and deallocation it saves are most of what an event costs. Nobody
+ * can tell, as nobody can see the object; CPython's own freelists and zip's result tuple do the same. */
 static int publish(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *e = new_event(h, cls, args, nargs);
+    Layout *l = layout_for(h, cls, nargs);
+    PyObject *e = new_event(l, cls, args, nargs);
     if (!e) return -1;
     int ok = 0;
     for (Py_ssize_t i = 0; !ok && i < PyList_GET_SIZE(h->events); i++) {
@@ -404,7 +465,10 @@ static int publish(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t
         ok = r ? 0 : -1;
         Py_XDECREF(r);
     }
-    Py_DECREF(e);
+    if (l && l->reusable && !l->spare && Py_REFCNT(e) == 1)
+        l->spare = e;
+    else
+        Py_DECREF(e);
     return ok;
 }
 
@@ -477,7 +541,8 @@ static PyObject *fast_allocate(FastPath *h, PyObject *const *args, Py_ssize_t na
     }
     if (PyList_GET_SIZE(h->events)) {
         PyObject *o = PyLong_FromLongLong(owner);
-        if (o && (tuple = PyList_AsTuple(out))) {
+        if (o && (tuple = ids_for(layout_for(h, h->allocated_cls, 6), n))) {
+            for (Py_ssize_t i = 0; i < n; i++) set_item(tuple, i, Py_NewRef(PyList_GET_ITEM(out, i)));
             PyObject *ev[6] = {t, tuple, zero, o, s_ALLOCATED, s_free};
             if (publish(h, h->allocated_cls, ev, 6) < 0) Py_CLEAR(out);
         } else {
@@ -493,11 +558,12 @@ done:
     return out;
 }
 
-/* A tuple of the list's items whose kind[] is k (borrowed ids, new tuple). */
-static PyObject *kind_tuple(PyObject *list, const uint8_t *kind, Py_ssize_t n, uint8_t k, Py_ssize_t count) {
-    PyObject *t = PyTuple_New(count);
+/* A tuple (for an event of layout `l`) of the list's items whose kind[] is k. */
+static PyObject *kind_tuple(Layout *l, PyObject *list, const uint8_t *kind, Py_ssize_t n, uint8_t k,
+                            Py_ssize_t count) {
+    PyObject *t = ids_for(l, count);
     for (Py_ssize_t i = 0, j = 0; t && i < n; i++)
-        if (kind[i] == k) PyTuple_SET_ITEM(t, j++, Py_NewRef(PyList_GET_ITEM(list, i)));
+        if (kind[i] == k) set_item(t, j++, Py_NewRef(PyList_GET_ITEM(list, i)));
     return t;
 }
 
@@ -510,7 +576,8 @@ enum { LEFT, KEPT, GONE };
 /* RefChanged(t, the blocks still referenced, -1 each, their refcounts now). */
 static int publish_left(FastPath *h, PyObject *t, PyObject *list, const uint8_t *kind, const int32_t *ids,
                         Py_ssize_t n, Py_ssize_t count) {
-    PyObject *a = kind_tuple(list, kind, n, LEFT, count), *d = PyTuple_New(count), *rc = PyTuple_New(count);
+    PyObject *a = kind_tuple(layout_for(h, h->refchanged_cls, 4), list, kind, n, LEFT, count);
+    PyObject *d = PyTuple_New(count), *rc = PyTuple_New(count);
     int ok = a && d && rc;
     for (Py_ssize_t i = 0, j = 0; ok && i < n; i++) {
         if (kind[i] != LEFT) continue;
@@ -575,9 +642,10 @@ static PyObject *release_held(FastPath *h, PyObject *list, const int32_t *ids, P
         if (count[LEFT] && publish_left(h, t, list, kind, ids, n, count[LEFT]) < 0) goto done;
         for (int k = KEPT; k <= GONE; k++) {
             if (!count[k]) continue;
-            PyObject *a = kind_tuple(list, kind, n, (uint8_t)k, count[k]);
+            PyObject *cls = k == KEPT ? h->cached_cls : h->freed_cls;
+            PyObject *a = kind_tuple(layout_for(h, cls, 2), list, kind, n, (uint8_t)k, count[k]);
             PyObject *args[2] = {t, a};
-            int bad = !a || publish(h, k == KEPT ? h->cached_cls : h->freed_cls, args, 2) < 0;
+            int bad = !a || publish(h, cls, args, 2) < 0;
             Py_XDECREF(a);
             if (bad) goto done;
         }
@@ -646,7 +714,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
     }
     h->frees += n;
     if (PyList_GET_SIZE(h->events)) {
-        if (!(tuple = ids_tuple(ids, n))) goto unlock;
+        if (!(tuple = ids_tuple(layout_for(h, h->freed_cls, 2), ids, n))) goto unlock;
         PyObject *ev[2] = {t, tuple};
         if (publish(h, h->freed_cls, ev, 2) < 0) goto unlock;
     }

@@ -7,6 +7,7 @@ clocks and events, return the same ids and raise the same errors with the same m
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import shutil
@@ -459,20 +460,23 @@ def test_the_pool_lock_is_reentrant_and_exclusive():
         lock.release()  # not held
     inside, seen = [0], []
 
-    def worker():
-        for _ in range(200):
+    def worker(k):
+        for i in range(300):
             with lock:
                 inside[0] += 1
                 seen.append(inside[0])
-                time.sleep(0)  # let the other threads run while this one holds the lock
+                time.sleep(0 if i % 3 else 1e-5)  # the others run, and queue at the gate, while this one holds it
+                with lock:  # taken again by its holder, never by a waiter
+                    seen.append(inside[0])
                 inside[0] -= 1
-    threads = [threading.Thread(target=worker) for _ in range(4)]
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    assert seen == [1] * 800  # never two holders at once
+    assert not any(t.is_alive() for t in threads)  # every waiter was let through
+    assert seen == [1] * 4800  # never two holders at once
+    assert not lock.held()
 
     def other_thread_release(out):
         try:
@@ -507,3 +511,45 @@ def test_events_built_in_place_are_the_classes_own(cls):
     assert got == run(BlockPool)
     assert [k for k, *_ in got].count("once") == 1
     assert {t for _, t, *_ in got} == {Allocated, RefChanged, Cached, Freed}
+
+
+def scenario_events(pool: BlockPool, keep) -> list:
+    """One allocate/free pair after another (plain, shared, reusable, many blocks), each subscriber call keeping
+    ``keep(event)``: what a subscriber holds after the run."""
+    held: list = []
+    pool.events.subscribe(lambda e: held.append(keep(e)))
+    for _ in range(3):
+        pool.free(pool.allocate(1))
+    ids = pool.allocate(3, owner=7)
+    pool.incref(ids[:1])
+    pool.mark_reusable(ids[1:2])
+    pool.free(ids)
+    pool.free(pool.allocate(2))
+    pool.free(pool.allocate(2))
+    return held
+
+
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("keep", ["fields", "block_ids", "event"])
+def test_what_a_subscriber_keeps_never_changes(cls, keep):
+    """The compiled path refills an event (and its block_ids tuple) that no subscriber kept, instead of freeing it
+    and allocating the next. Whatever a subscriber does keep — the event, its tuple, or nothing but its
+    contents read at once — must read the same at the end as the reference's, call after call."""
+    how = {"fields": lambda e: e.as_dict(), "block_ids": lambda e: e.block_ids, "event": lambda e: e}[keep]
+    got = scenario_events(cls(64, with_storage=False), how)
+    want = scenario_events(BlockPool(64, with_storage=False), how)
+    assert got == want
+    if keep == "event":
+        assert len({id(e) for e in got}) == len(got)  # every kept event is its own object
+
+
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+def test_spare_events_go_with_their_pool(cls):
+    """Events nobody kept that the pool holds for reuse are freed with the pool."""
+    gc.collect()
+    before = sum(type(o) in (Allocated, Freed) for o in gc.get_objects())
+    pool = cls(64, with_storage=False)
+    scenario_events(pool, lambda e: None)
+    del pool
+    gc.collect()
+    assert sum(type(o) in (Allocated, Freed) for o in gc.get_objects()) == before
