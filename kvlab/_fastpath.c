@@ -175,6 +175,7 @@ typedef struct {
     PyObject *acquire, *release;          /* the pool lock's bound methods */
     PoolLock *plock;                      /* the pool lock itself when it is a PoolLock: taken directly */
     PyObject *stack, *frombytes;          /* free stack 0 (array('i')) and its frombytes */
+    PyObject *pop, *append;               /* and its pop and append: one block moves with no slice or bytes */
     PyObject *clock, *tick;               /* the pool clock and its tick (called unless step_offset) */
     Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`: ticked in place */
     PyObject *events;                     /* the pool's EventBus: the list of its subscribers */
@@ -194,7 +195,7 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_incref); Py_VISIT(h->py_mark_reusable); Py_VISIT(h->discard); Py_VISIT(h->refchanged_cls);
     Py_VISIT(h->py_set_owner); Py_VISIT(h->add); Py_VISIT(h->cached_cls);
     Py_VISIT(h->release); Py_VISIT(h->plock);
-    Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
+    Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->pop); Py_VISIT(h->append); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
     for (int i = 0; i < NLAYOUT; i++) Py_VISIT(h->layout[i].spare);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
@@ -209,7 +210,7 @@ static int clear(FastPath *h) {
     Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
     Py_CLEAR(h->py_set_owner); Py_CLEAR(h->add); Py_CLEAR(h->cached_cls);
     Py_CLEAR(h->release); Py_CLEAR(h->plock);
-    Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
+    Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->pop); Py_CLEAR(h->append); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
     Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
     while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
     PyMem_Free(h->seen);
@@ -280,6 +281,7 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     if (!(h->acquire = PyObject_GetAttrString(lock, "acquire")) ||
         !(h->release = PyObject_GetAttrString(lock, "release")) ||
         !(h->frombytes = PyObject_GetAttrString(stack, "frombytes")) ||
+        !(h->pop = PyObject_GetAttrString(stack, "pop")) || !(h->append = PyObject_GetAttrString(stack, "append")) ||
         !(h->tick = PyObject_GetAttrString(clock, "tick")))
         return NULL;
     for (int f = 0; f < NFIELDS; f++) {
@@ -508,17 +510,22 @@ static PyObject *fast_allocate(FastPath *h, PyObject *const *args, Py_ssize_t na
         return delegate((PyObject *)h, h->py_allocate, args, nargs, kwnames);
     }
     int32_t small[SMALL], *ids = n <= SMALL ? small : PyMem_Malloc(n * sizeof(int32_t));
-    PyObject *t = NULL, *out = NULL, *tuple = NULL;
+    PyObject *t = NULL, *out = NULL, *tuple = NULL, *one_id = NULL;
     Py_buffer sv;
     if (!ids) {
         PyErr_NoMemory();
         goto done;
     }
-    if (PyObject_GetBuffer(h->stack, &sv, PyBUF_SIMPLE) < 0) goto done;
-    const int32_t *top = (const int32_t *)sv.buf + have;
-    for (Py_ssize_t i = 0; i < n; i++) ids[i] = top[-1 - i];  /* popped one by one: the top first */
-    PyBuffer_Release(&sv);
-    if (PySequence_DelSlice(h->stack, have - n, have) < 0) goto done;
+    if (n == 1) {  /* stack.pop(): its int is the one returned, and no slice object is built */
+        if (!(one_id = PyObject_CallNoArgs(h->pop))) goto done;
+        ids[0] = (int32_t)PyLong_AsLong(one_id);
+    } else {
+        if (PyObject_GetBuffer(h->stack, &sv, PyBUF_SIMPLE) < 0) goto done;
+        const int32_t *top = (const int32_t *)sv.buf + have;
+        for (Py_ssize_t i = 0; i < n; i++) ids[i] = top[-1 - i];  /* popped one by one: the top first */
+        PyBuffer_Release(&sv);
+        if (PySequence_DelSlice(h->stack, have - n, have) < 0) goto done;
+    }
     h->lock_acquisitions++;
     if (!(t = tick(h, &step))) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -532,7 +539,7 @@ static PyObject *fast_allocate(FastPath *h, PyObject *const *args, Py_ssize_t na
     h->allocs += n;
     if (!(out = PyList_New(n))) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyLong_FromLong(ids[i]);
+        PyObject *b = one_id ? Py_NewRef(one_id) : PyLong_FromLong(ids[i]);
         if (!b) {
             Py_CLEAR(out);
             goto done;
@@ -554,6 +561,7 @@ done:
     if (ids && ids != small) PyMem_Free(ids);
     Py_XDECREF(t);
     Py_XDECREF(tuple);
+    Py_XDECREF(one_id);
     if (unlock(h) < 0) Py_CLEAR(out);
     return out;
 }
@@ -697,12 +705,16 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         out = release_held(h, list, ids, n);
         goto unlock;
     }
-    if (!(bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
-    int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes);
-    for (Py_ssize_t j = 0; j < n; j++) rev[j] = ids[n - 1 - j];  /* the first id ends on top */
+    if (n == 1) {  /* stack.append(id): no bytes object */
+        if (!(bytes = PyLong_FromLong(ids[0]))) goto unlock;
+    } else {
+        if (!(bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
+        int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes);
+        for (Py_ssize_t j = 0; j < n; j++) rev[j] = ids[n - 1 - j];  /* the first id ends on top */
+    }
     h->lock_acquisitions++;
     if (!(t = tick(h, &step))) goto unlock;
-    PyObject *r = PyObject_CallOneArg(h->frombytes, bytes);
+    PyObject *r = PyObject_CallOneArg(n == 1 ? h->append : h->frombytes, bytes);
     if (!r) goto unlock;
     Py_DECREF(r);
     for (Py_ssize_t j = 0; j < n; j++) {
