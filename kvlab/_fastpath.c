@@ -684,7 +684,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         }
         ids[i] = (int32_t)v;
     }
-    PyObject *out = NULL, *t = NULL, *bytes = NULL, *tuple = NULL;
+    PyObject *out = NULL, *t = NULL, *pushed = NULL, *tuple = NULL;  /* pushed: the id, or the ids as bytes */
     long long step;
     if (lock(h) < 0) goto done;
     int plain = 1, held = 1;
@@ -706,15 +706,15 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         goto unlock;
     }
     if (n == 1) {  /* stack.append(id): no bytes object */
-        if (!(bytes = PyLong_FromLong(ids[0]))) goto unlock;
+        if (!(pushed = PyLong_FromLong(ids[0]))) goto unlock;
     } else {
-        if (!(bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
-        int32_t *rev = (int32_t *)PyBytes_AS_STRING(bytes);
+        if (!(pushed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
+        int32_t *rev = (int32_t *)PyBytes_AS_STRING(pushed);
         for (Py_ssize_t j = 0; j < n; j++) rev[j] = ids[n - 1 - j];  /* the first id ends on top */
     }
     h->lock_acquisitions++;
     if (!(t = tick(h, &step))) goto unlock;
-    PyObject *r = PyObject_CallOneArg(n == 1 ? h->append : h->frombytes, bytes);
+    PyObject *r = PyObject_CallOneArg(n == 1 ? h->append : h->frombytes, pushed);
     if (!r) goto unlock;
     Py_DECREF(r);
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -736,7 +736,7 @@ unlock:
 done:
     if (ids != small) PyMem_Free(ids);
     Py_XDECREF(t);
-    Py_XDECREF(bytes);
+    Py_XDECREF(pushed);
     Py_XDECREF(tuple);
     return out;
 }

@@ -33,6 +33,15 @@ def pool_state(pool: BlockPool) -> tuple:
             list(pool.policy.order()), {**pool.get_stats(), "clock": pool.clock.now()}, kv)
 
 
+def same_state(before: tuple, after: tuple) -> bool:
+    """Whether two :func:`pool_state` results are equal (the KV tensor bitwise)."""
+    try:
+        assert_same_state(before, after)
+    except AssertionError:
+        return False
+    return True
+
+
 def assert_same_state(before: tuple, after: tuple) -> None:
     s0, f0, p0, st0, kv0 = before
     s1, f1, p1, st1, kv1 = after
