@@ -552,8 +552,9 @@ class BlockPool(TextbookNames):
         with self.lock:
             if not isinstance(reason, str):
                 raise ConfigError(f"reason must be a str, got {reason!r}")
-            if not len(self.policy):
-                return None
+            guard = self.evict_guard
+            if not any(guard is None or guard(b) for b, _ in self.policy.order()):
+                return None  # nothing cached, or every candidate vetoed: nothing changes, not even the clock
             return self._evict_one(reason, self._mutation())
 
     def release_cached(self, block_id: int) -> None:

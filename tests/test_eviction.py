@@ -419,6 +419,22 @@ def test_clock_hand_passes_vetoed_blocks(cls):
     pool.check_invariants()
 
 
+@each_pool
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "random", "clock", "opt"])
+def test_an_eviction_that_finds_no_victim_changes_nothing(cls, policy):
+    """Every candidate vetoed: evict() returns None as on an empty pool, and the clock does not tick either."""
+    pool = scenario(policy, cls, False)
+    rec = EventRecorder(pool.events)
+    pool.evict_guard = lambda b: False
+    before = pool_state(pool)
+    assert pool.evict() is None
+    assert_same_state(before, pool_state(pool))
+    assert not len(rec)
+    pool.evict_guard = None
+    assert pool.evict() == scenario(policy, cls, False).evict()  # the same victim as a pool never asked
+    assert pool.clock.now() == before[3]["clock"] + 1
+
+
 def test_clock_failed_eviction_moves_nothing():
     pool = clock_pool([0, 1, 2], referenced=(0,))
     pool.evict_guard = lambda b: False
