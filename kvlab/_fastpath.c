@@ -76,22 +76,31 @@ static void plock_dealloc(PoolLock *l) {  /* nobody waits: a waiter's call holds
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
-static void plock_take(PoolLock *l) {
+/* Take the lock; -1 with the exception set when a signal handler raised while waiting (Ctrl-C interrupts a
+ * wait, as it does threading.RLock's). A waiter that leaves so never took the gate: one the last release opened
+ * stays open, and the next waiter through it finds the lock held or free as it really is. */
+static int plock_take(PoolLock *l) {
     unsigned long me = PyThread_get_thread_ident();
     if (l->count && l->owner == me) {
         l->count++;
-        return;
+        return 0;
     }
     while (l->count) {  /* another thread holds it: wait at the gate without the GIL, then look again */
+        PyLockStatus got;
         l->waiters++;
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(l->gate, WAIT_LOCK);  /* shut again behind us */
+        got = PyThread_acquire_lock_timed(l->gate, -1, 1);  /* shut again behind us, unless interrupted */
         Py_END_ALLOW_THREADS
         l->waiters--;
+        if (got == PY_LOCK_INTR) {
+            if (Py_MakePendingCalls() < 0) return -1;  /* run the signal handlers; KeyboardInterrupt stops here */
+            continue;
+        }
         l->opened = 0;
     }
     l->owner = me;
     l->count = 1;
+    return 0;
 }
 
 static int plock_give(PoolLock *l) {
@@ -107,7 +116,7 @@ static int plock_give(PoolLock *l) {
 }
 
 static PyObject *plock_acquire(PoolLock *l, PyObject *unused) {
-    plock_take(l);
+    if (plock_take(l) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -302,10 +311,7 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
 }
 
 static int lock(FastPath *h) {
-    if (h->plock) {
-        plock_take(h->plock);
-        return 0;
-    }
+    if (h->plock) return plock_take(h->plock);
     PyObject *r = PyObject_CallNoArgs(h->acquire);
     Py_XDECREF(r);
     return r ? 0 : -1;

@@ -11,6 +11,7 @@ import gc
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -489,6 +490,55 @@ def test_the_pool_lock_is_reentrant_and_exclusive():
         t.start()
         t.join()
         assert out and lock.held()  # only the holder can release it
+
+
+class Interrupted(Exception):
+    """What the test's signal handler raises in the waiting thread (a stand-in for KeyboardInterrupt)."""
+
+
+@pytest.mark.skipif(not COMPILED, reason="needs the compiled fast path")
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
+@pytest.mark.parametrize("wait", ["with", "allocate"])
+def test_a_signal_interrupts_a_thread_waiting_for_the_pool_lock(wait):
+    """Ctrl-C stops a wait for the lock, as it stops one for threading.RLock: the handler's exception comes out
+    while another thread still holds the lock, the pool is unchanged, and the lock works as before."""
+    import threading
+    pool = FastBlockPool(8, with_storage=False)
+    before = pool_state(pool)
+    holding, release, done = threading.Event(), threading.Event(), []
+
+    def holder():
+        with pool.lock:
+            holding.set()
+            release.wait(20)  # long enough for any wait to have been interrupted
+            done.append("released")
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        holding.wait(10)
+        main = threading.main_thread().ident
+        kick = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGUSR1))
+        kick.start()
+        with pytest.raises(Interrupted):
+            if wait == "with":
+                with pool.lock:
+                    pass
+            else:
+                pool.allocate(1)
+        assert not done and not pool.lock.held()  # interrupted while waiting, not after taking it
+        kick.join()
+    finally:
+        release.set()
+        t.join(30)
+        signal.signal(signal.SIGUSR1, old)
+    assert_same_state(before, pool_state(pool))
+    pool.free(pool.allocate(2))  # the lock still serves its holder and the next waiter
+    assert not pool.lock.held()
 
 
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
