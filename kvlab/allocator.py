@@ -155,8 +155,10 @@ class DynamicAllocator:
                                wait: bool = True) -> Ticket:
         """Request one block sized for ``kv_data`` ``[2, layers, t, heads, dim]`` (written into its first ``t``
         slots), for ``tokens`` tokens, or of ``size_class`` (default 0). Returns a :class:`Ticket`: SERVED with
-        its ``block`` when a strategy found room, else WAITING in the queue (``timeout`` in clock steps). With
-        ``wait=False`` an unservable request raises :class:`OutOfBlocksError` instead of queueing."""
+        its ``block`` when a strategy found room, else WAITING in the queue (``timeout`` in clock steps). Waiters
+        the queue can serve now go first (their tickets turn SERVED, each with an :class:`AllocationServed`
+        event): a new request never overtakes them. With ``wait=False`` an unservable request raises
+        :class:`OutOfBlocksError` instead of queueing; waiters served before it stay served."""
         pool = self.pool
         with pool.lock:
             order = self._order_of(kv_data, tokens, size_class)

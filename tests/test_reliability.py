@@ -128,6 +128,7 @@ class SystemMachine(RuleBasedStateMachine):
     @rule()
     def request_raw(self) -> None:
         t = self.alloc.allocate_optimal_block(owner=999)
+        self._served(list(self.waiting))  # older waiters are served first, when a free through the pool made room
         if t.served:
             self._fill(t)
         else:
