@@ -288,6 +288,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=_positive_int, default=d.max_batched_tokens,
                    help="tokens computed per step, prompt chunks included (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--shared-prefill", default=d.shared_prefill, choices=["wait", "duplicate"],
+                   help="a request whose next prompt block another request is computing: wait for it (default) "
+                        "or compute it again, as vLLM does")
     p.add_argument("--baseline", action="store_true", help="also run the contiguous max-length baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -312,7 +315,8 @@ def _run_cmd(args: argparse.Namespace) -> int:
     workload = _workload(args, rate=200.0 if args.rate is None else args.rate)
     cfg = EngineConfig(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy,
                        preemption=args.preemption, max_model_len=args.max_model_len,
-                       max_batched_tokens=args.max_batched_tokens, prefix_caching=not args.no_prefix_caching)
+                       max_batched_tokens=args.max_batched_tokens, prefix_caching=not args.no_prefix_caching,
+                       shared_prefill=args.shared_prefill)
     rows: dict[str, dict[str, Any]] = {}
     for memory in ("paged", "contiguous") if args.baseline else ("paged",):
         t0 = time.perf_counter()

@@ -140,8 +140,9 @@ class EngineConfig:
     prefix is being computed right now by a running request (two users sending the same long document within a
     second): ``"wait"`` (default) leaves it queued until that block is cached, then takes it as a hit, so nothing is
     computed twice (SGLang's scheduler holds back such requests too); ``"duplicate"`` admits it at once and
-    computes the shared part again, as vLLM does. With ``"wait"`` and a pool that never evicts, the prefix hits
-    equal :func:`kvlab.prefix_hit_bound`."""
+    computes the shared part again, as vLLM does; the rest of its prompt is registered behind the copy that was
+    registered first (:meth:`~kvlab.SequenceManager.cache_full_blocks` keeps one copy, vLLM keeps both). With
+    ``"wait"`` and a pool that never evicts, the prefix hits equal :func:`kvlab.prefix_hit_bound`."""
     num_blocks: int = 4096
     block_size: int = 16
     policy: str = "lru"

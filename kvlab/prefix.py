@@ -227,6 +227,15 @@ class PrefixCache:
         b = self.pool.check_id(block_id)
         return self._digest[b] if self._digest[b] is not None and self._valid(b) else None
 
+    def cached_block(self, digest: bytes, token_ids: TokenIds) -> int | None:
+        """The live block registered under ``digest`` (a :meth:`block_hash`) holding exactly ``token_ids``, or
+        None (nothing registered there, or a hash collision)."""
+        if not isinstance(digest, bytes):
+            raise ConfigError(f"a block hash is bytes, got {digest!r}")
+        tokens = self.tokens_of(token_ids, "cached_block")
+        b = self._block.get(digest)
+        return b if b is not None and self._valid(b) and self._tokens[b] == tokens else None
+
     def held_back(self, min_order: int = 0, kept: Sequence[int] = ()) -> set[int]:
         """The cached blocks (of class >= ``min_order``) that evicting other such blocks never frees: each one
         with an entry above it that no such eviction removes, plus ``kept`` (block ids another guard keeps) and

@@ -355,22 +355,34 @@ class SequenceManager:
     def cache_full_blocks(self, seq: Sequence) -> int:
         """Register the full blocks of ``seq`` not yet in the prefix cache (call once their K/V are written).
         A block is registered only on top of its registered parent, so a cached child's holders always hold its
-        parent; if another block already caches the same content, registration stops for this sequence.
-        Returns how many blocks were added."""
+        parent. A block whose exact prefix another live block registered first (two requests computed the same
+        prefix at once) is replaced by that block, as a hit would have given it, and registration goes on behind
+        it; at a hash collision (that block holds other tokens) registration stops for good (``cacheable``
+        False). Returns how many blocks were added."""
         self._live(seq)
         cache = self.prefix_cache
         if cache is None or seq.token_ids is None or not seq.cacheable:
             return 0
-        B, first, stop = self.block_size, seq.cached_blocks, seq.num_tokens // self.block_size
-        if stop <= first:
-            return 0
-        digests = cache.store_blocks(seq.block_table[first:stop], seq.token_ids[first * B:stop * B],
-                                     seq.prefix_hash, seq.tenant)
-        if len(digests) < stop - first:  # another block caches one of these prefixes: stop registering
-            seq.cacheable = False
-        if digests:
-            seq.cached_blocks, seq.prefix_hash = first + len(digests), digests[-1]
-        return len(digests)
+        B, first, stop, added = self.block_size, seq.cached_blocks, seq.num_tokens // self.block_size, 0
+        while first < stop:
+            digests = cache.store_blocks(seq.block_table[first:stop], seq.token_ids[first * B:stop * B],
+                                         seq.prefix_hash, seq.tenant)
+            if digests:
+                first, added = first + len(digests), added + len(digests)
+                seq.cached_blocks, seq.prefix_hash = first, digests[-1]
+            if first < stop:  # block `first`'s prefix is registered already: take that block, drop ours
+                tokens = seq.token_ids[first * B:(first + 1) * B]
+                digest = cache.block_hash(seq.prefix_hash, tokens, seq.tenant)
+                other, mine = cache.cached_block(digest, tokens), seq.block_table[first]
+                if other is None:  # a hash collision: the block under that hash holds other tokens
+                    seq.cacheable = False
+                    break
+                self.pool.incref([other])
+                self.pool.free([mine])
+                seq.block_table[first] = other
+                first += 1
+                seq.cached_blocks, seq.prefix_hash = first, digest
+        return added
 
     # ------------------------------------------------------------------ swap
     def swappable(self, seq: Sequence) -> list[int]:

@@ -107,6 +107,19 @@ def test_run_refuses_contradictory_trace_arguments(capsys, args, word):
     assert word in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shared, short", [("wait", 0), ("duplicate", 512)])
+def test_run_passes_shared_prefill_to_the_engine(capsys, shared, short):
+    """``--shared-prefill``: on the first 300 Mooncake requests, waiting for a prefill in flight reaches the
+    bound; computing it again (vLLM's way) misses the one 512-token block request 1 computes beside request 0."""
+    import json
+
+    assert cli.main(["run", "--trace", "mooncake-conversation", "--requests", "300", "--block-size", "16",
+                     "--blocks", "400000", "--max-model-len", "131072", "--max-batched-tokens", "8192",
+                     "--shared-prefill", shared, "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefix_hit_bound"] - out["prefix_hit_tokens"] == short
+
+
 def test_run_a_bundled_trace_as_json():
     """``kvlab run --trace NAME --json``: stdout is one JSON object (the progress bar is on stderr) whose prompt
     tokens and prefix-hit bound are those of the trace's first N requests, computed here from the library."""

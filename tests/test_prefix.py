@@ -218,15 +218,55 @@ def test_store_rejects_bad_blocks():
     assert len(cache) == 0 and not pool.fields.reusable[b]
 
 
-def test_duplicate_content_stops_registration():
+def write_kv(mgr, seq, new_tokens):
+    """Append ``new_tokens`` to ``seq`` and write K/V that encode the token ids (as :func:`run` does)."""
+    slots = seq.append(new_tokens)
+    kv = torch.tensor(new_tokens, dtype=torch.float32)[:, None, None].expand(-1, 1, 4).contiguous()
+    mgr.pool.storage.write_slots(0, slots, kv, -kv)
+
+
+def test_a_prefix_computed_twice_is_kept_once_and_what_follows_is_registered():
+    """Two requests with the same 8-token document computed it at once (both missed). The second to register
+    takes the first's blocks, as a hit would have given them, frees its own copies, and registers its later
+    blocks behind them (vLLM registers them too), so a third request continuing the second's prompt hits all
+    of it, reading the K/V the second wrote."""
     pool, mgr = make()
-    a = mgr.create(list(range(9)))
-    b = mgr.create(list(range(9)))  # both miss: the cache is empty
-    a.append(list(range(9)))
-    b.append(list(range(9)))
+    doc = list(range(8))
+    a, b = mgr.create(doc + [20] * 5), mgr.create(doc + [30] * 4 + [40] * 4 + [1])
+    write_kv(mgr, a, doc + [20] * 5)
+    write_kv(mgr, b, doc + [30] * 4 + [40] * 4 + [1])
+    copies = b.block_table[:2]
+    assert mgr.cache_full_blocks(a) == 3
+    rec = EventRecorder(pool.events)
+    assert mgr.cache_full_blocks(b) == 2  # its blocks 2 and 3; blocks 0 and 1 are a's now
+    assert b.block_table[:2] == a.block_table[:2] and b.cached_blocks == 4 and b.cacheable
+    assert [pool.fields.status[c] for c in copies] == [BlockStatus.FREE] * 2
+    assert [pool.fields.refcount[x] for x in a.block_table[:2]] == [2, 2]
+    assert [type(e).__name__ for e in rec.events][:4] == ["RefChanged", "Freed", "RefChanged", "Freed"]
+    pool.check_invariants()
+    mgr.check_invariants()
+    c = mgr.create(b.token_ids + [2])
+    assert c.block_table == b.block_table[:4] and c.num_cached_tokens == 16
+    k = pool.storage.read_slots(0, c.slots())[0][:, 0, 0]
+    assert torch.equal(k, torch.tensor(b.token_ids[:16], dtype=torch.float32))
+
+
+def test_a_hash_collision_stops_registration_for_good(monkeypatch):
+    """Both requests missed; the second's first block collides with the first's (it differs only in its last
+    token). Nothing is taken from the colliding block, and the second registers nothing more, now or later."""
+    route_hashes(monkeypatch, blind_to_last_token)
+    pool, mgr = make()
+    a, b = mgr.create(list(range(8))), mgr.create([0, 1, 2, 99, 4, 5, 6, 7])
+    write_kv(mgr, a, list(range(8)))
+    write_kv(mgr, b, [0, 1, 2, 99, 4, 5, 6, 7])
     assert mgr.cache_full_blocks(a) == 2
-    assert mgr.cache_full_blocks(b) == 0 and not b.cacheable
-    assert mgr.create(list(range(9))).block_table == a.block_table[:2]
+    table = list(b.block_table)
+    assert mgr.cache_full_blocks(b) == 0 and not b.cacheable and b.block_table == table
+    write_kv(mgr, b, [8, 9, 10, 11])
+    assert mgr.cache_full_blocks(b) == 0  # not retried: its chain cannot be registered behind a collision
+    assert torch.equal(pool.storage.read_slots(0, b.slots())[0][:, 0, 0],
+                       torch.tensor(b.token_ids, dtype=torch.float32))
+    mgr.check_invariants()
 
 
 @settings(max_examples=30, deadline=None)
@@ -253,6 +293,39 @@ def test_no_cached_child_is_ever_orphaned(ops, tenant):
         for b, (_, parent, _) in entries.items():
             assert parent is None or parent in digests, f"block {b} orphaned"
         mgr.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=3),
+                max_size=6), st.sampled_from([None, "t"]))
+def test_requests_computed_at_once_register_every_full_block(groups, tenant):
+    """Groups of requests admitted in one step, so none hits another's blocks: once each has registered, every
+    full block of every sequence is reachable through the cache, the table reads back the sequence's own K/V,
+    no registered block is orphaned, and memory holds each registered prefix once."""
+    pool, mgr = make(24)
+    for group in groups:
+        try:
+            seqs = [mgr.create(p, tenant=tenant) for p in group]
+            for seq, p in zip(seqs, group):
+                write_kv(mgr, seq, p[seq.num_tokens:])
+        except OutOfBlocksError:
+            for seq in list(mgr.seqs.values()):
+                seq.free()
+            continue
+        for seq in seqs:
+            mgr.cache_full_blocks(seq)
+        for seq, p in zip(seqs, group):
+            full = len(p) // SPEC.block_size
+            assert seq.cached_blocks == full and mgr.prefix_cache.peek(p, tenant) == seq.block_table[:full]
+            k = pool.storage.read_slots(0, seq.slots())[0][:, 0, 0]
+            assert torch.equal(k, torch.tensor(p, dtype=torch.float32))
+        entries = mgr.prefix_cache.entries()
+        digests = [d for d, _, _ in entries.values()]
+        assert len(digests) == len(set(digests))
+        assert all(parent is None or parent in digests for _, parent, _ in entries.values())
+        mgr.check_invariants()
+        for seq in seqs[::2]:
+            seq.free()
 
 
 class Optimistic(BlockPool):
