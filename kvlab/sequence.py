@@ -85,7 +85,8 @@ class Sequence:
 
     ``token_ids`` is tracked when the sequence was created with tokens (needed for prefix caching) and None when
     only counts matter. ``num_cached_tokens`` prompt tokens came from the prefix cache; ``cached_blocks`` leading
-    blocks are registered there (``prefix_hash`` is the last one's hash)."""
+    blocks are registered there (``prefix_hash`` is the last one's hash); ``cacheable`` turns False when
+    registration met a hash collision, and nothing more of the sequence is registered."""
     seq_id: int
     manager: SequenceManager = field(repr=False)
     block_table: list[int] = field(default_factory=list)
