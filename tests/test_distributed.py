@@ -37,8 +37,15 @@ def test_two_processes_decode_what_one_process_decodes():
     assert res.received.blocks_skipped == 3 * 2 and res.received.tokens_skipped == 3 * 32
     assert res.sent.blocks_sent == res.received.blocks_received == 3 * 5 + 3 * 3
     assert res.sent.bytes == res.received.bytes == res.sent.blocks_sent * CFG.kv_spec(16).bytes_per_block
-    # per step, layer and half (K, V) one message per run of consecutive blocks (here one run), not per block
-    assert res.sent.messages == res.received.messages == 2 * CFG.num_layers * 2 < res.sent.blocks_sent
+    # per step, layer and half (K, V) one message per run of consecutive blocks, not per block. Here the runs
+    # are broken: requests 1 and 2 computed the shared prefix beside request 0 and then took request 0's
+    # registered blocks for it, on both ranks (so those rows repeat, and the copies they gave back are reused)
+    per_half = 2 * CFG.num_layers
+    assert res.sent.messages == res.received.messages and res.received.messages % per_half == 0
+    assert res.received.messages < per_half * res.received.blocks_received
+    # nothing shared, one batch on fresh pools: each request's blocks follow the last's, one run, one message
+    one = run_disagg(demo_batches(3, 70, 0)[:1], 5, timeout=20)
+    assert one.sent.messages == one.received.messages == per_half < one.sent.blocks_sent == 15
 
 
 @pytest.mark.parametrize("interleaved,decode_block_size,fragmented",
