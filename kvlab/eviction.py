@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 class EvictionPolicy:
     """Interface: the pool calls ``add`` when a block becomes evictable, ``discard`` when it stops being
     evictable (referenced again, freed or evicted), and ``order`` to walk candidates, best victim first. Walking
-    ``order`` (or ``rank``) changes no later choice: the pool says which candidate it took with ``evicting``."""
+    ``order`` (or ``rank``) changes no later choice: the pool says which candidate it took with ``evicting``.
+    A policy with ``walk_survives_discard`` lets a walk go on after ``discard`` of blocks it has passed (an
+    eviction in the middle of a walk leaves the order of the rest as it was)."""
 
     name = "base"
+    walk_survives_discard = False
 
     def bind(self, pool: "BlockPool") -> "EvictionPolicy":
         self.pool = pool
@@ -191,12 +194,15 @@ def _in_key_order(heap: list[tuple[tuple[float, ...], int]],
 
 
 class _HeapPolicy(EvictionPolicy):
-    """Evictable blocks in a heap keyed by ``key(block_id)``, with lazy deletion of stale entries."""
+    """Evictable blocks in a heap keyed by ``key(block_id)``, with lazy deletion of stale entries. A walk checks
+    each entry against the live keys, so a discard does not disturb it; an add (the heap itself changes) does."""
+
+    walk_survives_discard = True
 
     def __init__(self) -> None:
         self._keys: dict[int, tuple[float, ...]] = {}
         self._heap: list[tuple[tuple[float, ...], int]] = []
-        self._changes = 0  # a walk of the heap is void once the heap or the set changed under it
+        self._changes = 0  # a walk of the heap is void once the heap changed under it
 
     def key(self, block_id: int) -> tuple[float, ...]:
         raise NotImplementedError
@@ -213,7 +219,6 @@ class _HeapPolicy(EvictionPolicy):
             heapq.heapify(self._heap)
 
     def discard(self, block_id: int) -> None:
-        self._changes += 1
         self._keys.pop(block_id, None)
 
     def __len__(self) -> int:

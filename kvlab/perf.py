@@ -23,6 +23,7 @@ down to the reference.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -140,7 +141,24 @@ class PyFastBlockPool(BlockPool):
         status, refs, tokens, reusable, owner = self._status, self._refs, self._tokens, self._reusable, self._owner
         many = type(policy) is LRUPolicy
         evicted = 0
+
+        def evict(b: int) -> None:
+            nonlocal evicted
+            policy.evicting(b)
+            policy.discard(b)
+            status[b] = FREE
+            refs[b] = tokens[b] = reusable[b] = 0
+            owner[b] = -1
+            for hook in hooks:
+                hook(b)
+            out.append(b)
+            evicted += 1
+
+        lifted_by = getattr(guard, "lifted_by", None)
         try:
+            if policy.walk_survives_discard and lifted_by is not None and getattr(guard, "inner", 0) is None:
+                self._evict_in_one_walk(out, n, evict, lifted_by)
+                return
             while len(out) < n:
                 victims, vetoed = [], False
                 for b, _score in policy.order():
@@ -155,17 +173,34 @@ class PyFastBlockPool(BlockPool):
                 if not victims:  # every candidate was vetoed
                     raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
                 for b in victims:
-                    policy.evicting(b)
-                    policy.discard(b)
-                    status[b] = FREE
-                    refs[b] = tokens[b] = reusable[b] = 0
-                    owner[b] = -1
-                    for hook in hooks:
-                        hook(b)
-                    out.append(b)
-                    evicted += 1
+                    evict(b)
         finally:
             self.counts["evictions"] += evicted
+
+    def _evict_in_one_walk(self, out: list[int], n: int, evict: Callable[[int], None],
+                           lifted_by: Callable[[int], int | None]) -> None:
+        """The victims of :meth:`_evict_quietly` from one walk of the order, for a policy whose walk survives
+        evictions and the prefix cache's guard, which evicting a block changes on one other block at most: its
+        parent (``lifted_by``), which may lose its last child. A fresh walk after each eviction would pass the
+        same vetoed candidates again (thousands, when many chains are cached) and stop at the first acceptable
+        one; that is the parent when the walk already passed it, else the next acceptable one further on."""
+        guard, walk = self.evict_guard, self.policy.order()
+        assert guard is not None
+        passed: set[int] = set()  # the candidates this walk found vetoed
+        while len(out) < n:
+            for b, _score in walk:
+                if guard(b):
+                    break
+                passed.add(b)
+            else:  # every candidate was vetoed
+                raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
+            while True:  # b, then each parent it frees that the walk had passed
+                up = lifted_by(b)  # asked first: evicting b drops its entry
+                evict(b)
+                if len(out) == n or up not in passed or not guard(up):
+                    break
+                passed.discard(up)
+                b = up
 
     def _pop_many(self, n: int, t: int, owner: int) -> list[int]:
         """The top ``n`` blocks of the free stack, stamped with vectorised writes (slices for a run)."""

@@ -160,14 +160,22 @@ class ChainGuard:
     will free. Evicting a tail frees its parent, so a cached block is held back only by an entry above it that
     no eviction removes (a stale entry whose block is not cached) or by a block the wrapped guard keeps."""
 
-    def __init__(self, cache: "PrefixCache", digest: list[bytes | None], children: dict[bytes, int],
-                 inner: Callable[[int], bool] | None) -> None:
+    def __init__(self, cache: "PrefixCache", digest: list[bytes | None], parent: list[bytes | None],
+                 block: dict[bytes, int], children: dict[bytes, int], inner: Callable[[int], bool] | None) -> None:
         self.cache, self.inner = cache, inner
-        self._digest, self._children = digest, children  # the cache's own, shared: asked once per candidate
+        # the cache's own, shared: asked once per candidate
+        self._digest, self._parent, self._block, self._children = digest, parent, block, children
 
     def __call__(self, b: int) -> bool:
         digest = self._digest[b]
         return (digest is None or digest not in self._children) and (self.inner is None or self.inner(b))
+
+    def lifted_by(self, b: int) -> int | None:
+        """The block whose veto evicting ``b`` may lift: the one registered under ``b``'s parent hash, which
+        may lose its last child (None for a chain's first block). The wrapped guard, if any, is taken to keep
+        its verdicts."""
+        parent = self._parent[b]
+        return None if parent is None else self._block.get(parent)
 
     def held_back(self, min_order: int = 0) -> set[int]:
         """The cached blocks of class >= ``min_order`` that this guard keeps however many others are evicted."""
@@ -207,7 +215,8 @@ class PrefixCache:
         pool.evict_hooks.append(self._on_evict)
         pool.relocation_hooks.append(self._on_relocate)
         pool.stale_hooks.append(self._on_stale)
-        pool.evict_guard = ChainGuard(self, self._digest, self._children, pool.evict_guard)
+        pool.evict_guard = ChainGuard(self, self._digest, self._parent, self._block, self._children,
+                                      pool.evict_guard)
 
     def __len__(self) -> int:
         return len(self._block)

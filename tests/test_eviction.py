@@ -760,9 +760,21 @@ def test_rank_then_evict_takes_the_first_ranked(policy):
 
 @pytest.mark.parametrize("policy", ALL)
 def test_walking_a_changed_heap_or_ring_is_refused(policy):
+    """A walk that an eviction overtook: a heap policy's goes on with the rest in order (the pool evicts as it
+    walks), any other policy's is refused; a block cached meanwhile refuses every walk."""
     pool = scenario(policy)
+    walk, rest = pool.policy.order(), [b for b, _ in pool.policy.order()]
+    next(walk)
+    victim = pool.evict()
+    if pool.policy.walk_survives_discard:
+        assert [b for b, _ in walk] == [b for b in rest[1:] if b != victim]
+    else:
+        with pytest.raises(RuntimeError):
+            list(walk)
     walk = pool.policy.order()
     next(walk)
-    pool.evict()
+    b = pool.allocate(1)[0]  # off the free stack: nothing evicted
+    pool.mark_reusable([b])
+    pool.free([b])  # cached now: the policy added it
     with pytest.raises(RuntimeError):
         list(walk)

@@ -150,6 +150,40 @@ def feed(data, tracks: bool):
                      st.one_of(*[st.integers(0, 9)] * 6, ids, junk, st.just(2**63)))
 
 
+@pytest.mark.parametrize("policy", ["fifo", "lfu", "lru"])
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy):
+    """Two cached 3-block chains, their heads first in FIFO order; an allocation needs 4 victims. The prefix
+    cache's guard vetoes a head until its tail is gone, so each victim after the first tail is the parent that
+    tail freed: the fast pool finds them all in one walk of a heap policy's order, the reference in one walk per
+    victim, and both evict the same blocks in the same order."""
+    def run(pool_cls):
+        pool = pool_cls(8, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
+        mgr = SequenceManager(pool, prefix_cache=True)
+        for prompt in (list(range(12)), list(range(20, 32))):
+            seq = mgr.create(prompt)
+            seq.append(prompt)
+            mgr.cache_full_blocks(seq)
+            seq.free()
+        walks, order = [0], pool.policy.order
+
+        def counted():
+            walks[0] += 1
+            return order()
+        pool.policy.order = counted
+        got, walked = pool.allocate(6), walks[0]  # with nobody listening: the fast pool's quiet path
+        pool.check_invariants()
+        return got, walked, pool_state(pool)
+
+    (fast, fast_walks, fast_state), (ref, ref_walks, ref_state) = run(cls), run(BlockPool)
+    assert fast == ref
+    assert_same_state(ref_state, fast_state)
+    if policy == "fifo":
+        assert fast[2:] == [2, 1, 0, 5]  # chain A tail first, then chain B's tail
+    if policy != "lru":
+        assert fast_walks == 1 < ref_walks
+
+
 @pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
 @pytest.mark.parametrize("mgr_cls, pool_cls", MANAGERS, ids=lambda c: c.__name__)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -159,7 +193,8 @@ def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, d
     repeated, freed and swapped sequences, forks that make appends copy on write), registrations, swaps and
     frees on a small pool: the fast manager over its fast pool and the reference over BlockPool return the
     same values, raise the same errors and end every step in the same state, events included."""
-    kw = dict(spec=KVSpec(block_size=4), with_storage=False)
+    policy = data.draw(st.sampled_from(["lru", "fifo", "lfu"]), label="policy")  # heap policies: one walk
+    kw = dict(spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
     pools = pool_cls(24, **kw), BlockPool(24, **kw)
     mgrs = mgr_cls(pools[0], prefix_cache=True), SequenceManager(pools[1], prefix_cache=True)
     recs = [EventRecorder(p.events) for p in pools] if listen else []
