@@ -23,8 +23,10 @@ down to the reference.
 """
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -35,8 +37,8 @@ from .clock import LogicalClock
 from .compiled import load_extension
 from .errors import OutOfBlocksError
 from .eviction import LRUPolicy
-from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, BlockPool, Ids
-from .prefix import TOKEN_MAX, PrefixCache, token_bytes
+from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, RANKED, BlockPool, Ids
+from .prefix import TOKEN_MAX, ChainGuard, PrefixCache, token_bytes
 from .sequence import NewTokens, Sequence, SequenceManager
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on
@@ -92,8 +94,8 @@ class PyFastBlockPool(BlockPool):
         return super().allocate(n, size_class=size_class, owner=owner, status=status, block_id=block_id)
 
     def _allocate_evicting(self, n: int, owner: int) -> list[int]:
-        """More blocks than the free stack holds: all of it, then the policy's victims one by one (evicted by the
-        reference's own ``_evict_one``, so guards, hooks and events are the reference's), stamped together."""
+        """More blocks than the free stack holds: all of it, then the policy's victims (:meth:`_evict_into`),
+        stamped together."""
         stack = self._stack
         self.lock_acquisitions += 1
         t = self.clock.tick()
@@ -101,13 +103,7 @@ class PyFastBlockPool(BlockPool):
         free = len(out)
         del stack[:]
         try:
-            if self.events:  # the reference's own eviction publishes each victim with its ranked candidates
-                while len(out) < n:
-                    if self._evict_one("allocation pressure", t) is None:
-                        raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
-                    out.append(stack.pop())
-            else:
-                self._evict_quietly(out, n)
+            self._evict_into(out, n, t)
         except OutOfBlocksError:  # hand back what was taken, as the reference does
             stack.extend(reversed(out))
             raise
@@ -127,23 +123,25 @@ class PyFastBlockPool(BlockPool):
                                              "evict" if n - free > free else "free"))
         return out
 
-    def _evict_quietly(self, out: list[int], n: int) -> None:
-        """``BlockPool._evict_one`` until ``out`` holds ``n`` blocks, with nobody listening, inlined: the
-        policy's first candidate the guard accepts each time, its fields reset to FREE as ``meta.reset`` does,
-        the evict hooks told. Each victim goes straight to ``out`` (the reference pushes it on the free stack and
-        pops it back).
+    def _evict_into(self, out: list[int], n: int, t: int) -> None:
+        """Victims until ``out`` holds ``n`` blocks, the ones ``BlockPool._evict_one`` would pick one call at a
+        time: each the policy's first candidate the guard accepts, its fields reset to FREE as ``meta.reset``
+        does, the evict hooks told and its ``Evicted`` event (with the same ranked candidates) published. Each
+        victim goes straight to ``out`` (the reference pushes it on the free stack and pops it back).
 
-        Under LRU one walk of the order yields several victims: the candidates the guard accepts before it
-        vetoes any. Evicting them leaves the order of the rest as it was, and can only make a vetoed candidate
-        acceptable (a parent losing its last cached child), never the reverse, so each is the victim a fresh
-        walk would find; after a veto the walk starts again, as the reference's does."""
-        policy, guard, hooks = self.policy, self.evict_guard, self.evict_hooks
+        The reference walks the order afresh for every victim. Two cases need fewer walks:
+
+        * a heap policy under the prefix cache's own guard (:meth:`_evict_in_one_walk`): one walk in all;
+        * LRU with nobody listening: one walk yields the candidates the guard accepts before it vetoes any.
+          Evicting them leaves the order of the rest as it was, and can only make a vetoed candidate acceptable
+          (a parent losing its last cached child), never the reverse, so each is the victim a fresh walk would
+          find; after a veto the walk starts again, as the reference's does.
+
+        Anything else with a listener is the reference's own ``_evict_one``, victim by victim."""
+        policy, guard, hooks, counts = self.policy, self.evict_guard, self.evict_hooks, self.counts
         status, refs, tokens, reusable, owner = self._status, self._refs, self._tokens, self._reusable, self._owner
-        many = type(policy) is LRUPolicy
-        evicted = 0
 
         def evict(b: int) -> None:
-            nonlocal evicted
             policy.evicting(b)
             policy.discard(b)
             status[b] = FREE
@@ -152,55 +150,69 @@ class PyFastBlockPool(BlockPool):
             for hook in hooks:
                 hook(b)
             out.append(b)
-            evicted += 1
+            counts["evictions"] += 1
 
-        lifted_by = getattr(guard, "lifted_by", None)
-        try:
-            if policy.walk_survives_discard and lifted_by is not None and getattr(guard, "inner", 0) is None:
-                self._evict_in_one_walk(out, n, evict, lifted_by)
-                return
+        if policy.walk_survives_discard and isinstance(guard, ChainGuard) and guard.inner is None:
+            self._evict_in_one_walk(out, n, t, evict, guard)
+            return
+        if self.events:
             while len(out) < n:
-                victims, vetoed = [], False
-                for b, _score in policy.order():
-                    if guard is None or guard(b):
-                        victims.append(b)
-                        if vetoed or not many or len(out) + len(victims) == n:
-                            break
-                    elif victims:
-                        break
-                    else:
-                        vetoed = True
-                if not victims:  # every candidate was vetoed
+                if self._evict_one("allocation pressure", t) is None:
                     raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
-                for b in victims:
-                    evict(b)
-        finally:
-            self.counts["evictions"] += evicted
+                out.append(self._stack.pop())
+            return
+        many = type(policy) is LRUPolicy
+        while len(out) < n:
+            victims, vetoed = [], False
+            for b, _score in policy.order():
+                if guard is None or guard(b):
+                    victims.append(b)
+                    if vetoed or not many or len(out) + len(victims) == n:
+                        break
+                elif victims:
+                    break
+                else:
+                    vetoed = True
+            if not victims:  # every candidate was vetoed
+                raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
+            for b in victims:
+                evict(b)
 
-    def _evict_in_one_walk(self, out: list[int], n: int, evict: Callable[[int], None],
-                           lifted_by: Callable[[int], int | None]) -> None:
-        """The victims of :meth:`_evict_quietly` from one walk of the order, for a policy whose walk survives
-        evictions and the prefix cache's guard, which evicting a block changes on one other block at most: its
+    def _evict_in_one_walk(self, out: list[int], n: int, t: int, evict: Callable[[int], None],
+                           guard: ChainGuard) -> None:
+        """The victims of :meth:`_evict_into` from one walk of the order, for a policy whose walk survives
+        evictions, under the prefix cache's guard, which evicting a block changes on one other block at most: its
         parent (``lifted_by``), which may lose its last child. A fresh walk after each eviction would pass the
         same vetoed candidates again (thousands, when many chains are cached) and stop at the first acceptable
-        one; that is the parent when the walk already passed it, else the next acceptable one further on."""
-        guard, walk = self.evict_guard, self.policy.order()
-        assert guard is not None
-        passed: set[int] = set()  # the candidates this walk found vetoed
+        one; that is the parent when the walk already passed it, else the next acceptable one further on.
+
+        The order a fresh walk would see is the vetoed candidates passed so far, then the rest of this walk; an
+        ``Evicted`` event ranks the victim first, then the first others of that order, as the reference's does."""
+        walk, name = self.policy.order(), self.policy.name
+        passed: OrderedDict[int, float] = OrderedDict()  # the vetoed candidates this walk passed, in order
+        ahead: deque[tuple[int, float]] = deque()  # taken from the walk to rank a victim, not yet judged
+
+        def ranked(b: int, score: float) -> tuple[tuple[int, float], ...]:
+            need = RANKED - 1 - len(passed)
+            while len(ahead) < need and (entry := next(walk, None)) is not None:
+                ahead.append(entry)
+            return ((b, score), *islice(passed.items(), RANKED - 1), *islice(ahead, max(0, need)))
+
         while len(out) < n:
-            for b, _score in walk:
-                if guard(b):
-                    break
-                passed.add(b)
-            else:  # every candidate was vetoed
+            while (entry := ahead.popleft() if ahead else next(walk, None)) is not None and not guard(entry[0]):
+                passed[entry[0]] = entry[1]
+            if entry is None:  # every candidate was vetoed
                 raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")
+            b, score = entry
             while True:  # b, then each parent it frees that the walk had passed
-                up = lifted_by(b)  # asked first: evicting b drops its entry
+                up = guard.lifted_by(b)  # asked first: evicting b drops its entry
+                rank = ranked(b, score) if self.events else ()  # ranked before, published after, as the reference
                 evict(b)
-                if len(out) == n or up not in passed or not guard(up):
+                if rank:
+                    self.events.publish(ev.Evicted(t, b, name, "allocation pressure", rank))
+                if len(out) == n or up is None or up not in passed or not guard(up):
                     break
-                passed.discard(up)
-                b = up
+                b, score = up, passed.pop(up)
 
     def _pop_many(self, n: int, t: int, owner: int) -> list[int]:
         """The top ``n`` blocks of the free stack, stamped with vectorised writes (slices for a run)."""

@@ -61,6 +61,7 @@ from .textbook import TextbookNames
 FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
 NAMES = [s.name for s in BlockStatus]
 INT32_MAX = 2**31 - 1
+RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -538,12 +539,12 @@ class BlockPool(TextbookNames):
         if victim is None:
             return None
         if self.events:  # the victim first, then the candidates it was preferred to (passed over or next)
-            ranked = [ranked[-1], *ranked[:-1], *islice(order, max(0, 8 - len(ranked)))]
+            ranked = [ranked[-1], *ranked[:-1], *islice(order, max(0, RANKED - len(ranked)))]
         self.policy.evicting(victim)  # a policy whose state moves with its choice (CLOCK's hand) commits it
         self._uncache(victim)
         self.counts["evictions"] += 1
         if self.events:
-            self.events.publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked[:8])))
+            self.events.publish(ev.Evicted(t, victim, self.policy.name, reason, tuple(ranked[:RANKED])))
         return victim
 
     def evict(self, reason: str = "explicit") -> int | None:

@@ -150,17 +150,19 @@ def feed(data, tracks: bool):
                      st.one_of(*[st.integers(0, 9)] * 6, ids, junk, st.just(2**63)))
 
 
+@pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
 @pytest.mark.parametrize("policy", ["fifo", "lfu", "lru"])
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
-def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy):
-    """Two cached 3-block chains, their heads first in FIFO order; an allocation needs 4 victims. The prefix
-    cache's guard vetoes a head until its tail is gone, so each victim after the first tail is the parent that
-    tail freed: the fast pool finds them all in one walk of a heap policy's order, the reference in one walk per
-    victim, and both evict the same blocks in the same order."""
+def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy, listen):
+    """Three cached chains of 9, 3 and 4 blocks, their heads first in FIFO order; an allocation needs 12
+    victims. The prefix cache's guard vetoes a head until its tail is gone, so each victim after a tail is the
+    parent that tail freed: the fast pool finds them all in one walk of a heap policy's order, the reference in
+    one walk per victim, and both evict the same blocks in the same order, with a listener publishing the same
+    events (each ``Evicted`` ranks the victim, then the first 7 others of the order a fresh walk would see)."""
     def run(pool_cls):
-        pool = pool_cls(8, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
+        pool = pool_cls(20, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
         mgr = SequenceManager(pool, prefix_cache=True)
-        for prompt in (list(range(12)), list(range(20, 32))):
+        for prompt in (list(range(36)), list(range(40, 52)), list(range(60, 76))):
             seq = mgr.create(prompt)
             seq.append(prompt)
             mgr.cache_full_blocks(seq)
@@ -171,15 +173,22 @@ def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy):
             walks[0] += 1
             return order()
         pool.policy.order = counted
-        got, walked = pool.allocate(6), walks[0]  # with nobody listening: the fast pool's quiet path
+        rec = EventRecorder(pool.events) if listen else None
+        got, walked = pool.allocate(16), walks[0]
         pool.check_invariants()
-        return got, walked, pool_state(pool)
+        return got, walked, pool_state(pool), rec and [(type(e).__name__, e.as_dict()) for e in rec.events]
 
-    (fast, fast_walks, fast_state), (ref, ref_walks, ref_state) = run(cls), run(BlockPool)
+    (fast, fast_walks, fast_state, fast_events), (ref, ref_walks, ref_state, ref_events) = run(cls), run(BlockPool)
     assert fast == ref
     assert_same_state(ref_state, fast_state)
+    assert fast_events == ref_events
     if policy == "fifo":
-        assert fast[2:] == [2, 1, 0, 5]  # chain A tail first, then chain B's tail
+        assert fast[4:] == [8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 10, 9]  # each chain's tail first, chain by chain
+    if listen:
+        evicted = [e for name, e in fast_events if name == "Evicted"]
+        assert [e["block_id"] for e in evicted] == fast[4:]
+        assert [len(e["candidates"]) for e in evicted] == [min(8, 16 - i) for i in range(12)]  # 16 were cached
+        assert all(e["candidates"][0][0] == e["block_id"] for e in evicted)
     if policy != "lru":
         assert fast_walks == 1 < ref_walks
 
