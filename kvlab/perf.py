@@ -70,7 +70,9 @@ class PyFastBlockPool(BlockPool):
         if (type(n) is int and n > 0 and type(size_class) is int and not size_class
                 and block_id is None and status == ALLOCATED and type(status) in (int, BlockStatus)
                 and type(owner) is int and -1 <= owner <= INT32_MAX):
-            with self.lock:
+            lock = self.lock
+            lock.acquire()  # not `with`: half the cost, and a third of what this path spends beside it
+            try:
                 if n <= len(stack):  # checked again under the lock
                     self.lock_acquisitions += 1
                     t = self.clock.tick()
@@ -91,6 +93,8 @@ class PyFastBlockPool(BlockPool):
                     return out
                 if not self.max_order and n - len(stack) <= self._evictable(0, n - len(stack)):  # the check passes
                     return self._allocate_evicting(n, owner)
+            finally:
+                lock.release()
         return super().allocate(n, size_class=size_class, owner=owner, status=status, block_id=block_id)
 
     def _allocate_evicting(self, n: int, owner: int) -> list[int]:
@@ -239,7 +243,9 @@ class PyFastBlockPool(BlockPool):
         """:meth:`BlockPool.free`, fast for distinct base blocks that each hold their only reference and keep
         no reusable data."""
         if type(ids) is list and ids and not self.max_order:
-            with self.lock:
+            lock = self.lock
+            lock.acquire()  # not `with`, as in allocate
+            try:
                 if len(ids) == 1:
                     b = ids[0]
                     if (type(b) is int and 0 <= b < self.num_blocks and self._status[b] == ALLOCATED
@@ -258,6 +264,8 @@ class PyFastBlockPool(BlockPool):
                     return
                 if self._release_held(ids):
                     return
+            finally:
+                lock.release()
         super().free(ids)
 
     def _free_not_plain(self, ids: Ids) -> None:
