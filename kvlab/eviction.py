@@ -195,7 +195,8 @@ def _in_key_order(heap: list[tuple[tuple[float, ...], int]],
 
 class _HeapPolicy(EvictionPolicy):
     """Evictable blocks in a heap keyed by ``key(block_id)``, with lazy deletion of stale entries. A walk checks
-    each entry against the live keys, so a discard does not disturb it; an add (the heap itself changes) does."""
+    each entry against the live keys, so a discard does not disturb it, nor does a second walk (which leaves
+    stale entries on top of the heap while another walk is under way); an add (the heap itself changes) does."""
 
     walk_survives_discard = True
 
@@ -203,6 +204,7 @@ class _HeapPolicy(EvictionPolicy):
         self._keys: dict[int, tuple[float, ...]] = {}
         self._heap: list[tuple[tuple[float, ...], int]] = []
         self._changes = 0  # a walk of the heap is void once the heap changed under it
+        self._walks = 0  # walks under way: while one is, another must not pop the heap under it
 
     def key(self, block_id: int) -> tuple[float, ...]:
         raise NotImplementedError
@@ -229,14 +231,18 @@ class _HeapPolicy(EvictionPolicy):
 
     def order(self) -> Iterator[tuple[int, float]]:
         heap, keys = self._heap, self._keys
-        while heap and keys.get(heap[0][1]) != heap[0][0]:  # stale entries on top go: the victim is O(1)
+        while not self._walks and heap and keys.get(heap[0][1]) != heap[0][0]:  # stale tops go: the victim is O(1)
             heapq.heappop(heap)
             self._changes += 1
         changes = self._changes
-        for key, b in _in_key_order(heap, keys):
-            yield b, float(key[0])
-            if self._changes != changes:
-                raise RuntimeError(f"the {self.name} policy changed while its order was walked")
+        self._walks += 1  # (a look at the ranking while the pool evicts, from a listener, must not void its walk)
+        try:
+            for key, b in _in_key_order(heap, keys):
+                yield b, float(key[0])
+                if self._changes != changes:
+                    raise RuntimeError(f"the {self.name} policy changed while its order was walked")
+        finally:
+            self._walks -= 1
 
     def _carry(self, moved: dict[int, int]) -> None:
         """Moved blocks keep their keys (the block id in a key, its tie-break, becomes the new id)."""

@@ -48,6 +48,10 @@ _ALLOCATED = bytes([ALLOCATED])
 _ONE_REF = np.ones(1, dtype=np.int32).tobytes()
 
 
+class _WalkVoid(Exception):
+    """A walk of the eviction order went void half-way (the policy changed under it)."""
+
+
 class PyFastBlockPool(BlockPool):
     """A :class:`BlockPool` whose common allocate/free calls take inlined and vectorised Python paths."""
 
@@ -157,8 +161,11 @@ class PyFastBlockPool(BlockPool):
             counts["evictions"] += 1
 
         if policy.walk_survives_discard and isinstance(guard, ChainGuard) and guard.inner is None:
-            self._evict_in_one_walk(out, n, t, evict, guard)
-            return
+            try:
+                self._evict_in_one_walk(out, n, t, evict, guard)
+                return
+            except _WalkVoid:  # a hook or listener cached a block: the rest as below, each from a fresh walk
+                pass
         if self.events:
             while len(out) < n:
                 if self._evict_one("allocation pressure", t) is None:
@@ -191,19 +198,28 @@ class PyFastBlockPool(BlockPool):
         one; that is the parent when the walk already passed it, else the next acceptable one further on.
 
         The order a fresh walk would see is the vetoed candidates passed so far, then the rest of this walk; an
-        ``Evicted`` event ranks the victim first, then the first others of that order, as the reference's does."""
+        ``Evicted`` event ranks the victim first, then the first others of that order, as the reference's does.
+        A listener may look at the ranking meanwhile (a second walk leaves this one alone); if a hook or listener
+        caches a block, the walk is void (:class:`_WalkVoid`, raised before anything is decided for the next
+        victim) and :meth:`_evict_into` takes the rest from fresh walks."""
         walk, name = self.policy.order(), self.policy.name
         passed: OrderedDict[int, float] = OrderedDict()  # the vetoed candidates this walk passed, in order
         ahead: deque[tuple[int, float]] = deque()  # taken from the walk to rank a victim, not yet judged
 
+        def pull() -> tuple[int, float] | None:
+            try:
+                return next(walk, None)
+            except RuntimeError:  # the policy changed under the walk (a block was cached): nothing is decided
+                raise _WalkVoid from None
+
         def ranked(b: int, score: float) -> tuple[tuple[int, float], ...]:
             need = RANKED - 1 - len(passed)
-            while len(ahead) < need and (entry := next(walk, None)) is not None:
+            while len(ahead) < need and (entry := pull()) is not None:
                 ahead.append(entry)
             return ((b, score), *islice(passed.items(), RANKED - 1), *islice(ahead, max(0, need)))
 
         while len(out) < n:
-            while (entry := ahead.popleft() if ahead else next(walk, None)) is not None and not guard(entry[0]):
+            while (entry := ahead.popleft() if ahead else pull()) is not None and not guard(entry[0]):
                 passed[entry[0]] = entry[1]
             if entry is None:  # every candidate was vetoed
                 raise OutOfBlocksError(f"no block of {self.block_size} tokens is free or evictable")

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import (Allocated, BlockPool, Cached, DoubleFreeError, EventRecorder, FastBlockPool, Freed,
+from kvlab import (Allocated, BlockPool, Cached, Evicted, DoubleFreeError, EventRecorder, FastBlockPool, Freed,
                    IllegalTransitionError, KVLabError, KVSpec, RefChanged, UnknownBlockError)
 from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
 import kvlab.prefix as prefix_mod
@@ -150,33 +150,44 @@ def feed(data, tracks: bool):
                      st.one_of(*[st.integers(0, 9)] * 6, ids, junk, st.just(2**63)))
 
 
+def cached_chains(pool_cls, policy):
+    """A 20-block pool (block size 4) whose prefix cache holds three chains of 9, 3 and 4 blocks (0-8, 9-11,
+    12-15), none referenced; blocks 16-19 are free. Returns the pool and a list counting walks of its order."""
+    pool = pool_cls(20, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
+    mgr = SequenceManager(pool, prefix_cache=True)
+    for prompt in (list(range(36)), list(range(40, 52)), list(range(60, 76))):
+        seq = mgr.create(prompt)
+        seq.append(prompt)
+        mgr.cache_full_blocks(seq)
+        seq.free()
+    walks, order = [0], pool.policy.order
+
+    def counted():
+        walks[0] += 1
+        return order()
+    pool.policy.order = counted
+    return pool, walks
+
+
+def events_of(rec: EventRecorder) -> list:
+    return [(type(e).__name__, e.as_dict()) for e in rec.events]
+
+
 @pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
 @pytest.mark.parametrize("policy", ["fifo", "lfu", "lru"])
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
 def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy, listen):
-    """Three cached chains of 9, 3 and 4 blocks, their heads first in FIFO order; an allocation needs 12
-    victims. The prefix cache's guard vetoes a head until its tail is gone, so each victim after a tail is the
-    parent that tail freed: the fast pool finds them all in one walk of a heap policy's order, the reference in
-    one walk per victim, and both evict the same blocks in the same order, with a listener publishing the same
-    events (each ``Evicted`` ranks the victim, then the first 7 others of the order a fresh walk would see)."""
+    """Three cached chains, their heads first in FIFO order; an allocation needs 12 victims. The prefix cache's
+    guard vetoes a head until its tail is gone, so each victim after a tail is the parent that tail freed: the
+    fast pool finds them all in one walk of a heap policy's order, the reference in one walk per victim, and
+    both evict the same blocks in the same order, with a listener publishing the same events (each ``Evicted``
+    ranks the victim, then the first 7 others of the order a fresh walk would see)."""
     def run(pool_cls):
-        pool = pool_cls(20, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
-        mgr = SequenceManager(pool, prefix_cache=True)
-        for prompt in (list(range(36)), list(range(40, 52)), list(range(60, 76))):
-            seq = mgr.create(prompt)
-            seq.append(prompt)
-            mgr.cache_full_blocks(seq)
-            seq.free()
-        walks, order = [0], pool.policy.order
-
-        def counted():
-            walks[0] += 1
-            return order()
-        pool.policy.order = counted
+        pool, walks = cached_chains(pool_cls, policy)
         rec = EventRecorder(pool.events) if listen else None
         got, walked = pool.allocate(16), walks[0]
         pool.check_invariants()
-        return got, walked, pool_state(pool), rec and [(type(e).__name__, e.as_dict()) for e in rec.events]
+        return got, walked, pool_state(pool), rec and events_of(rec)
 
     (fast, fast_walks, fast_state, fast_events), (ref, ref_walks, ref_state, ref_events) = run(cls), run(BlockPool)
     assert fast == ref
@@ -191,6 +202,41 @@ def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy, listen):
         assert all(e["candidates"][0][0] == e["block_id"] for e in evicted)
     if policy != "lru":
         assert fast_walks == 1 < ref_walks
+
+
+@pytest.mark.parametrize("caches", [False, True], ids=["looks", "caches"])
+@pytest.mark.parametrize("policy", ["fifo", "lfu"])
+@pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
+def test_a_listener_that_looks_at_the_ranking_mid_eviction(cls, policy, caches):
+    """A listener that reads the policy's ranking on every ``Evicted`` (and, against the events contract,
+    caches a held block on the first) while the fast pool takes 12 victims from one walk: the look leaves the
+    walk alone (one walk, plus the listener's own), a block cached under it voids the walk and the rest come
+    from fresh walks, as the reference's do; either way both pools end alike, event for event, and the
+    listener saw the same rankings."""
+    def run(pool_cls):
+        pool, walks = cached_chains(pool_cls, policy)
+        held = pool.allocate(1)
+        pool.mark_reusable(held)
+        seen: list = []
+
+        def look(e):
+            if isinstance(e, Evicted):
+                seen.append(pool.policy.rank(3))
+                if caches and held:
+                    pool.free([held.pop()])
+        pool.events.subscribe(look)
+        rec = EventRecorder(pool.events)
+        walks[0] = 0
+        got = pool.allocate(15)
+        walked = walks[0] - len(seen)  # the pool's own walks
+        pool.check_invariants()
+        return got, walked, seen, pool_state(pool), events_of(rec)
+
+    fast, ref = run(cls), run(BlockPool)
+    assert fast[0] == ref[0] and fast[2] == ref[2] and fast[4] == ref[4]
+    assert_same_state(ref[3], fast[3])
+    assert len(fast[2]) == 12
+    assert (fast[1] > 1) if caches else (fast[1] == 1 < ref[1])
 
 
 @pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
