@@ -112,7 +112,7 @@ class PyFastBlockPool(BlockPool):
         del stack[:]
         try:
             self._evict_into(out, n, t)
-        except OutOfBlocksError:  # hand back what was taken, as the reference does
+        except BaseException:  # hand back what was taken, as the reference does
             stack.extend(reversed(out))
             raise
         status, refs, hits, last, created, owners = (self._status, self._refs, self._hits, self._last, self._created,
@@ -155,9 +155,9 @@ class PyFastBlockPool(BlockPool):
             status[b] = FREE
             refs[b] = tokens[b] = reusable[b] = 0
             owner[b] = -1
+            out.append(b)  # before the hooks, which may raise: the reference pushes it on the free stack first
             for hook in hooks:
                 hook(b)
-            out.append(b)
             counts["evictions"] += 1
 
         if policy.walk_survives_discard and isinstance(guard, ChainGuard) and guard.inner is None:

@@ -242,7 +242,8 @@ class BlockPool(TextbookNames):
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError`, with
         nothing changed, if the pool cannot supply ``n``, counting as evictable only what the ``evict_guard``
         lets go (see the module docstring). ``status=PENDING`` reserves blocks whose data is still to arrive;
-        ``block_id`` takes that one FREE block (``n`` must be 1)."""
+        ``block_id`` takes that one FREE block (``n`` must be 1). An evict hook that raises reaches the caller
+        with every block taken back on the free stack (the victims evicted so far stay FREE)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
             if type(status) not in (int, BlockStatus) or status not in (ALLOCATED, PENDING):
@@ -269,8 +270,8 @@ class BlockPool(TextbookNames):
             try:
                 while len(taken) < n:
                     taken.append(self._take(k, t))
-            except OutOfBlocksError:  # a guard broke its promise (see _evictable): hand back what was taken
-                for b, _ in reversed(taken):
+            except BaseException:  # a guard broke its promise (see _evictable), or a hook raised: hand back
+                for b, _ in reversed(taken):  # what was taken (the blocks evicted so far stay FREE)
                     self.free_lists.push(b)
                 raise
             out, served = [b for b, _ in taken], [how for _, how in taken]
