@@ -699,30 +699,34 @@ class HookFailed(Exception):
     pass
 
 
-@pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
+@pytest.mark.parametrize("raiser", ["hook", "hook+listener", "listener"])
 @pytest.mark.parametrize("policy", ["fifo", "lfu", "lru"])
 @pytest.mark.parametrize("cls", [*FAST, BlockPool], ids=lambda c: c.__name__)
-def test_an_evict_hook_that_raises_leaves_a_consistent_pool(cls, policy, listen):
-    """An evict hook that raises on the second of four victims an allocation needs: the error reaches the
-    caller, every block the allocation had taken is back on the free stack (the two evicted ones FREE, their
-    data gone), the pool passes its invariants and serves the next allocation, and the fast pools end exactly as
-    the reference does. (Before, the blocks taken stayed off the free stack.)"""
+def test_an_evict_hook_or_listener_that_raises_leaves_a_consistent_pool(cls, policy, raiser):
+    """An evict hook (with or without a listener attached) or a listener that raises at the second of four
+    victims an allocation needs: the error reaches the caller, every block the allocation had taken is back on
+    the free stack (the two evicted ones FREE, their data gone), the pool passes its invariants and serves the
+    next allocation, and the fast pools end exactly as the reference does. (Before, the blocks taken stayed off
+    the free stack.)"""
     def run(pool_cls):
         pool, _ = cached_chains(pool_cls, policy)
-        rec = EventRecorder(pool.events) if listen else None
+        rec = EventRecorder(pool.events) if raiser != "hook" else None
         calls = []
 
-        def hook(b):
+        def fail(b):
             calls.append(b)
             if len(calls) == 2:
                 raise HookFailed(b)
-        pool.evict_hooks.append(hook)
+        if raiser == "listener":
+            undo = pool.events.subscribe(lambda e: isinstance(e, Evicted) and fail(e.block_id))
+        else:
+            pool.evict_hooks.append(fail)
+            undo = lambda: pool.evict_hooks.remove(fail)  # noqa: E731
         with pytest.raises(HookFailed):
             pool.allocate(8)
         pool.check_invariants()
-        state = pool_state(pool)
-        free = pool.num_free_blocks
-        pool.evict_hooks.remove(hook)
+        state, free = pool_state(pool), pool.num_free_blocks
+        undo()
         return state, free, calls, pool.allocate(6), rec and events_of(rec)
 
     ref = run(BlockPool)
