@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab import (Allocated, BlockPool, Cached, Evicted, DoubleFreeError, EventRecorder, FastBlockPool, Freed,
                    IllegalTransitionError, KVLabError, KVSpec, RefChanged, UnknownBlockError)
+from kvlab.eviction import OPTPolicy
 from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
 import kvlab.prefix as prefix_mod
 from kvlab.prefix import PrefixCache, token_bytes
@@ -153,6 +154,8 @@ def feed(data, tracks: bool):
 def cached_chains(pool_cls, policy):
     """A 20-block pool (block size 4) whose prefix cache holds three chains of 9, 3 and 4 blocks (0-8, 9-11,
     12-15), none referenced; blocks 16-19 are free. Returns the pool and a list counting walks of its order."""
+    if policy == "opt":  # an oracle whose next uses never pass: block b is next needed at time 100 - b
+        policy = OPTPolicy(lambda b: 100.0 - b)
     pool = pool_cls(20, spec=KVSpec(block_size=4), with_storage=False, eviction_policy=policy)
     mgr = SequenceManager(pool, prefix_cache=True)
     for prompt in (list(range(36)), list(range(40, 52)), list(range(60, 76))):
@@ -174,7 +177,7 @@ def events_of(rec: EventRecorder) -> list:
 
 
 @pytest.mark.parametrize("listen", [False, True], ids=["quiet", "listened"])
-@pytest.mark.parametrize("policy", ["fifo", "lfu", "lru"])
+@pytest.mark.parametrize("policy", ["fifo", "lfu", "opt", "lru"])
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
 def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy, listen):
     """Three cached chains, their heads first in FIFO order; an allocation needs 12 victims. The prefix cache's
@@ -205,7 +208,7 @@ def test_cached_chains_are_evicted_tail_first_in_one_walk(cls, policy, listen):
 
 
 @pytest.mark.parametrize("caches", [False, True], ids=["looks", "caches"])
-@pytest.mark.parametrize("policy", ["fifo", "lfu"])
+@pytest.mark.parametrize("policy", ["fifo", "lfu", "opt"])
 @pytest.mark.parametrize("cls", FAST, ids=lambda c: c.__name__)
 def test_a_listener_that_looks_at_the_ranking_mid_eviction(cls, policy, caches):
     """A listener that reads the policy's ranking on every ``Evicted`` (and, against the events contract,
