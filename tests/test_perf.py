@@ -739,3 +739,35 @@ def test_an_evict_hook_or_listener_that_raises_leaves_a_consistent_pool(cls, pol
     fast = run(cls)
     assert_same_state(ref[0], fast[0])
     assert fast[1:] == ref[1:]
+
+
+@pytest.mark.parametrize("path", ["evict", "release_cached", "unmark"])
+@pytest.mark.parametrize("cls", [*FAST, BlockPool], ids=lambda c: c.__name__)
+def test_an_evict_hook_that_raises_on_the_other_evicting_paths(cls, path):
+    """The other calls that drop cached data (``evict``, ``release_cached``, ``mark_reusable(..., False)`` of
+    three cached blocks) with an evict hook that raises at the first block: the error reaches the caller, that
+    block is FREE and on the free stack, the rest untouched, the invariants hold; the fast pools end as the
+    reference does."""
+    def run(pool_cls):
+        pool, _ = cached_chains(pool_cls, "fifo")
+        calls = []
+
+        def fail(b):
+            calls.append(b)
+            raise HookFailed(b)
+        pool.evict_hooks.append(fail)
+        with pytest.raises(HookFailed):
+            if path == "evict":
+                pool.evict()
+            elif path == "release_cached":
+                pool.release_cached(8)
+            else:
+                pool.mark_reusable([8, 11, 15], False)
+        pool.check_invariants()
+        return calls, pool.num_free_blocks, pool.free_ids()[0], pool_state(pool)
+
+    ref = run(BlockPool)
+    assert ref[:3] == (([15], 5, 15) if path == "unmark" else ([8], 5, 8))  # unmarked: the last block first
+    fast = run(cls)
+    assert fast[:3] == ref[:3]
+    assert_same_state(ref[3], fast[3])
