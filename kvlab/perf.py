@@ -37,7 +37,7 @@ from .clock import LogicalClock
 from .compiled import load_extension
 from .errors import OutOfBlocksError
 from .eviction import LRUPolicy
-from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, RANKED, BlockPool, Ids
+from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, RANKED, BlockPool, Ids, notify
 from .prefix import TOKEN_MAX, ChainGuard, PrefixCache, token_bytes
 from .sequence import NewTokens, Sequence, SequenceManager
 
@@ -156,8 +156,7 @@ class PyFastBlockPool(BlockPool):
             refs[b] = tokens[b] = reusable[b] = 0
             owner[b] = -1
             out.append(b)  # before the hooks, which may raise: the reference pushes it on the free stack first
-            for hook in hooks:
-                hook(b)
+            notify(hooks, b)
             counts["evictions"] += 1
 
         if policy.walk_survives_discard and isinstance(guard, ChainGuard) and guard.inner is None:

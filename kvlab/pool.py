@@ -87,6 +87,20 @@ def occurrences(ids: list[int]) -> dict[int, int]:
     return want
 
 
+def notify(hooks: Sequence[Callable[..., None]], *args: Any) -> None:
+    """Call every hook with ``args``, in order, even when one raises; then raise the first error. Each hook keeps
+    its own picture of the pool (block tables, the prefix index, a view), so one that fails must not leave the
+    ones after it stale: a table still naming a block that went FREE would read someone else's K/V."""
+    error: BaseException | None = None
+    for hook in hooks:
+        try:
+            hook(*args)
+        except BaseException as e:  # re-raised below, once every hook has run
+            error = error or e
+    if error is not None:
+        raise error
+
+
 def check_count(n: Any, what: str) -> int:
     """A count >= 0 (not a bool), else :class:`ConfigError`."""
     if not is_int(n) or n < 0:
@@ -441,8 +455,8 @@ class BlockPool(TextbookNames):
                 m.reusable[b] = int(reusable)
             for b in reversed(gone):
                 self._uncache(b)
-            for hook in self.stale_hooks if held else ():
-                hook(held)
+            if held:
+                notify(self.stale_hooks, held)
             if gone and self.events:
                 self.events.publish(ev.Freed(t, tuple(gone)))
 
@@ -510,8 +524,8 @@ class BlockPool(TextbookNames):
                 else:
                     self.meta.set_status(b, new)
                     self.meta.last_access[b] = t
-            for hook in self.stale_hooks if leaving else ():
-                hook(leaving)
+            if leaving:
+                notify(self.stale_hooks, leaving)
             if self.events:
                 self.events.publish(ev.StatusChanged(t, tuple(blocks), NAMES[old], NAMES[new]))
 
@@ -523,8 +537,7 @@ class BlockPool(TextbookNames):
         """Cached block ``b`` loses its data (evicted or released): FREE, and every evict hook is told."""
         self.policy.discard(b)
         self._push_free(b)
-        for hook in self.evict_hooks:
-            hook(b)
+        notify(self.evict_hooks, b)
 
     # ------------------------------------------------------------------ eviction
     def _evict_one(self, reason: str, t: int, min_order: int = 0) -> int | None:
@@ -641,8 +654,7 @@ class BlockPool(TextbookNames):
             for a in s:
                 self._push_free(a)
             self.counts["migrations"] += len(s)
-            for hook in self.relocation_hooks:
-                hook(np.array(s), np.array(d))
+            notify(self.relocation_hooks, np.array(s), np.array(d))
             if self.events:
                 self.events.publish(ev.Migrated(t, tuple(s), tuple(d), reason))
 
