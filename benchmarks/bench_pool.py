@@ -26,10 +26,13 @@ and publishes its events, as under a live view). Each ratio is to the vLLM-style
 run with all variants of one n timed in turn within each round; the figure is the **best** of the rounds (the
 least disturbed by a noisy machine), with the garbage collector off while timing. Also: the metadata cost of
 creating a 1,000,000-block pool against creating the vLLM-style pool's million block objects and linked queue,
-and block-copy bandwidth. One informational row, *floor*, times two empty methods that take a lock
-(:class:`LockedNothing`): what every thread-safe n=1 call pair pays before doing any work, against a baseline that
-takes no lock. The goal column says met or not met (a quick run, which the tests use, judges nothing): reference
-n=1 <= 1.5x, every FastBlockPool row <= 0.5x, each pool of 1,000,000 blocks created in < 0.5 s.
+and block-copy bandwidth. Two informational *floor* rows: one times two empty methods that take a lock
+(:class:`LockedNothing`), the other the reference's one generic path at its cheapest (:class:`OnePathFloor`: every
+helper inlined, fields in lists, less work than the reference). The first is what every thread-safe n=1 call pair
+pays before doing any work, against a baseline that takes no lock; the second, how near a pool with one path per
+operation can come to the baseline in CPython. The goal column says met or not met (a quick run, which the tests
+use, judges nothing): reference n=1 <= 1.5x, every FastBlockPool row <= 0.5x, each pool of 1,000,000 blocks
+created in < 0.5 s.
 
 Run: ``python benchmarks/bench_pool.py [--quick]`` (or ``kvlab bench bench_pool``).
 """
@@ -448,6 +451,65 @@ class LockedNothing:
             return None
 
 
+class OnePathFloor:
+    """The floor under a pool with *one* path per operation (what the reference must be): ``allocate(n)`` and
+    ``free(ids)`` as :class:`BlockPool` writes them, for any n, with every helper inlined, the fields in plain
+    Python lists (cheaper to index than ``array``) and the same checks and stores, but less work than the
+    reference: no size classes, eviction, policy, PENDING blocks, events or counters. Not a pool to use; its row
+    says how close to the vLLM-style pool a readable one-path pool could come in CPython at best."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks, self.lock, self.step = num_blocks, threading.RLock(), 0
+        self.stack = list(range(num_blocks - 1, -1, -1))
+        self.status, self.refcount, self.hits = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
+        self.last_access, self.created, self.owner = [0] * num_blocks, [0] * num_blocks, [-1] * num_blocks
+        self.tokens, self.reusable = [0] * num_blocks, [0] * num_blocks
+
+    def allocate(self, n: int = 1, *, owner: int = -1) -> list[int]:
+        with self.lock:
+            if not (type(n) is int or isinstance(n, np.integer)) or n < 0:
+                raise ValueError(f"bad count {n!r}")
+            if not (type(owner) is int or isinstance(owner, np.integer)) or not -1 <= owner < 2**31:
+                raise ValueError(f"bad owner {owner!r}")
+            if n > len(self.stack):
+                raise ValueError(f"cannot allocate {n} blocks")
+            if not n:
+                return []
+            self.step += 1
+            t, out = self.step, [self.stack.pop() for _ in range(n)]
+            for b in out:
+                self.status[b] = 2  # ALLOCATED
+                self.refcount[b] = self.hits[b] = 1
+                self.last_access[b] = self.created[b] = t
+                self.owner[b] = owner
+            return out
+
+    def free(self, ids: list[int]) -> None:
+        with self.lock:
+            want: dict[int, int] = {}  # {id: occurrences}: a repeat drops one reference per occurrence
+            for b in ids:
+                if not (type(b) is int or isinstance(b, np.integer)) or not 0 <= b < self.num_blocks:
+                    raise ValueError(f"bad block id {b!r}")
+                want[b] = want.get(b, 0) + 1
+            for b, c in want.items():
+                if self.status[b] != 2 or self.refcount[b] < c:
+                    raise ValueError(f"block {b} cannot be released {c} time(s)")
+            if not want:
+                return
+            self.step += 1
+            gone = []
+            for b, c in want.items():
+                self.refcount[b] -= c
+                if self.refcount[b]:
+                    self.last_access[b] = self.step
+                else:
+                    gone.append(b)
+            for b in reversed(gone):
+                self.status[b] = self.refcount[b] = self.tokens[b] = self.reusable[b] = 0
+                self.owner[b] = -1
+                self.stack.append(b)
+
+
 # ---------------------------------------------------------------- pools in a known state
 def shuffled_order(num_blocks: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).permutation(num_blocks).tolist()
@@ -519,8 +581,10 @@ def timing_rows(quick: bool) -> list[dict]:
             fns["python fast"] = lambda py=py: py.free(py.allocate(n))
         if n == 1:
             ref, floor = kvlab_pool(BlockPool, POOL_BLOCKS, False, False), LockedNothing()
+            one = OnePathFloor(POOL_BLOCKS)
             fns["reference"] = lambda: ref.free(ref.allocate(1))
             fns["floor"] = lambda: floor.free(floor.allocate(1))
+            fns["one path"] = lambda: one.free(one.allocate(1))
         reps = max(20, (300 if quick else 40_000) // n)
         ns = ns_per_item_together(fns, n, reps=reps, rounds=rounds)
         for state in ("fresh", "shuffled"):
@@ -533,6 +597,9 @@ def timing_rows(quick: bool) -> list[dict]:
                              _goal(f"<= {GOAL_REFERENCE}x", met, quick), ns["nano fresh"]))
             rows.append(_row("  floor: two empty method calls under a lock, no pool work (informational), n=1",
                              ns["floor"], ns["vllm fresh"]))
+            rows.append(_row("  floor: one allocate and one free path, every helper inlined, fields in lists, less "
+                             "work than BlockPool (OnePathFloor, informational), n=1", ns["one path"],
+                             ns["vllm fresh"]))
         if COMPILED:
             rows.append(_row(f"  PyFastBlockPool (the same paths in Python, informational), n={n}, fresh, "
                              f"no subscriber", ns["python fast"], ns["vllm fresh"], None, ns["nano fresh"]))

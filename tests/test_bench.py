@@ -11,7 +11,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlab import BlockPool, FastBlockPool, bench
+from kvlab import BlockPool, FastBlockPool, KVLabError, bench
 from kvlab.cli import main
 
 bench_pool = bench.load("bench_pool")  # once: loading executes the benchmark file
@@ -190,6 +190,43 @@ def test_nano_style_block_manager_hands_out_and_takes_back_blocks(steps):
         assert list(mgr.free_block_ids) == model and mgr.used_block_ids == set(held)
         assert all(mgr.blocks[i].ref_count == 0 for i in model) and mgr.hash_to_block_id == {}
 
+
+
+FLOOR_FIELDS = ("status", "refcount", "hits", "last_access", "created", "owner", "tokens", "reusable")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "bad"]), st.integers(0, N), st.integers(-1, 3),
+                          st.randoms(use_true_random=False)), max_size=40))
+def test_one_path_floor_does_what_the_reference_does(steps):
+    """The floor row times the reference's own work: on random allocations (with owners), frees (ids repeated,
+    sometimes more often than they are held) and bad arguments, the floor hands out the same ids as
+    :class:`BlockPool`, refuses the same calls and leaves the same fields, free stack and clock."""
+    ref, floor, held = BlockPool(N, with_storage=False), bench_pool.OnePathFloor(N), []
+    bad = [("allocate", (-1,), {}), ("allocate", (1.0,), {}), ("allocate", (True,), {}),
+           ("allocate", (1,), {"owner": -2}), ("free", ([N],), {}), ("free", ([0.0],), {})]
+    for step, n, owner, rnd in steps:
+        if step == "alloc":
+            call, args, kw = "allocate", (n,), {"owner": owner}
+        elif step == "free":
+            call, args, kw = "free", ([rnd.choice(held) for _ in range(n)] if held else [],), {}
+        else:
+            call, args, kw = rnd.choice(bad)
+        got = []
+        for pool in (ref, floor):
+            try:
+                got.append(("ok", getattr(pool, call)(*args, **kw)))
+            except (KVLabError, ValueError):
+                got.append(("refused", None))
+        assert got[0] == got[1], (call, args, kw)
+        if got[0][0] == "ok":
+            for b in got[0][1] or ():
+                held.append(b)
+            for b in args[0] if call == "free" else ():
+                held.remove(b)
+        for name in FLOOR_FIELDS:
+            assert getattr(ref.arrays, name).tolist() == getattr(floor, name), name
+        assert ref.free_ids() == floor.stack[::-1] and ref.clock.now() == floor.step
 
 def test_shuffled_pools_hold_the_same_permutation_and_every_block():
     order = bench_pool.shuffled_order(64)
