@@ -195,7 +195,7 @@ typedef struct {
     int nbuf;
 } FastPath;
 
-static PyObject *s_owner, *s_ALLOCATED, *s_free, *zero, *one;
+static PyObject *s_owner, *s_ALLOCATED, *s_free, *s_subscribers_failed, *zero, *one;
 
 #define F(h, f, T) ((T *)(h)->buf[f].buf)
 
@@ -456,8 +456,25 @@ static PyObject *new_event(Layout *l, PyObject *cls, PyObject *const *args, Py_s
     return e;
 }
 
-/* Build cls(*args) and publish it on the bus (only called while someone listens): each subscriber in turn, as
- * EventBus.publish does (indexing the list afresh each time, as its iterator does, so a subscriber may leave).
+/* The exception being raised, normalized, with its traceback attached; the error indicator is cleared. */
+static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+/* Build cls(*args) and publish it on the bus (only called while someone listens) as EventBus.publish does: each
+ * subscriber in turn (indexing the list afresh each time, as its iterator does, so a subscriber may leave); a
+ * subscriber that raises an Exception is collected as (subscriber, error) and, once all have had the event,
+ * handed to the bus's subscribers_failed, which unsubscribes and logs it. Anything else (Ctrl-C) stops here.
  * An event no subscriber kept (its only reference is ours, and it takes no weak references) is not freed but
  * kept as the class's spare: the allocation and deallocation it saves are most of what an event costs. Nobody
  * can tell, as nobody can see the object; CPython's own freelists and zip's result tuple do the same. */
@@ -466,12 +483,30 @@ static int publish(FastPath *h, PyObject *cls, PyObject *const *args, Py_ssize_t
     PyObject *e = new_event(l, cls, args, nargs);
     if (!e) return -1;
     int ok = 0;
+    PyObject *failed = NULL;
     for (Py_ssize_t i = 0; !ok && i < PyList_GET_SIZE(h->events); i++) {
         PyObject *fn = Py_NewRef(PyList_GET_ITEM(h->events, i));
         PyObject *r = PyObject_CallOneArg(fn, e);
+        if (r) {
+            Py_DECREF(r);
+        } else if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyObject *error = take_exception();
+            PyObject *pair = error ? PyTuple_Pack(2, fn, error) : NULL;
+            Py_XDECREF(error);
+            if (!pair || (!failed && !(failed = PyList_New(0))) || PyList_Append(failed, pair) < 0) ok = -1;
+            Py_XDECREF(pair);
+        } else {
+            ok = -1;
+        }
         Py_DECREF(fn);
-        ok = r ? 0 : -1;
-        Py_XDECREF(r);
+    }
+    if (failed) {
+        if (!ok) {
+            PyObject *r = PyObject_CallMethodObjArgs(h->events, s_subscribers_failed, e, failed, NULL);
+            ok = r ? 0 : -1;
+            Py_XDECREF(r);
+        }
+        Py_DECREF(failed);
     }
     if (l && l->reusable && !l->spare && Py_REFCNT(e) == 1)
         l->spare = e;
@@ -1222,6 +1257,7 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyType_Ready(&FastPathType) < 0 || PyType_Ready(&PoolLockType) < 0) return NULL;
     if (!(s_owner = PyUnicode_InternFromString("owner")) ||
         !(s_ALLOCATED = PyUnicode_InternFromString("ALLOCATED")) || !(s_free = PyUnicode_InternFromString("free")) ||
+        !(s_subscribers_failed = PyUnicode_InternFromString("subscribers_failed")) ||
         !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)) ||
         !(s_seq_id = PyUnicode_InternFromString("seq_id")) || !(s_swapped = PyUnicode_InternFromString("swapped")) ||
         !(s_num_tokens = PyUnicode_InternFromString("num_tokens")) ||

@@ -2,15 +2,19 @@
 
 Subscribers are called synchronously, in subscription order, while the pool lock is held: keep them short and
 do not call back into the pool from them. With no subscriber the pool does not even build the event.
+Subscribers only watch: one that raises cannot stop the call that published (see :class:`EventBus`).
 Events are values: treat them as read-only. They are plain slotted dataclasses, not frozen ones, because a
 frozen dataclass sets each field through ``object.__setattr__`` and costs three times as much to build
 (~480 ns vs ~140 ns for ``Allocated``), which a live view pays on every pool call.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -111,9 +115,22 @@ Subscriber = Callable[[Event], None]
 
 class EventBus(list):
     """The list of subscribers. Its truth is the one guard every publisher tests (``if pool.events:``) before
-    it builds an event, so nobody listening costs nothing (a list's truth is a C call, not a Python method)."""
+    it builds an event, so nobody listening costs nothing (a list's truth is a C call, not a Python method).
 
-    __slots__ = ()
+    A subscriber that raises is an observer's bug, not the pool's. Events are published after the change they
+    report, so the error could only stop the caller half-way: a sequence whose blocks the pool has just freed
+    would keep them in its table, and later read K/V that is someone else's. So :meth:`publish` gives the event
+    to every subscriber, then unsubscribes each one that raised (an ``Exception``; Ctrl-C still stops the call),
+    keeps ``(subscriber, event, error)`` in :attr:`failures` and logs the error with its traceback on the
+    ``kvlab.events`` logger. The pool call completes as if that subscriber had not been there. The pool's own
+    participants, which must follow every change (block tables, the prefix index), are hooks, not subscribers
+    (``pool.evict_hooks`` and the others), and their errors do reach the caller (:func:`kvlab.pool.notify`)."""
+
+    __slots__ = ("failures",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[tuple[Subscriber, Event, Exception]] = []
 
     @property
     def subscribers(self) -> list[Subscriber]:
@@ -125,8 +142,25 @@ class EventBus(list):
         return lambda: self.remove(fn) if fn in self else None
 
     def publish(self, event: Event) -> None:
+        failed = None
         for fn in self:
-            fn(event)
+            try:
+                fn(event)
+            except Exception as error:  # an observer's bug: see the class docstring
+                failed = [*(failed or ()), (fn, error)]
+        if failed:
+            self.subscribers_failed(event, failed)
+
+    def subscribers_failed(self, event: Event, failed: list[tuple[Subscriber, Exception]]) -> None:
+        """Unsubscribe each ``(subscriber, error)`` of ``failed`` (they raised on ``event``), record it in
+        :attr:`failures` and log it. :meth:`publish` calls this once every subscriber has had the event, and so
+        does the compiled pool, which publishes by itself."""
+        for fn, error in failed:
+            if fn in self:
+                self.remove(fn)
+            self.failures.append((fn, event, error))
+            log.error("kvlab: event subscriber %r raised %r on %r; it is unsubscribed and the pool call "
+                      "completed without it (subscribe it again once fixed)", fn, error, event, exc_info=error)
 
 
 class EventRecorder:

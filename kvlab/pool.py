@@ -256,8 +256,9 @@ class BlockPool(TextbookNames):
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError`, with
         nothing changed, if the pool cannot supply ``n``, counting as evictable only what the ``evict_guard``
         lets go (see the module docstring). ``status=PENDING`` reserves blocks whose data is still to arrive;
-        ``block_id`` takes that one FREE block (``n`` must be 1). An evict hook or listener that raises reaches
-        the caller with every block taken back on the free stack (the victims evicted so far stay FREE)."""
+        ``block_id`` takes that one FREE block (``n`` must be 1). An evict hook that raises reaches the caller
+        with every block taken back on the free stack (the victims evicted so far stay FREE); a listener that
+        raises stops nothing (:class:`~kvlab.events.EventBus`)."""
         with self.lock:
             n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
             if type(status) not in (int, BlockStatus) or status not in (ALLOCATED, PENDING):

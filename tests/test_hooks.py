@@ -1,15 +1,23 @@
-"""Every hook is told, even when another raises. The pool's hook lists (``evict_hooks``, ``relocation_hooks``,
+"""Hooks and listeners that raise.
+
+Every hook is told, even when another raises. The pool's hook lists (``evict_hooks``, ``relocation_hooks``,
 ``stale_hooks``) are how the block tables, the prefix index, the metrics and the views follow the pool; when one
 hook raises, the others must still run, or a table names a block that is now FREE (and soon someone else's K/V).
 Here a raising hook sits *first* in each list, before the sequence manager's and the prefix cache's own: the error
-reaches the caller, and the tables, the index and every byte of K/V are as if no hook had failed."""
+reaches the caller, and the tables, the index and every byte of K/V are as if no hook had failed.
+
+An event subscriber only watches, and one that raises stops nothing: the call that published completes, the
+subscriber is unsubscribed, and its error is logged and kept (before, the error left the caller half-way: a
+freed sequence still holding its blocks, an appended block nobody held)."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
-from _util import small_spec
-from kvlab import BlockPool, DefragmentationStrategy, FastBlockPool, PyFastBlockPool
+from _util import assert_same_state, pool_state, small_spec
+from kvlab import BlockPool, DefragmentationStrategy, EventRecorder, FastBlockPool, KVSpec, PyFastBlockPool
 from kvlab.perf import COMPILED
 from kvlab.sequence import SequenceManager
 
@@ -97,3 +105,89 @@ def test_a_stale_hook_that_raises_still_lets_the_prefix_cache_drop_its_entries(c
     assert calls == [(held,)]
     assert not any(mgr.prefix_cache.holds(b) for b in held)
     mgr.check_invariants()
+
+
+def _workload(pool_cls, *subscribers):
+    """Sequence calls that publish every kind of event a sequence makes (allocations, frees, references, copies
+    on write, swaps), with ``subscribers`` subscribed first and a recorder after them."""
+    pool = pool_cls(24, spec=KVSpec(block_size=4), with_storage=False)
+    mgr = SequenceManager(pool)
+    for fn in subscribers:
+        pool.events.subscribe(fn)
+    rec = EventRecorder(pool.events)
+    seqs = [mgr.create() for _ in range(3)]
+    for s in seqs:
+        s.append(5)
+    seqs[0].append(4)
+    seqs[1].free()
+    child = seqs[2].fork()
+    child.append(2)  # copy on write of the shared last block
+    seqs[0].swap_out()
+    seqs[0].swap_in()
+    mgr.check_invariants()
+    return pool, mgr, rec
+
+
+def _sequences_of(mgr):
+    return [(s.seq_id, list(s.block_table), s.num_tokens, s.alive) for s in mgr.seqs.values()]
+
+
+@pytest.mark.parametrize("cls", POOLS, ids=lambda c: c.__name__)
+def test_a_listener_that_raises_stops_no_pool_call(cls, caplog):
+    """A student's listener that reads ``e.block_id`` (only some events have it) raises on the first event. Every
+    call completes as without it: the same pool, the same sequences, and the recorder subscribed after it gets
+    every event. It is unsubscribed after that first event; its error is kept and logged with the event."""
+    seen = []
+
+    def wrong(e):
+        seen.append(e)
+        return e.block_id
+    with caplog.at_level(logging.ERROR, logger="kvlab.events"):
+        pool, mgr, rec = _workload(cls, wrong)
+    clean_pool, clean_mgr, clean_rec = _workload(cls)
+    assert_same_state(pool_state(pool), pool_state(clean_pool))
+    assert _sequences_of(mgr) == _sequences_of(clean_mgr)
+    assert [e.as_dict() for e in rec] == [e.as_dict() for e in clean_rec] and len(rec) > 10
+    assert len(seen) == 1 and wrong not in pool.events
+    (fn, event, error), = pool.events.failures
+    assert fn is wrong and event is seen[0] and isinstance(error, AttributeError)
+    assert event.as_dict() == rec.events[0].as_dict()  # kept intact, though the pool publishes on
+    (record,), = [[r for r in caplog.records if r.name == "kvlab.events"]]
+    assert record.levelno == logging.ERROR and "unsubscribed" in record.getMessage()
+    assert record.exc_info[1] is error
+
+
+@pytest.mark.parametrize("cls", POOLS, ids=lambda c: c.__name__)
+def test_every_subscriber_hears_an_event_before_the_ones_that_raised_leave(cls):
+    """Two raising listeners around a healthy one: all three hear the first event, the two leave, the healthy
+    one hears everything; a listener subscribed twice is unsubscribed twice."""
+    heard: dict[str, int] = {"a": 0, "ok": 0, "b": 0}
+
+    def listener(name, fails):
+        def fn(e):
+            heard[name] += 1
+            if fails:
+                raise ValueError(name)
+        return fn
+    a, ok, b = listener("a", True), listener("ok", False), listener("b", True)
+    pool = cls(8, with_storage=False)
+    for fn in (a, ok, b, b):
+        pool.events.subscribe(fn)
+    pool.free(pool.allocate(2))
+    assert heard == {"a": 1, "ok": 2, "b": 2} and list(pool.events) == [ok]
+    assert [str(x) for _, _, x in pool.events.failures] == ["a", "b", "b"]
+    first, *_ = (e for _, e, _ in pool.events.failures)  # kept intact while the pool published on
+    assert (first.kind, first.step, first.block_ids, first.strategy) == ("Allocated", 1, (0, 1), "free")
+
+
+@pytest.mark.parametrize("cls", POOLS, ids=lambda c: c.__name__)
+def test_ctrl_c_in_a_listener_still_stops_the_call(cls):
+    """Only an ``Exception`` is an observer's bug to survive: a KeyboardInterrupt raised in a listener reaches the
+    caller, and the listener stays subscribed."""
+    def interrupted(e):
+        raise KeyboardInterrupt
+    pool = cls(8, with_storage=False)
+    pool.events.subscribe(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.allocate(1)
+    assert list(pool.events) == [interrupted] and not pool.events.failures
