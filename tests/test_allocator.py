@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from _util import assert_same_state, pool_state, small_spec
-from kvlab import (AllocationServed, BlockPool, ConfigError, DynamicAllocator, EventRecorder,
-                   IllegalTransitionError, KVDataError, OutOfBlocksError, TicketState)
+from kvlab import (AllocationServed, BlockPool, ConfigError, DynamicAllocator, EventRecorder, FastBlockPool,
+                   IllegalTransitionError, KVDataError, OutOfBlocksError, PyFastBlockPool, TicketState)
 
 SIZES = [4, 8, 16, 32]  # classes 0..3; a 16-block pool is two class-3 blocks
 
@@ -137,6 +137,21 @@ def test_timeout_and_cancel():
     assert alloc.deallocate_block(held) == [keep]  # the expired head is dropped, not served
     assert late.state is TicketState.TIMED_OUT and late.block is None
     assert (alloc.stats["timed_out"], alloc.stats["cancelled"]) == (1, 1)
+
+
+@pytest.mark.parametrize("cls", [BlockPool, PyFastBlockPool, FastBlockPool], ids=lambda c: c.__name__)
+def test_a_waiter_times_out_only_once_the_clock_is_past_its_deadline(cls):
+    """``timeout`` counts clock steps the request may wait: at its deadline it still waits; one step later it has
+    timed out."""
+    pool = cls(1, spec=small_spec())
+    alloc = DynamicAllocator(pool)
+    (held,) = pool.allocate(1)
+    t = alloc.allocate_optimal_block(timeout=1)
+    pool.touch([held])
+    assert pool.clock.now() == t.deadline
+    assert alloc.handle_wait_queue() == [] and t.state is TicketState.WAITING and list(alloc.waiters) == [t]
+    pool.touch([held])
+    assert alloc.handle_wait_queue() == [] and t.state is TicketState.TIMED_OUT and not alloc.waiters
 
 
 def test_cancelling_the_head_lets_the_next_waiter_in():

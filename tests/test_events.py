@@ -419,3 +419,18 @@ def test_rejected_calls_publish_nothing_and_do_not_tick(cls):
         assert pool.clock.now() == t and not rec.events
     pool.check_invariants()
 
+
+
+def test_a_subscriber_that_raises_keeps_the_event_from_no_one(cls):
+    """Subscribers before and after one that raises hear every event, the same ones; the raising one is
+    unsubscribed after its first and its error kept (it only watches: see ``EventBus``)."""
+    pool, before = make(cls)
+
+    def wrong(e):
+        raise RuntimeError("a bug in a view")
+    pool.events.subscribe(wrong)
+    after = EventRecorder(pool.events)
+    pool.free(pool.allocate(3))
+    assert [e.as_dict() for e in after] == [e.as_dict() for e in before] and after.counts() == {"Allocated": 1,
+                                                                                              "Freed": 1}
+    assert wrong not in pool.events and [str(x) for _, _, x in pool.events.failures] == ["a bug in a view"]

@@ -452,3 +452,79 @@ def test_evicted_event_ranks_runners_up_and_listening_changes_nothing(spec, poli
     if policy != "random":
         scores = [s for _, s in first.candidates]
         assert scores == sorted(scores)
+
+
+POOL_CLASSES = [BlockPool, kvlab.PyFastBlockPool, kvlab.FastBlockPool]
+
+
+@pytest.mark.parametrize("cls", POOL_CLASSES, ids=lambda c: c.__name__)
+def test_migrations_are_counted_in_blocks(cls):
+    """``counts["migrations"]`` (and ``get_stats``) counts blocks moved, not calls: a defragmentation's report
+    and the counter agree."""
+    p = cls(6, with_storage=False)
+    p.free(p.allocate(4)[:2])
+    p.migrate([2, 3], [0, 1])
+    assert p.counts["migrations"] == p.get_stats()["migrations"] == 2
+    assert sorted(p.allocate(4)) == [2, 3, 4, 5]
+    p.free([2, 3])  # holes below blocks 4 and 5
+    report = kvlab.DefragmentationStrategy(p).defragment(force=True)
+    assert len(report.moves) == 2 and p.counts["migrations"] == 2 + 2
+
+
+@pytest.mark.parametrize("cls", POOL_CLASSES, ids=lambda c: c.__name__)
+def test_merge_cap_counts_merges_across_size_classes(cls):
+    """``max_merges`` caps the merges of one call over every class: four free class-0 blocks, cap 2, make two
+    class-1 blocks and stop there (without the cap they would go on into one class-2 block)."""
+    p = cls(4, spec=KVSpec(block_size=16), block_sizes=[16, 32, 64], with_storage=False)
+    rec = EventRecorder(p.events)
+    p.split_block(0), p.split_block(0), p.split_block(2)
+    assert [len(p.free_ids(k)) for k in range(3)] == [4, 0, 0]
+    assert p.merge_free_buddies(max_merges=2) == 2
+    assert [len(p.free_ids(k)) for k in range(3)] == [0, 2, 0] and len(rec.of(kvlab.Merged)) == 2
+    assert p.merge_free_buddies() == 1 and [len(p.free_ids(k)) for k in range(3)] == [0, 0, 1]
+
+
+def _free_block(p):
+    """A block that was allocated and freed again (so it has a history), and the pool."""
+    (b,) = p.allocate(1, owner=3)
+    p.set_token_count(b, 2)
+    p.free([b])
+    return b
+
+
+def _cached_block(p):
+    (b,) = p.allocate(1)
+    p.mark_reusable([b])
+    p.free([b])
+    return b
+
+
+CORRUPTIONS = {  # what is broken -> (how, the words the assertion names)
+    "owner of a FREE block": (lambda p: p.meta.owner.__setitem__(_free_block(p), 7), "owner"),
+    "refcount of a FREE block": (lambda p: p.meta.refcount.__setitem__(_free_block(p), 1), "refcount"),
+    "tokens of a FREE block": (lambda p: p.meta.tokens.__setitem__(_free_block(p), 3), "tokens"),
+    "reusable FREE block": (lambda p: p.meta.reusable.__setitem__(_free_block(p), 1), "reusable"),
+    "negative refcount": (lambda p: p.meta.refcount.__setitem__(p.allocate(1)[0], -1), "negative refcount"),
+    "tokens over capacity": (lambda p: p.meta.tokens.__setitem__(p.allocate(1)[0], p.block_size + 1),
+                             "more tokens than it holds"),
+    "block twice on a free stack": (lambda p: p.free_lists.stacks[0].append(p.free_ids()[0]), "twice"),
+    "FREE status off the free stack": (lambda p: p.free_lists.stacks[0].remove(p.free_ids()[-1]),
+                                       "free stacks disagree"),
+    "ALLOCATED status on the free stack": (lambda p: p.meta.status.__setitem__(p.free_ids()[0], 2),
+                                           "free stacks disagree"),
+    "cached block missing from the policy": (lambda p: p.policy.discard(_cached_block(p)), "evictable set"),
+    "referenced block in the policy": (lambda p: p.policy.add(p.allocate(1)[0]), "evictable set"),
+}
+
+
+@pytest.mark.parametrize("cls", POOL_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("what", list(CORRUPTIONS))
+def test_check_invariants_names_each_broken_invariant(cls, what):
+    """``check_invariants`` is the property tests' detector, so it is tested as one: each invariant broken on
+    purpose (by writing the pool's fields behind its back) fails it with a message naming what broke."""
+    p = cls(8, spec=KVSpec(block_size=4), with_storage=False)
+    p.check_invariants()
+    corrupt, words = CORRUPTIONS[what]
+    corrupt(p)
+    with pytest.raises(AssertionError, match=words):
+        p.check_invariants()

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec,
-                   OutOfBlocksError, StatusChanged)
+from kvlab import (BlockPool, BlockStatus, EventRecorder, FastBlockPool, IllegalTransitionError, KVDataError, KVSpec,
+                   OutOfBlocksError, PyFastBlockPool, StatusChanged)
 from kvlab.errors import ConfigError
 from kvlab.sequence import CopiedOnWrite, SequenceManager, Swapped
 
@@ -127,12 +127,28 @@ def test_two_sharers_in_one_batch_copy_once():
     a = mgr.create()
     write(pool, a.append(2), tokens_kv(2, 0))
     b, c = a.fork(), a.fork()
+    orig, allocations = a.block_table[0], pool.counts["allocations"]
     batch = mgr.append_batch([a, b, c], [1, 1, 1])
     write(pool, batch.slots, tokens_kv(3, 50))
     tails = {a.block_table[0], b.block_table[0], c.block_table[0]}
-    assert len(tails) == 3  # the first two copied, the last kept the original
+    assert len(tails) == 3 and c.block_table == [orig]  # the first two copied, the last kept the original
+    assert pool.counts["allocations"] == allocations + 2
     for i, s in enumerate((a, b, c)):
         assert torch.equal(read(pool, s), torch.cat((tokens_kv(2, 0), tokens_kv(1, 50 + i)), 2))
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("cls", [BlockPool, PyFastBlockPool, FastBlockPool], ids=lambda c: c.__name__)
+def test_the_last_sharer_of_a_partial_tail_appends_in_place_even_in_one_batch(cls):
+    """A pool with two blocks: a sequence's partial tail and its fork. Appending to both in one batch needs one
+    copy (the first sharer's), the second writes into the original: it fits, and nothing is left over."""
+    pool = cls(2, spec=SPEC)
+    mgr = SequenceManager(pool)
+    x = mgr.create()
+    x.append(3)
+    y = x.fork()
+    mgr.append_batch([x, y], [1, 1])
+    assert pool.num_free_blocks == 0 and y.block_table == [0] and x.block_table == [1]
     mgr.check_invariants()
 
 
