@@ -431,13 +431,7 @@ class Engine:
         self.config = cfg
         reqs = sorted(workload.requests if isinstance(workload, Workload) else workload,
                       key=lambda r: (r.arrival, r.id))
-        too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
-        if too_long:
-            raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
-        cap = {r.tenant: min(cfg.num_blocks, cfg.quotas.get(r.tenant, cfg.num_blocks)) for r in reqs}
-        never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
-        if never and cfg.memory == "paged":
-            raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold")
+        self._refuse_impossible(reqs)
         if cfg.policy == "opt" and not (cfg.memory == "paged" and cfg.prefix_caching):
             raise ConfigError("policy 'opt' ranks cached prefix blocks by their next lookup: it needs "
                               "memory='paged' and prefix_caching=True")
@@ -461,6 +455,22 @@ class Engine:
         self.swap_in_stall_s = 0.0  # the part of the stall prefetching can hide
         self._sync_out = self._sync_in = self._async_in = 0  # tokens copied this step (out, in, in overlapped)
         self._wall = time.perf_counter
+
+    def _refuse_impossible(self, reqs: list[Request]) -> None:
+        """:class:`ConfigError` for requests that could never finish: longer than ``max_model_len``, or (paged)
+        needing more blocks than their tenant may ever hold: its quota, and the pool less every other tenant's
+        reservation. Admitted, such a request would wait (or be preempted and readmitted) forever."""
+        cfg = self.config
+        too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
+        if too_long:
+            raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
+        reserved = sum(cfg.reservations.values())
+        cap = {r.tenant: min(cfg.num_blocks - reserved + cfg.reservations.get(r.tenant, 0),
+                             cfg.quotas.get(r.tenant, cfg.num_blocks)) for r in reqs}
+        never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
+        if never and cfg.memory == "paged":
+            raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold (its quota, "
+                              f"and the pool less the other tenants' reservations: {cap})")
 
     # -------------------------------------------------------------------------------- public API
     @property
@@ -546,6 +556,8 @@ class Engine:
         if self.config.policy == "opt":
             raise ConfigError("policy 'opt' was given the whole future when the engine was built: it cannot take "
                               "requests added later")
+        requests = list(requests)
+        self._refuse_impossible(requests)
         merged = sorted([*self._arrivals, *requests], key=lambda r: (r.arrival, r.id))
         self._arrivals = deque(merged)
 

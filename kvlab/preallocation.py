@@ -36,8 +36,9 @@ class Preallocator:
         pool: the pool to reserve from.
         allocator: if given, misses in a burst go through it, and nothing is reserved while requests wait in
             its queue.
-        window: burst length in clock steps over which demand is counted.
-        horizon: how far back (clock steps) history counts; older demand, and the reserve kept for it, expire.
+        window: burst length in clock steps over which demand is counted (steps ``t`` to ``t + window - 1``).
+        horizon: how far back (clock steps) history counts, demand ``horizon`` steps old included; older demand,
+            and the reserve kept for it, expire.
         headroom: factor on the predicted demand.
         max_reserve: cap on the blocks reserved per key (None: no cap).
     """

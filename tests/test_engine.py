@@ -334,3 +334,55 @@ def test_opt_knows_the_future_so_it_takes_no_requests_added_later():
     with pytest.raises(ConfigError, match="cannot take requests added later"):
         e.add_requests(make_workload("chat", 2, 1).requests)
     assert e.run()["finished"] == 5
+
+
+def test_a_request_no_reservation_leaves_room_for_is_refused_up_front():
+    """Two tenants reserve 2 blocks each of a 4-block pool and each sends a request needing 3: neither could ever
+    run (each would wait for the other's reserved blocks, forever), so the engine refuses them when built, and
+    ``add_requests`` refuses such a request and keeps what it had."""
+    cfg = EngineConfig(num_blocks=4, block_size=16, max_model_len=64, prefix_caching=False,
+                       reservations={"a": 2, "b": 2})
+    with pytest.raises(ConfigError, match=r"requests \[0, 1\] need more blocks than their tenant may ever hold"):
+        Engine([Request(0, 0.0, 32, 10, tenant="b"), Request(1, 0.0, 32, 10, tenant="a")], cfg)
+    e = Engine([Request(0, 0.0, 16, 10, tenant="b")], cfg)
+    with pytest.raises(ConfigError, match=r"requests \[1\]"):
+        e.add_requests([Request(1, 0.0, 32, 10, tenant="a")])
+    assert e.num_waiting == 0 and e.run()["finished"] == 1  # the refused request was never added
+    bigger = Engine([Request(0, 0.0, 32, 10, tenant="b"), Request(1, 0.0, 32, 10, tenant="a")],
+                    EngineConfig(num_blocks=6, block_size=16, max_model_len=64, prefix_caching=False,
+                                 reservations={"a": 2, "b": 2}))
+    assert bigger.run(max_steps=1000)["finished"] == 2
+
+
+def test_preemption_takes_the_most_recently_admitted_request():
+    """Three one-block prompts decoding 40 tokens in 5 blocks: growth forces preemptions; the first victim is
+    the request admitted last (id 2), which has made the least progress."""
+    e = Engine([Request(i, 0.0, 16, 40) for i in range(3)],
+               EngineConfig(num_blocks=5, block_size=16, max_model_len=64, prefix_caching=False))
+    rec = EventRecorder(e.events, (Preempted,))
+    assert e.run()["finished"] == 3
+    assert rec.events and rec.events[0].request_id == 2
+
+
+def test_tpot_is_the_mean_gap_between_output_tokens_of_multi_token_outputs():
+    """TPOT divides a request's decode time by its output tokens less one, and a one-token output has none."""
+    e = Engine([Request(0, 0.0, 16, 5), Request(1, 0.0, 16, 1)], EngineConfig(num_blocks=64, block_size=16))
+    s = e.run()
+    r = e.log.requests[0]
+    assert r.tpot_steps == 1.0 and r.tpot_s == pytest.approx((r.finish_s - r.first_s) / 4)
+    assert s["tpot_mean_s"] == pytest.approx(r.tpot_s) and s["tpot_mean_s"] > 0
+
+
+def test_usage_by_token_is_averaged_over_busy_steps_only():
+    e = Engine([Request(0, 0.0, 40, 8), Request(1, 50.0, 40, 8)], EngineConfig(num_blocks=64, block_size=16))
+    s = e.run()
+    busy = [m.usage_by_token for m in e.log.steps if m.running]
+    assert len(busy) < len(e.log.steps)  # an idle step between the two requests
+    assert s["usage_by_token"] == pytest.approx(sum(busy) / len(busy))
+
+
+def test_an_exact_contiguous_region_is_charged_in_whole_blocks():
+    """17 + 3 = 20 token slots at block size 16 hold 2 blocks' worth of memory, and the tenant is charged 2."""
+    e = Engine([Request(0, 0.0, 17, 3)], EngineConfig(num_blocks=8, block_size=16, memory="contiguous-exact"))
+    e.step()
+    assert e.memory.held(e.running[0]) == 2 and dict(e.log.steps[-1].tenant_blocks) == {"default": 2}

@@ -157,3 +157,10 @@ DISCRIMINATING = {
 def test_plausible_wrong_functions_fail(key, i):
     r = ex.check(key, DISCRIMINATING[key][i])
     assert not r.ok and "kvlab" in r.message, str(r)
+
+
+def test_the_utilisation_checker_refuses_an_answer_off_by_one_part_in_ten_thousand():
+    def right(lengths, bs):
+        return sum(lengths) / sum(math.ceil(n / bs) * bs for n in lengths)
+    assert ex.check("2.2.1-utilisation", right).ok
+    assert not ex.check("2.2.1-utilisation", lambda lengths, bs: right(lengths, bs) * (1 + 1e-4)).ok

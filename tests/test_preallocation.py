@@ -118,3 +118,21 @@ def test_misses_go_through_the_allocator_when_given():
         pre.allocate(3, owner=1, size_class=1)  # two more fit, not three: the two taken are returned
     assert pool.num_free_blocks == 4 and pre.stats["fallback"] == 2
     pool.check_invariants()
+
+
+def test_the_window_is_half_open_and_the_horizon_includes_its_last_step():
+    pool = BlockPool(64, spec=small_spec())
+    pre = Preallocator(pool, window=5, horizon=1000)
+    pre.observe(0, 0, 2)
+    for _ in range(5):
+        pool.clock.tick()
+    pre.observe(0, 0, 3)  # 5 steps later: outside the first one's window of steps t..t+4
+    assert pre.predict(0, 0) == 3
+    pool = BlockPool(64, spec=small_spec())
+    pre = Preallocator(pool, window=4, horizon=50)
+    pre.observe(0, 0, 4)
+    for _ in range(50):
+        pool.clock.tick()
+    assert pre.predict(0, 0) == 4  # exactly horizon steps old: still counts
+    pool.clock.tick()
+    assert pre.predict(0, 0) == 0

@@ -74,3 +74,10 @@ def test_bad_arguments_are_refused_before_any_run(trace, kwargs, word):
 def test_a_workload_is_required():
     with pytest.raises(ConfigError, match="Workload"):
         race_policies([1, 2], [10], progress=False)
+
+
+def test_the_race_bound_is_computed_at_the_races_block_size():
+    w = make_workload("chat", 30, seed=0)
+    assert prefix_hit_bound(w, 32) != prefix_hit_bound(w, 16)  # so the test tells the two apart
+    r = race_policies(w, [2000], ["lru"], progress=False, block_size=32)
+    assert r.bound == pytest.approx(prefix_hit_bound(w, 32) / sum(q.prompt_len for q in w))

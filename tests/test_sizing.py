@@ -257,3 +257,9 @@ def test_plot_sweep_draws_four_panels():
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
+
+
+def test_recommend_breaks_a_tie_toward_the_smaller_block_size():
+    rows = [SweepRow(16, 4, 64, 4, 4, 0, 0, 64), SweepRow(32, 2, 64, 2, 2, 0, 0, 64)]  # both waste nothing
+    r = SweepResult("w", 1, rows).with_weights("balanced", (1.0, 0.0, 0.0, 0.0))
+    assert r.costs("balanced") == {16: 0.0, 32: 0.0} and r.recommend("balanced") == 16
