@@ -61,8 +61,8 @@ def test_decode_matches_reference(block_size, dtype):
 
 @pytest.mark.parametrize("block_size", [1, 16, 24, 64, 256])
 def test_mixed_prefill_and_decode_batch(block_size):
-    lens = [40, 7, 129, 300]
-    qlens = [40, 1, 100, 3]  # full prefill, decode, prefill after a cached prefix, a few new tokens
+    lens = [40, 7, 129, 300, 20]
+    qlens = [40, 1, 100, 3, 2]  # full prefill, decode, prefill after a cached prefix, a few new tokens, two
     pool, tables, keys, values = scattered_cache(lens, block_size, kv_heads=1, head_dim=32)
     q = torch.randn(sum(qlens), 8, 32)
     out = paged_attention(q, pool.storage, 0, tables, torch.tensor(lens), qlens)
