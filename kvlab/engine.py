@@ -464,11 +464,13 @@ class Engine:
         too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
         if too_long:
             raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
+        if cfg.memory != "paged":
+            return
         reserved = sum(cfg.reservations.values())
-        cap = {r.tenant: min(cfg.num_blocks - reserved + cfg.reservations.get(r.tenant, 0),
-                             cfg.quotas.get(r.tenant, cfg.num_blocks)) for r in reqs}
+        cap = {t: min(cfg.num_blocks - reserved + cfg.reservations.get(t, 0), cfg.quotas.get(t, cfg.num_blocks))
+               for t in dict.fromkeys(r.tenant for r in reqs)}
         never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
-        if never and cfg.memory == "paged":
+        if never:
             raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold (its quota, "
                               f"and the pool less the other tenants' reservations: {cap})")
 

@@ -142,12 +142,12 @@ class EventBus(list):
         return lambda: self.remove(fn) if fn in self else None
 
     def publish(self, event: Event) -> None:
-        failed = None
+        failed: list[tuple[Subscriber, Exception]] = []
         for fn in self:
             try:
                 fn(event)
             except Exception as error:  # an observer's bug: see the class docstring
-                failed = [*(failed or ()), (fn, error)]
+                failed.append((fn, error))
         if failed:
             self.subscribers_failed(event, failed)
 
