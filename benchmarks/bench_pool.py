@@ -26,13 +26,12 @@ and publishes its events, as under a live view). Each ratio is to the vLLM-style
 run with all variants of one n timed in turn within each round; the figure is the **best** of the rounds (the
 least disturbed by a noisy machine), with the garbage collector off while timing. Also: the metadata cost of
 creating a 1,000,000-block pool against creating the vLLM-style pool's million block objects and linked queue,
-and block-copy bandwidth. Two informational *floor* rows: one times two empty methods that take a lock
-(:class:`LockedNothing`), the other the reference's one generic path at its cheapest (:class:`OnePathFloor`: every
-helper inlined, fields in lists, less work than the reference). The first is what every thread-safe n=1 call pair
-pays before doing any work, against a baseline that takes no lock; the second, how near a pool with one path per
-operation can come to the baseline in CPython. The goal column says met or not met (a quick run, which the tests
-use, judges nothing): reference n=1 <= 1.5x, every FastBlockPool row <= 0.5x, each pool of 1,000,000 blocks
-created in < 0.5 s.
+and block-copy bandwidth. Informational *floor* rows bound what any rewrite of the reference could reach: two
+empty methods that take a lock (:class:`LockedNothing`: what every thread-safe n=1 call pair pays before doing any
+work, against a baseline that takes no lock); the reference's own work with every helper inlined and the lock
+taken by ``acquire``/``release`` (:class:`InlinedReference`), with the fields in lists and in arrays. The goal
+column says met or not met (a quick run, which the tests use, judges nothing): reference n=1 <= 1.5x, every
+FastBlockPool row <= 0.5x, each pool of 1,000,000 blocks created in < 0.5 s.
 
 Run: ``python benchmarks/bench_pool.py [--quick]`` (or ``kvlab bench bench_pool``).
 """
@@ -41,6 +40,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -48,6 +48,10 @@ import numpy as np
 import torch
 
 from kvlab import BlockPool, FastBlockPool, KVSpec, PyFastBlockPool, default_device
+from kvlab import events as ev
+from kvlab.block import BlockStatus
+from kvlab.clock import LogicalClock
+from kvlab.events import EventBus
 from kvlab.perf import COMPILED
 from kvlab.bench import ns_per_item_together
 
@@ -451,63 +455,113 @@ class LockedNothing:
             return None
 
 
-class OnePathFloor:
-    """The floor under a pool with *one* path per operation (what the reference must be): ``allocate(n)`` and
-    ``free(ids)`` as :class:`BlockPool` writes them, for any n, with every helper inlined, the fields in plain
-    Python lists (cheaper to index than ``array``) and the same checks and stores, but less work than the
-    reference: no size classes, eviction, policy, PENDING blocks, events or counters. Not a pool to use; its row
-    says how close to the vLLM-style pool a readable one-path pool could come in CPython at best."""
+class InlinedReference:
+    """The floor under the reference itself: :class:`BlockPool`'s own ``allocate(n)`` and ``free(ids)`` on a pool
+    of base blocks, doing all of their work — the checks of count, size class, owner, status and ids; the
+    all-or-nothing test against free plus cached blocks; the counted mutation and the clock object's tick; the
+    stamps, counters and served counts; PENDING blocks aborted by ``free``; blocks marked reusable kept as cached
+    (here a set stands for the policy); the events behind the same guard — as one function each, every helper
+    inlined, the lock taken by ``acquire`` and ``release``. ``fields`` is ``list`` (cheapest to index) or
+    ``array`` (what :class:`kvlab.meta.BlockMeta` keeps, so that numpy views of the fields cost no copy).
+    Not a pool to use: its rows say how near the goal the reference's work can come in CPython at best."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks, self.lock, self.step = num_blocks, threading.RLock(), 0
-        self.stack = list(range(num_blocks - 1, -1, -1))
-        self.status, self.refcount, self.hits = [0] * num_blocks, [0] * num_blocks, [0] * num_blocks
-        self.last_access, self.created, self.owner = [0] * num_blocks, [0] * num_blocks, [-1] * num_blocks
-        self.tokens, self.reusable = [0] * num_blocks, [0] * num_blocks
+    def __init__(self, num_blocks: int, fields: type = list) -> None:
+        def field(code: str, value: int = 0) -> list[int] | array:
+            return [value] * num_blocks if fields is list else array(code, [value]) * num_blocks
 
-    def allocate(self, n: int = 1, *, owner: int = -1) -> list[int]:
-        with self.lock:
+        self.num_blocks, self.lock, self.clock, self.events = num_blocks, threading.RLock(), LogicalClock(), EventBus()
+        top_down = range(num_blocks - 1, -1, -1)  # the lowest id on top, as in a fresh BlockPool
+        self.stacks = [list(top_down) if fields is list else array("i", top_down)]
+        self.max_order, self.cached = 0, set[int]()
+        self.status, self.size_class, self.refcount, self.hits = field("B"), field("B"), field("i"), field("q")
+        self.last_access, self.created, self.owner = field("q"), field("q"), field("i", -1)
+        self.tokens, self.reusable = field("i"), field("B")
+        self.counts = dict.fromkeys(("allocations", "frees", "served_free"), 0)
+        self.lock_acquisitions = 0
+
+    def allocate(self, n: int = 1, *, size_class: int = 0, owner: int = -1, status: int = 2) -> list[int]:
+        lock = self.lock
+        lock.acquire()
+        try:
             if not (type(n) is int or isinstance(n, np.integer)) or n < 0:
                 raise ValueError(f"bad count {n!r}")
+            if not (type(size_class) is int or isinstance(size_class, np.integer)) \
+                    or not 0 <= size_class <= self.max_order:
+                raise ValueError(f"bad size class {size_class!r}")
             if not (type(owner) is int or isinstance(owner, np.integer)) or not -1 <= owner < 2**31:
                 raise ValueError(f"bad owner {owner!r}")
-            if n > len(self.stack):
+            if type(status) not in (int, BlockStatus) or status not in (2, 1):  # ALLOCATED, PENDING
+                raise ValueError(f"bad status {status!r}")
+            stack = self.stacks[size_class]
+            if n > len(stack) and n - len(stack) > len(self.cached):
                 raise ValueError(f"cannot allocate {n} blocks")
             if not n:
                 return []
-            self.step += 1
-            t, out = self.step, [self.stack.pop() for _ in range(n)]
-            for b in out:
-                self.status[b] = 2  # ALLOCATED
+            self.lock_acquisitions += 1
+            t, out = self.clock.tick(), []
+            for _ in range(n):
+                if not stack:  # the reference evicts here; this floor never caches enough to need it
+                    raise NotImplementedError("eviction")
+                b = stack.pop()
+                self.counts["served_free"] += 1
+                self.status[b] = status
                 self.refcount[b] = self.hits[b] = 1
                 self.last_access[b] = self.created[b] = t
                 self.owner[b] = owner
+                out.append(b)
+            self.counts["allocations"] += n
+            if self.events:
+                self.events.publish(ev.Allocated(t, tuple(out), size_class, owner, BlockStatus(status).name, "free"))
             return out
+        finally:
+            lock.release()
 
     def free(self, ids: list[int]) -> None:
-        with self.lock:
+        lock = self.lock
+        lock.acquire()
+        try:
             want: dict[int, int] = {}  # {id: occurrences}: a repeat drops one reference per occurrence
             for b in ids:
                 if not (type(b) is int or isinstance(b, np.integer)) or not 0 <= b < self.num_blocks:
                     raise ValueError(f"bad block id {b!r}")
+                if self.max_order and b & ~((1 << self.size_class[b]) - 1) != b:
+                    raise ValueError(f"block {b} is inside a larger block")
                 want[b] = want.get(b, 0) + 1
             for b, c in want.items():
-                if self.status[b] != 2 or self.refcount[b] < c:
+                s, r = self.status[b], self.refcount[b]
+                if not (s == 2 and r >= c or s == 1 and c == 1):
                     raise ValueError(f"block {b} cannot be released {c} time(s)")
             if not want:
                 return
-            self.step += 1
-            gone = []
+            self.lock_acquisitions += 1
+            t = self.clock.tick()
+            self.counts["frees"] += sum(want.values())
+            left, kept, gone = [], [], []
             for b, c in want.items():
-                self.refcount[b] -= c
-                if self.refcount[b]:
-                    self.last_access[b] = self.step
+                r = self.refcount[b] = self.refcount[b] - c
+                if r:
+                    left.append(b)
+                elif self.status[b] == 2 and self.reusable[b]:
+                    kept.append(b)
                 else:
                     gone.append(b)
+            for b in left + kept:
+                self.last_access[b] = t
+            self.cached.update(kept)
             for b in reversed(gone):
                 self.status[b] = self.refcount[b] = self.tokens[b] = self.reusable[b] = 0
                 self.owner[b] = -1
-                self.stack.append(b)
+                self.stacks[self.size_class[b]].append(b)
+            if self.events:
+                if left:
+                    self.events.publish(ev.RefChanged(t, tuple(left), tuple(-want[b] for b in left),
+                                                      tuple(self.refcount[b] for b in left)))
+                if kept:
+                    self.events.publish(ev.Cached(t, tuple(kept)))
+                if gone:
+                    self.events.publish(ev.Freed(t, tuple(gone)))
+        finally:
+            lock.release()
 
 
 # ---------------------------------------------------------------- pools in a known state
@@ -581,10 +635,11 @@ def timing_rows(quick: bool) -> list[dict]:
             fns["python fast"] = lambda py=py: py.free(py.allocate(n))
         if n == 1:
             ref, floor = kvlab_pool(BlockPool, POOL_BLOCKS, False, False), LockedNothing()
-            one = OnePathFloor(POOL_BLOCKS)
             fns["reference"] = lambda: ref.free(ref.allocate(1))
             fns["floor"] = lambda: floor.free(floor.allocate(1))
-            fns["one path"] = lambda: one.free(one.allocate(1))
+            for name, pool in (("inlined list", InlinedReference(POOL_BLOCKS)),
+                               ("inlined array", InlinedReference(POOL_BLOCKS, array))):
+                fns[name] = lambda pool=pool: pool.free(pool.allocate(1))
         reps = max(20, (300 if quick else 40_000) // n)
         ns = ns_per_item_together(fns, n, reps=reps, rounds=rounds)
         for state in ("fresh", "shuffled"):
@@ -597,9 +652,10 @@ def timing_rows(quick: bool) -> list[dict]:
                              _goal(f"<= {GOAL_REFERENCE}x", met, quick), ns["nano fresh"]))
             rows.append(_row("  floor: two empty method calls under a lock, no pool work (informational), n=1",
                              ns["floor"], ns["vllm fresh"]))
-            rows.append(_row("  floor: one allocate and one free path, every helper inlined, fields in lists, less "
-                             "work than BlockPool (OnePathFloor, informational), n=1", ns["one path"],
-                             ns["vllm fresh"]))
+            for name, what in (("inlined list", "fields in lists"),
+                               ("inlined array", "fields in arrays, as BlockMeta keeps them")):
+                rows.append(_row(f"  floor: the reference's work, every helper inlined, {what} (InlinedReference, "
+                                 f"informational), n=1", ns[name], ns["vllm fresh"]))
         if COMPILED:
             rows.append(_row(f"  PyFastBlockPool (the same paths in Python, informational), n={n}, fresh, "
                              f"no subscriber", ns["python fast"], ns["vllm fresh"], None, ns["nano fresh"]))

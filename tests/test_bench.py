@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import math
+import random
+from array import array
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -193,25 +195,38 @@ def test_nano_style_block_manager_hands_out_and_takes_back_blocks(steps):
 
 
 FLOOR_FIELDS = ("status", "refcount", "hits", "last_access", "created", "owner", "tokens", "reusable")
+FLOOR_STEPS = st.lists(st.tuples(st.sampled_from(["alloc", "free", "bad", "pending", "reusable"]), st.integers(0, N),
+                                 st.integers(-1, 3), st.randoms(use_true_random=False)), max_size=40)
+FLOOR_BAD = [("allocate", (-1,), {}), ("allocate", (1.0,), {}), ("allocate", (True,), {}),
+             ("allocate", (1,), {"owner": -2}), ("free", ([N],), {}), ("free", ([0.0],), {})]
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "bad"]), st.integers(0, N), st.integers(-1, 3),
-                          st.randoms(use_true_random=False)), max_size=40))
-def test_one_path_floor_does_what_the_reference_does(steps):
-    """The floor row times the reference's own work: on random allocations (with owners), frees (ids repeated,
-    sometimes more often than they are held) and bad arguments, the floor hands out the same ids as
-    :class:`BlockPool`, refuses the same calls and leaves the same fields, free stack and clock."""
-    ref, floor, held = BlockPool(N, with_storage=False), bench_pool.OnePathFloor(N), []
-    bad = [("allocate", (-1,), {}), ("allocate", (1.0,), {}), ("allocate", (True,), {}),
-           ("allocate", (1,), {"owner": -2}), ("free", ([N],), {}), ("free", ([0.0],), {})]
+def run_beside_the_reference(floor, steps) -> None:
+    """Drive :class:`BlockPool` and the benchmark's :class:`InlinedReference` with the same random allocations
+    (with owners, some PENDING), frees (ids repeated, sometimes more often than held), blocks marked reusable and
+    bad arguments; after each step both must have given the same ids or refused, and hold the same fields, free
+    stack, clock, counters, cached blocks and events."""
+    ref, held, seen = BlockPool(N, with_storage=False), [], ([], [])
+    ref.events.subscribe(seen[0].append)
+    floor.events.subscribe(seen[1].append)
     for step, n, owner, rnd in steps:
-        if step == "alloc":
-            call, args, kw = "allocate", (n,), {"owner": owner}
+        if step in ("alloc", "pending"):
+            if n > len(floor.stacks[0]) and floor.cached:
+                continue  # the reference would evict, which the floor leaves out
+            call, args, kw = "allocate", (n,), {"owner": owner, **({"status": 1} if step == "pending" else {})}
         elif step == "free":
             call, args, kw = "free", ([rnd.choice(held) for _ in range(n)] if held else [],), {}
+        elif step == "reusable":
+            if held:
+                b = rnd.choice(held)
+                if ref.arrays.status[b] == 2:  # marking is no work of the floor's: the test does it there
+                    ref.mark_reusable([b])
+                    floor.reusable[b] = 1
+                    floor.clock.tick()
+                    floor.lock_acquisitions += 1
+            continue
         else:
-            call, args, kw = rnd.choice(bad)
+            call, args, kw = rnd.choice(FLOOR_BAD)
         got = []
         for pool in (ref, floor):
             try:
@@ -225,8 +240,33 @@ def test_one_path_floor_does_what_the_reference_does(steps):
             for b in args[0] if call == "free" else ():
                 held.remove(b)
         for name in FLOOR_FIELDS:
-            assert getattr(ref.arrays, name).tolist() == getattr(floor, name), name
-        assert ref.free_ids() == floor.stack[::-1] and ref.clock.now() == floor.step
+            assert list(getattr(ref.arrays, name)) == list(getattr(floor, name)), name
+        assert ref.free_ids() == list(floor.stacks[0])[::-1] and ref.clock.now() == floor.clock.now()
+        assert {k: ref.counts[k] for k in floor.counts} == floor.counts
+        assert ref.lock_acquisitions == floor.lock_acquisitions
+        assert {b for b, _ in ref.policy.order()} == floor.cached and seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("fields", [list, array])
+@settings(max_examples=80, deadline=None)
+@given(steps=FLOOR_STEPS)
+def test_inlined_reference_does_all_the_reference_does(fields, steps):
+    """The InlinedReference rows time the reference's own work: same ids, refusals, fields, stack, clock,
+    counters, cached blocks and events, PENDING blocks and reusable ones included."""
+    run_beside_the_reference(bench_pool.InlinedReference(N, fields), steps)
+
+
+@pytest.mark.parametrize("fields", [list, array])
+def test_inlined_reference_caches_and_aborts_as_the_reference_does(fields):
+    """The paths random steps may miss in a derandomized run: a reusable block freed to cached, a PENDING block
+    freed (aborted), a held block freed twice at once, an allocation that would need eviction skipped."""
+    rnd = random.Random(0)
+    steps = [("alloc", 1, 0, rnd), ("reusable", 0, 0, rnd), ("free", 1, 0, rnd), ("pending", 1, 2, rnd),
+             ("free", 1, 0, rnd), ("alloc", 1, 3, rnd), ("free", 2, 0, rnd), ("alloc", N, 0, rnd)]
+    floor = bench_pool.InlinedReference(N, fields)  # one block held at a time, so every free picks it
+    run_beside_the_reference(floor, steps)
+    assert floor.cached == {0} and floor.counts == {"allocations": 3, "frees": 2, "served_free": 3}
+
 
 def test_shuffled_pools_hold_the_same_permutation_and_every_block():
     order = bench_pool.shuffled_order(64)
