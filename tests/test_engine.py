@@ -386,3 +386,16 @@ def test_an_exact_contiguous_region_is_charged_in_whole_blocks():
     e = Engine([Request(0, 0.0, 17, 3)], EngineConfig(num_blocks=8, block_size=16, memory="contiguous-exact"))
     e.step()
     assert e.memory.held(e.running[0]) == 2 and dict(e.log.steps[-1].tenant_blocks) == {"default": 2}
+
+
+def test_a_tenant_exactly_at_its_reservation_is_never_the_victim():
+    """Tenant a's two requests hold its 4 reserved blocks, tenant b's one request (admitted last) exactly its 2,
+    the whole pool. When a needs a fifth block, both tenants are equally far (zero blocks) above their
+    reservations; b is not above its own, so the victim is a's request admitted last, not b's."""
+    reqs = [Request(0, 0.0, 31, 20, tenant="a"), Request(1, 0.0, 31, 20, tenant="a"),
+            Request(2, 0.001, 17, 15, tenant="b")]  # b arrives a moment later: admitted after a's two
+    e = Engine(reqs, EngineConfig(num_blocks=6, block_size=16, max_model_len=64, prefix_caching=False,
+                                  reservations={"a": 4, "b": 2}))
+    rec = EventRecorder(e.events, (Preempted,))
+    assert e.run()["finished"] == 3
+    assert [(p.tenant, p.request_id) for p in rec.events] == [("a", 1)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -97,6 +98,13 @@ def test_shared_prefixes(big):
     assert not any(r.prefix_id for r in make_workload("code", 300, 0, prefix_share=0.0))
     assert all(r.prefix_id for r in make_workload("code", 300, 0, prefix_share=1.0))
 
+
+
+def test_prefix_lengths_reach_both_ends_of_their_range(monkeypatch):
+    """A scenario's prefix lengths are drawn from its whole closed range: narrowed to two lengths, both occur."""
+    monkeypatch.setitem(SCENARIOS, "chat", replace(SCENARIOS["chat"], prefix_range=(64, 65), num_prefixes=8))
+    lens = {r.prefix_len for seed in range(4) for r in make_workload("chat", 200, seed, prefix_share=1.0)}
+    assert lens == {64, 65}
 
 def test_token_ids_share_exactly_the_prefix():
     w = make_workload("chat", 200, 0, prefix_share=1.0)
