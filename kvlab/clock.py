@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from .errors import ConfigError
+
 
 class Clock(Protocol):
     """Anything with ``now() -> int`` and ``tick() -> int``; ``tick`` advances a logical clock and just reads a
@@ -21,6 +23,8 @@ class LogicalClock:
     __slots__ = ("step",)
 
     def __init__(self, start: int = 0) -> None:
+        if type(start) is not int or start < 0:
+            raise ConfigError(f"a logical clock starts at an int >= 0, not {start!r}")
         self.step = start
 
     def now(self) -> int:

@@ -54,9 +54,10 @@ from typing import Any
 from .baseline import ContiguousMemory
 from .errors import ConfigError
 from .events import EngineEvent, Event
-from .eviction import FutureUses, OPTPolicy
+from .eviction import POLICIES, FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .perf import FastBlockPool, FastSequenceManager
+from .pool import is_int
 from .prefix import PrefixCache
 from .sequence import Sequence, SwapState
 from .spec import KVSpec
@@ -124,6 +125,12 @@ class CostModel:
     context_s: float = 5e-7
     swap_token_s: float = 2e-5
 
+    def __post_init__(self) -> None:
+        for name in ("base_s", "token_s", "context_s", "swap_token_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
+                raise ConfigError(f"CostModel.{name} must be a finite number of seconds >= 0, got {v!r}")
+
     def step_s(self, tokens: int, context: int) -> float:
         return self.base_s + self.token_s * tokens + self.context_s * context
 
@@ -170,9 +177,21 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.shared_prefill not in ("wait", "duplicate"):
             raise ConfigError(f"EngineConfig.shared_prefill must be 'wait' or 'duplicate', got {self.shared_prefill!r}")
-        bad = {t: v for d in (self.quotas, self.reservations) for t, v in d.items() if not isinstance(v, int) or v < 0}
-        if bad:
-            raise ConfigError(f"tenant quotas/reservations must be block counts >= 0, got {bad}")
+        if not isinstance(self.policy, str) or self.policy not in (*POLICIES, "opt"):
+            raise ConfigError(f"EngineConfig.policy must be one of {', '.join((*POLICIES, 'opt'))}, "
+                              f"got {self.policy!r}")
+        for name in ("prefix_caching", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.cost, CostModel):
+            raise ConfigError(f"EngineConfig.cost must be a CostModel, got {self.cost!r}")
+        for name in ("quotas", "reservations"):
+            d = getattr(self, name)
+            if not isinstance(d, dict):
+                raise ConfigError(f"EngineConfig.{name} must be a dict of tenant -> blocks, got {d!r}")
+            bad = {t: v for t, v in d.items() if not isinstance(t, str) or not is_int(v) or v < 0}
+            if bad:
+                raise ConfigError(f"EngineConfig.{name} maps tenant names (str) to block counts >= 0, got {bad}")
         over = sum(self.reservations.values())
         if over > self.num_blocks:
             raise ConfigError(f"reservations sum to {over} blocks but the pool has {self.num_blocks}")
@@ -425,13 +444,19 @@ class Engine:
     def __init__(self, workload: Workload | Iterable[Request], config: EngineConfig | None = None, *,
                  model: Any = None, **overrides: Any) -> None:
         cfg = config or EngineConfig()
+        if not isinstance(cfg, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {cfg!r}")
+        unknown = sorted(set(overrides) - set(cfg.__dict__))
+        if unknown:
+            raise ConfigError(f"EngineConfig has no setting {unknown[0]!r}")
         # A private copy: remove_tenant edits the tenant tables, never the caller's config.
         cfg = EngineConfig(**{**cfg.__dict__, "quotas": dict(cfg.quotas),
                               "reservations": dict(cfg.reservations), **overrides})
         self.config = cfg
-        reqs = sorted(workload.requests if isinstance(workload, Workload) else workload,
-                      key=lambda r: (r.arrival, r.id))
-        self._refuse_impossible(reqs)
+        reqs = self._requests(workload.requests if isinstance(workload, Workload) else workload)
+        self._refuse_impossible(reqs, set())
+        self._ids = {r.id for r in reqs}  # every id given, to refuse one given again
+        self._tenants = {r.tenant for r in reqs} | set(cfg.quotas) | set(cfg.reservations)
         if cfg.policy == "opt" and not (cfg.memory == "paged" and cfg.prefix_caching):
             raise ConfigError("policy 'opt' ranks cached prefix blocks by their next lookup: it needs "
                               "memory='paged' and prefix_caching=True")
@@ -456,23 +481,45 @@ class Engine:
         self._sync_out = self._sync_in = self._async_in = 0  # tokens copied this step (out, in, in overlapped)
         self._wall = time.perf_counter
 
-    def _refuse_impossible(self, reqs: list[Request]) -> None:
-        """:class:`ConfigError` for requests that could never finish: longer than ``max_model_len``, or (paged)
-        needing more blocks than their tenant may ever hold: its quota, and the pool less every other tenant's
-        reservation. Admitted, such a request would wait (or be preempted and readmitted) forever."""
+    @staticmethod
+    def _requests(requests: Any) -> list[Request]:
+        """``requests`` in arrival order (ties by id), or :class:`ConfigError` for what is no iterable of them."""
+        try:
+            reqs = list(requests)
+        except TypeError:
+            raise ConfigError(f"expected a Workload or an iterable of Requests, got {requests!r}") from None
+        odd = [r for r in reqs if not isinstance(r, Request)]
+        if odd:
+            raise ConfigError(f"the engine runs Request objects, got {odd[0]!r}")
+        return sorted(reqs, key=lambda r: (r.arrival, r.id))
+
+    def _refuse_impossible(self, reqs: list[Request], known: set[int]) -> None:
+        """:class:`ConfigError` for an id given twice (here, or already in ``known``) and for requests that could
+        never finish: longer than ``max_model_len``, or needing more blocks than their tenant may ever
+        hold: its quota, and the pool less every other tenant's reservation (a contiguous region of
+        ``max_model_len`` tokens, or of exactly its length, counts as the blocks it spans). Admitted, such a request
+        would wait (or be preempted and readmitted) forever."""
         cfg = self.config
+        seen, again = set(known), []
+        for r in reqs:
+            if r.id in seen:
+                again.append(r.id)
+            seen.add(r.id)
+        if again:
+            raise ConfigError(f"request ids {again[:5]} are given more than once")
         too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
         if too_long:
             raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
-        if cfg.memory != "paged":
-            return
         reserved = sum(cfg.reservations.values())
         cap = {t: min(cfg.num_blocks - reserved + cfg.reservations.get(t, 0), cfg.quotas.get(t, cfg.num_blocks))
                for t in dict.fromkeys(r.tenant for r in reqs)}
-        never = [r.id for r in reqs if -(-r.total_len // cfg.block_size) > cap[r.tenant]]
+        fixed = cfg.max_model_len if cfg.memory == "contiguous" else None  # every region is max_model_len long
+        never = [r.id for r in reqs if -(-(fixed or r.total_len) // cfg.block_size) > cap[r.tenant]]
         if never:
-            raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold (its quota, "
-                              f"and the pool less the other tenants' reservations: {cap})")
+            what = f"a region of max_model_len={fixed} tokens" if fixed else "its tokens"
+            raise ConfigError(f"requests {never[:5]} need more blocks than their tenant may ever hold ({what} at "
+                              f"{cfg.block_size} tokens a block; the most a tenant may hold is its quota, and the "
+                              f"pool less the other tenants' reservations: {cap})")
 
     # -------------------------------------------------------------------------------- public API
     @property
@@ -520,7 +567,9 @@ class Engine:
         return True
 
     def run(self, progress: bool = False, max_steps: int | None = None) -> dict[str, Any]:
-        """Step until every request finished (or ``max_steps``); returns :meth:`summary`."""
+        """Step until every request finished (or until ``max_steps`` steps in all); returns :meth:`summary`."""
+        if max_steps is not None and (not is_int(max_steps) or max_steps < 0):
+            raise ConfigError(f"max_steps must be an int >= 0 or None, got {max_steps!r}")
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -558,14 +607,18 @@ class Engine:
         if self.config.policy == "opt":
             raise ConfigError("policy 'opt' was given the whole future when the engine was built: it cannot take "
                               "requests added later")
-        requests = list(requests)
-        self._refuse_impossible(requests)
-        merged = sorted([*self._arrivals, *requests], key=lambda r: (r.arrival, r.id))
-        self._arrivals = deque(merged)
+        reqs = self._requests(requests)
+        self._refuse_impossible(reqs, self._ids)
+        self._ids.update(r.id for r in reqs)
+        self._tenants.update(r.tenant for r in reqs)
+        self._arrivals = deque(sorted([*self._arrivals, *reqs], key=lambda r: (r.arrival, r.id)))
 
     def remove_tenant(self, tenant: str) -> int:
         """Abort every request of ``tenant`` (waiting, running, swapped, not yet arrived) and reclaim its blocks;
-        returns the number of blocks returned. Its quota and reservation are dropped too."""
+        returns the number of blocks returned. Its quota and reservation are dropped too. :class:`ConfigError`
+        for a tenant no request or setting ever named."""
+        if not isinstance(tenant, str) or tenant not in self._tenants:
+            raise ConfigError(f"no request or quota ever named tenant {tenant!r}")
         jobs = [j for j in (*self.running, *self.swapped, *self._queues.get(tenant, ())) if j.req.tenant == tenant]
         blocks = self.held.get(tenant, 0)
         for job in jobs:

@@ -61,6 +61,7 @@ from .textbook import TextbookNames
 FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
 NAMES = [s.name for s in BlockStatus]
 INT32_MAX = 2**31 - 1
+CLOCK_MAX = 2**62  # a clock starting later could tick past int64 (2**63 - 1) and overflow the stamps
 RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
@@ -149,8 +150,9 @@ class BlockPool(TextbookNames):
         self.clock: Clock = clock or LogicalClock()
         if not isinstance(with_storage, (bool, np.bool_)):
             raise ConfigError(f"with_storage must be True or False, got {with_storage!r}")
-        if not isinstance(now := self.clock.now(), int):
-            raise ConfigError(f"the clock must count in ints (stamps are int64), but now() gave {now!r}")
+        if type(now := self.clock.now()) is not int or not 0 <= now <= CLOCK_MAX:
+            raise ConfigError(f"the clock must count in ints from 0 to {CLOCK_MAX} (stamps are int64, with room to "
+                              f"tick), but now() gave {now!r}")
         self.spec, self.num_blocks, self.block_size = spec, int(num_blocks), spec.block_size
         self.bytes_per_block = spec.bytes_per_block
         self.block_sizes = [spec.block_size << k for k in range(self.max_order + 1)]

@@ -138,8 +138,8 @@ class ChunkSizeOptimizer:
 
     def sweep(self, workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, **kwargs: Any) -> SweepResult:
         """:func:`sweep`, also analysing the workload's lengths and keeping the rows in ``performance_metrics``."""
+        result = sweep(workload, block_sizes, **kwargs)  # first: a refused sweep leaves the analysis as it was
         self.analyze_sequence_distribution(workload)
-        result = sweep(workload, block_sizes, **kwargs)
         self.performance_metrics = {row.block_size: row for row in result.rows}
         return result
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvlab import BlockPool, KVSpec
 from kvlab.baseline import ContiguousAllocator
-from kvlab.engine import Admitted, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed
+from kvlab.engine import Admitted, CostModel, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed
 from kvlab.errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from kvlab.events import EventRecorder
 from kvlab.metrics import StepMetrics
@@ -399,3 +399,67 @@ def test_a_tenant_exactly_at_its_reservation_is_never_the_victim():
     rec = EventRecorder(e.events, (Preempted,))
     assert e.run()["finished"] == 3
     assert [(p.tenant, p.request_id) for p in rec.events] == [("a", 1)]
+
+
+@pytest.mark.parametrize("memory,req", [("contiguous", Request(0, 0.0, 4, 4)),
+                                        ("contiguous-exact", Request(0, 0.0, 40, 4))])
+def test_a_request_no_contiguous_region_can_hold_is_refused_up_front(memory, req):
+    """One 16-token block of arena: a max-length region of 32 tokens, or an exact one of 44, never fits, so the
+    request would wait forever; it is refused when the engine is built (and when added later)."""
+    cfg = EngineConfig(memory=memory, num_blocks=1, block_size=16, max_model_len=64 if "exact" in memory else 32)
+    with pytest.raises(ConfigError, match=r"requests \[0\] need more blocks"):
+        Engine([req], cfg)
+    e = Engine([], cfg)
+    with pytest.raises(ConfigError, match=r"requests \[0\] need more blocks"):
+        e.add_requests([req])
+    assert e.run()["requests"] == 0
+
+
+def test_request_ids_given_twice_are_refused_and_nothing_is_queued():
+    a, b = Request(0, 0.0, 20, 5), Request(0, 1.0, 40, 9)
+    with pytest.raises(ConfigError, match=r"request ids \[0\] are given more than once"):
+        Engine([a, b], EngineConfig(num_blocks=64))
+    e = Engine([a], EngineConfig(num_blocks=64))
+    e.step()
+    for more in ([b], [Request(1, 1.0, 8, 2), Request(1, 2.0, 8, 2)]):
+        with pytest.raises(ConfigError, match="given more than once"):
+            e.add_requests(more)
+    e.add_requests([Request(1, 1.0, 8, 2)])
+    assert e.run()["finished"] == 2 and set(e.outputs) == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [dict(policy=None), dict(policy="LRU"), dict(policy=["lru"]),
+                                 dict(prefix_caching=1), dict(prefetch="yes"), dict(prefetch=None),
+                                 dict(quotas=None), dict(quotas={5: 3}), dict(quotas={"a": True}),
+                                 dict(reservations={"a": 1.0}), dict(reservations=[("a", 1)]), dict(cost="x"),
+                                 dict(cost=None)])
+def test_engine_config_refuses_settings_of_the_wrong_kind(bad):
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ConfigError, match=f"EngineConfig.{name}"):
+        EngineConfig(**bad)
+
+
+@pytest.mark.parametrize("name", ["base_s", "token_s", "context_s", "swap_token_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, -1e-9, "a", None, True])
+def test_cost_model_refuses_what_is_no_number_of_seconds(name, value):
+    with pytest.raises(ConfigError, match=f"CostModel.{name} .*got {value!r}"):
+        CostModel(**{name: value})
+
+
+def test_engine_arguments_of_the_wrong_kind_are_typed_errors():
+    for workload in (None, 5, [None], [Request(0, 0.0, 4, 1), "r"]):
+        with pytest.raises(ConfigError, match="Request"):
+            Engine(workload)
+    with pytest.raises(ConfigError, match="no setting 'bogus'"):
+        Engine([], bogus=1)
+    with pytest.raises(ConfigError, match="must be an EngineConfig"):
+        Engine([], "x")
+    e = Engine([Request(0, 0.0, 20, 5, tenant="a")], EngineConfig(num_blocks=64, quotas={"q": 8}))
+    for tenant in ("nobody", None, ["a"], 5):
+        with pytest.raises(ConfigError, match="tenant"):
+            e.remove_tenant(tenant)
+    assert e.remove_tenant("q") == 0  # named by a quota only: a tenant, with nothing to reclaim
+    for steps in (-1, 1.5, True, float("nan"), "2"):
+        with pytest.raises(ConfigError, match="max_steps"):
+            e.run(max_steps=steps)
+    assert e.step_count == 0 and e.run(max_steps=2)["requests"] == 1 and e.step_count == 2

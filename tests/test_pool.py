@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,42 @@ def test_spec_sizes():
         KVSpec(head_dim=0)
     with pytest.raises(ConfigError, match="holds no block"):
         s.blocks_for_budget(3)
+
+
+class FixedClock:
+    """A clock that always reads ``value``: what a pool is given decides whether it is accepted."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def now(self) -> object:
+        return self.value
+
+    tick = now
+
+
+@pytest.mark.parametrize("cls", [BlockPool, kvlab.FastBlockPool])
+@pytest.mark.parametrize("reading", [True, 1.0, -1, 2**62 + 1, 2**63 - 1, None, np.int64(3)])
+def test_a_pool_refuses_a_clock_that_cannot_stamp_int64(cls, reading):
+    """Stamps are int64 and every mutation ticks: a clock reading a non-int, a negative value or a value too
+    close to 2**63 is refused when the pool is built, not by an OverflowError half-way through an allocation."""
+    with pytest.raises(ConfigError, match=re.escape(f"now() gave {reading!r}")):
+        cls(4, with_storage=False, clock=FixedClock(reading))
+
+
+@pytest.mark.parametrize("cls", [BlockPool, kvlab.FastBlockPool])
+def test_a_clock_at_the_latest_start_still_ticks_into_int64(cls):
+    pool = cls(4, with_storage=False, clock=kvlab.LogicalClock(kvlab.pool.CLOCK_MAX))
+    b = pool.allocate(1)[0]
+    pool.free([b])
+    assert pool.arrays.created[b] == kvlab.pool.CLOCK_MAX + 1 and pool.clock.now() == kvlab.pool.CLOCK_MAX + 2
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("start", [True, -5, None, "1", 1.0, np.int64(1)])
+def test_a_logical_clock_starts_at_an_int(start):
+    with pytest.raises(ConfigError, match=re.escape(f"not {start!r}")):
+        kvlab.LogicalClock(start)
 
 
 def test_pool_from_budget_and_one_tensor(spec):

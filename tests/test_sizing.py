@@ -263,3 +263,12 @@ def test_recommend_breaks_a_tie_toward_the_smaller_block_size():
     rows = [SweepRow(16, 4, 64, 4, 4, 0, 0, 64), SweepRow(32, 2, 64, 2, 2, 0, 0, 64)]  # both waste nothing
     r = SweepResult("w", 1, rows).with_weights("balanced", (1.0, 0.0, 0.0, 0.0))
     assert r.costs("balanced") == {16: 0.0, 32: 0.0} and r.recommend("balanced") == 16
+
+
+def test_a_refused_sweep_leaves_the_optimizer_as_it_was():
+    opt = ChunkSizeOptimizer()
+    opt.analyze_sequence_distribution([10, 20, 30])
+    before = (dict(opt.sequence_length_stats), dict(opt.performance_metrics))
+    with pytest.raises(ConfigError, match="block sizes"):
+        opt.sweep(make_workload("chat", 3), [0], attention=False)
+    assert (opt.sequence_length_stats, opt.performance_metrics) == before

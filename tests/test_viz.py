@@ -655,3 +655,22 @@ def test_figure_helpers_show_as_images_in_a_fresh_kernel(tmp_path):
     assert saved == printed["text"].strip()  # the output was updated in place to the final frame
     dash, stepped = nb.cells[-1].outputs
     assert hashlib.sha256(dash["data"]["image/png"].encode()).hexdigest() == stepped["text"].strip()
+
+
+def test_loading_a_recording_with_a_bad_frame_changes_nothing():
+    """Every frame is decoded before the view takes any: a bad one leaves history, series and evictions as they
+    were; a recording that is no frames at all, and a pool that is no pool, are typed errors."""
+    from kvlab.viz import PoolView
+
+    pool = BlockPool(8, with_storage=False)
+    view = PoolView(pool)
+    before = (list(view.history), list(view.series), list(view.evictions), view.frame, view.frames_sent)
+    with pytest.raises(ConfigError, match="not a kvlab frame"):
+        view.load([build_frame(pool), b"junk"])
+    for bad in (5, None, "abc", [1.5]):
+        with pytest.raises(ConfigError, match="a recording is frames"):
+            view.load(bad)
+    assert (list(view.history), list(view.series), list(view.evictions), view.frame, view.frames_sent) == before
+    for bad in ("x", 5):
+        with pytest.raises(ConfigError, match="shows a BlockPool"):
+            PoolView(bad)

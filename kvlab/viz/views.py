@@ -61,6 +61,8 @@ class FrameView(anywidget.AnyWidget):
 
     def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
                  **kwargs: Any) -> None:
+        if pool is not None and not isinstance(pool, BlockPool):
+            raise ConfigError(f"a {type(self).__name__} shows a BlockPool, not {pool!r:.80}")
         super().__init__(**kwargs)
         self.pool = pool
         self.run: LiveRun | None = None
@@ -100,12 +102,15 @@ class FrameView(anywidget.AnyWidget):
     def load(self, recording: Recording | Iterable[bytes]) -> None:
         """Show a recording: the browser gets all frames (opening on the last, the slider reaching back to the
         first)."""
-        rec = Recording((bytes(f) for f in recording), max_bytes=HISTORY_BYTES)
+        try:
+            rec = Recording((bytes(f) for f in recording), max_bytes=HISTORY_BYTES)
+        except TypeError:
+            raise ConfigError(f"a recording is frames (bytes), not {recording!r:.80}") from None
         if not len(rec):
             raise ConfigError("the recording holds no frame")
+        frames = [decode_frame(data) for data in rec]  # all of them first: a bad one changes nothing
         self.history = rec
-        for data in rec:
-            f = decode_frame(data)
+        for f in frames:
             self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
             self.evictions.extend(f.evictions)
         with self.hold_sync():
