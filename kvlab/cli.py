@@ -85,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a file the command was told to read or write: missing, unwritable, a full disk
         print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except MemoryError:  # a size this machine cannot hold (kvlab run --requests 10000000000000)
+        print(f"kvlab {args.command}: error: out of memory; ask for fewer requests, blocks or sizes",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"kvlab {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -126,8 +130,16 @@ def _device(text: str) -> str:
     return text
 
 
+def _path(text: str) -> str:
+    """A file or folder name the OS can take (argv from a shell never holds NUL, a call to main may)."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL character, which no path can")
+    return text
+
+
 def _output_file(text: str) -> str:
     """A file to write: its folder must exist and be writable, so a long run does not fail at its last step."""
+    _path(text)
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
@@ -174,7 +186,7 @@ def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
 
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="generated scenario (default: chat)")
-    src.add_argument("--trace", metavar="NAME|PATH",
+    src.add_argument("--trace", type=_path, metavar="NAME|PATH",
                      help=f"a bundled trace ({', '.join(trace_names())}) or a trace file (Azure CSV, Mooncake JSONL, "
                           "kvlab JSONL/CSV; .gz too) instead of a generated workload")
     p.add_argument("--format", choices=FORMATS, default=None, help="the trace file's format (default: detected)")
@@ -368,7 +380,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _html_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", default=None, help="chapters folder (default: the chapters shipped with kvlab)")
-    p.add_argument("--out", default="site", help="output folder (default: site)")
+    p.add_argument("--out", type=_path, default="site", help="output folder (default: site)")
     p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
     p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
@@ -386,7 +398,7 @@ def _html(args: argparse.Namespace) -> int:
 
 
 def _chapters_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dest", metavar="DEST", help="folder to copy the notebooks into (created if missing)")
+    p.add_argument("dest", type=_path, metavar="DEST", help="folder to copy the notebooks into (created if missing)")
     p.add_argument("--no-solutions", action="store_true", help="leave out solutions/")
     p.add_argument("--force", action="store_true", help="overwrite notebooks already in DEST")
 

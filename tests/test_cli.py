@@ -186,8 +186,9 @@ def _bad_values(tmp: Path) -> dict:
         cli._positive_float: ["0", "-2", "nan", "inf", "x"],
         cli._seed: ["-1", str(2**32), "x"],
         cli._device: ["nosuchdev", "cuda:7", "meta", ""],
-        cli._figure_file: ["/nonexistent/x.png", str(tmp / "x.nosuchformat"), str(tmp)],
-        cli._output_file: ["/nonexistent/x.json", str(tmp)],
+        cli._figure_file: ["/nonexistent/x.png", str(tmp / "x.nosuchformat"), str(tmp), "a\0b.png"],
+        cli._output_file: ["/nonexistent/x.json", str(tmp), "a\0b.json"],
+        cli._path: ["a\0b"],
         cli._sizes: ["16,abc", "16,16", ",", "0"],
         int: ["x", "1.5"],
         float: ["x"],
@@ -266,6 +267,19 @@ def test_user_errors_end_in_one_line_never_a_traceback(tmp_path):
     _one_line_error(run("lab", str(REPO), "--ip", "192.0.2.1", "--dry-run"), 2, "cannot listen")  # TEST-NET-1: not ours
     _one_line_error(run("run", "--trace", str(tmp_path / "none.csv")), 2, "cannot read trace")
     _one_line_error(run("bench", "bench_pool", "nosuch", "--quick"), 2, "nosuch", "bench_pool")
+    # 100 blocks of 16 tokens hold no max-length region of 2,048: the baseline could never admit a request
+    _one_line_error(run("run", "--requests", "3", "--blocks", "100", "--baseline"), 2, "max_model_len=2048")
+
+
+def test_running_out_of_memory_is_one_line_and_exit_1(capsys, monkeypatch):
+    def too_big(args):
+        raise MemoryError
+
+    help_, configure, _ = cli._COMMANDS["run"]
+    monkeypatch.setitem(cli._COMMANDS, "run", (help_, configure, too_big))
+    assert cli.main(["run", "--requests", "10000000000000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvlab run: error: out of memory")
 
 
 def test_a_closed_pipe_ends_quietly():

@@ -674,3 +674,58 @@ def test_loading_a_recording_with_a_bad_frame_changes_nothing():
     for bad in ("x", 5):
         with pytest.raises(ConfigError, match="shows a BlockPool"):
             PoolView(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "x", None])
+def test_rates_and_step_counts_of_the_wrong_kind_are_refused_before_anything_runs(bad):
+    """A frame rate or a speed is a finite number > 0 and a step count an int >= 1: each refused when given,
+    not by a ZeroDivisionError or a traitlets error when the run starts."""
+    from kvlab.viz import Dashboard, record
+
+    pool = BlockPool(16, with_storage=False)
+    with pytest.raises(ConfigError, match="fps"):
+        Pacer(bad)
+    with pytest.raises(ConfigError, match="fps"):
+        LiveRun(pool, lambda: False, fps=bad)
+    if bad is not None:  # None: no pacing of steps
+        with pytest.raises(ConfigError, match="steps_per_second"):
+            LiveRun(pool, lambda: False, steps_per_second=bad)
+    for kw in ("fps", "speed"):
+        with pytest.raises(ConfigError, match=kw):
+            Dashboard(num_blocks=64, **{kw: bad})
+    if bad is not None:  # None means "no limit" for a step count
+        for kw in ("max_steps", "total_steps"):
+            with pytest.raises(ConfigError, match=kw):
+                LiveRun(pool, lambda: False, **{kw: bad})
+        with pytest.raises(ConfigError, match="steps"):
+            RandomWorkload(pool, steps=bad)
+        with pytest.raises(ConfigError, match="steps"):
+            Dashboard(num_blocks=64, steps=bad)
+    with pytest.raises(ConfigError, match="steps|every"):
+        record(pool, lambda: False, bad)
+    with pytest.raises(ConfigError, match="every"):
+        record(pool, lambda: False, 5, bad)
+    dash = Dashboard(num_blocks=64)
+    if isinstance(bad, (int, float)) and not isinstance(bad, bool):  # the trait itself refuses what is no float
+        with pytest.raises(ConfigError, match="speed"):
+            dash.speed = bad
+    assert dash.speed == 200.0 and pool.clock.now() == 0
+
+
+def test_frames_and_replay_paths_of_the_wrong_kind_are_typed_errors(tmp_path):
+    from kvlab.viz import Dashboard, export_html
+
+    pool = BlockPool(16, with_storage=False)
+    for bad in (None, 5, "frame"):
+        with pytest.raises(ConfigError, match="not a kvlab frame"):
+            decode_frame(bad)
+    for path in (None, 5, tmp_path / "nowhere" / "x.html", tmp_path, str(tmp_path / "a\0b.html")):
+        with pytest.raises(ConfigError, match="path must be|cannot write the replay"):
+            export_html([build_frame(pool)], path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="seed"):
+        Dashboard(num_blocks=64, seed="x")
+    with pytest.raises(ConfigError, match="seed"):
+        RandomWorkload(pool, seed=1.5)
+    with pytest.raises(ConfigError, match="BlockPool"):
+        LiveRun("pool", lambda: False)

@@ -58,6 +58,12 @@ def export_html(recording: Recording | Iterable[bytes], path: str | Path, *, vie
     payload = json.dumps([base64.b64encode(f).decode("ascii") for f in frames])
     page = _PAGE.format(title=html.escape(title), fonts=FONT_STACK, css=css_source(), frames=payload,
                         script=script_source(view), replay=replay_source(), render=render_expr(view))
+    if not isinstance(path, (str, Path)):
+        raise ConfigError(f"path must be a str or Path, got {path!r}")
     out = Path(path)
-    out.write_text(page, encoding="utf-8")
+    try:
+        out.write_text(page, encoding="utf-8")
+    except (OSError, ValueError) as e:  # a missing folder, a directory, no permission, a NUL in the name
+        raise ConfigError(f"cannot write the replay to {str(path)[:200]!r}: {getattr(e, 'strerror', None) or e}") \
+            from None
     return out

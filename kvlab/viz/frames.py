@@ -236,6 +236,8 @@ def build_frame(pool: BlockPool) -> bytes:
 
 def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     """Parse a frame; raises :class:`ConfigError` naming what is wrong if ``data`` is not one."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"not a kvlab frame: {data!r:.80} is no bytes")
     buf = memoryview(data).cast("B")
     if len(buf) < HEADER.size or bytes(buf[:4]) != MAGIC:
         raise ConfigError(f"not a kvlab frame: {len(buf)} bytes starting {bytes(buf[:4])!r}, expected {MAGIC!r}")

@@ -24,8 +24,23 @@ import numpy as np
 
 from ..block import BlockStatus
 from ..errors import ConfigError, OutOfBlocksError
-from ..pool import BlockPool
+from ..pool import BlockPool, is_int
 from .frames import ALLOCATED, FREE, FrameBuilder
+
+
+def check_rate(value: Any, what: str) -> float:
+    """``value`` as a finite number > 0 (frames or steps a second), else :class:`ConfigError` naming it."""
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)) \
+            or not 0 < value < math.inf:
+        raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_steps(value: Any, what: str) -> int | None:
+    """``value`` as a number of steps >= 1, or None (no limit), else :class:`ConfigError` naming it."""
+    if value is not None and (not is_int(value) or value < 1):
+        raise ConfigError(f"{what} must be an int >= 1 or None, got {value!r}")
+    return None if value is None else int(value)
 
 
 class FrameSink(Protocol):
@@ -69,9 +84,7 @@ class Pacer:
     step, the end of a run) leaves the cadence as it was."""
 
     def __init__(self, fps: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
-        if not fps > 0:
-            raise ConfigError(f"fps must be > 0, got {fps!r}")
-        self.interval, self.clock = 1.0 / fps, clock
+        self.interval, self.clock = 1.0 / check_rate(fps, "fps"), clock
         self.start: float | None = None
         self.ticks = 0  # the next frame is due at start + ticks * interval
 
@@ -111,10 +124,13 @@ class LiveRun:
                  steps_per_second: float | None = None, max_steps: int | None = None,
                  total_steps: int | None = None, record_bytes: int | None = 256 << 20,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        if not isinstance(pool, BlockPool) or not callable(step_fn):
+            raise ConfigError(f"a LiveRun steps a callable on a BlockPool, got {pool!r:.80} and {step_fn!r:.80}")
         self.pool, self.step_fn, self.views = pool, step_fn, list(views)
         self.pacer = Pacer(fps, clock)
-        self.steps_per_second = steps_per_second
-        self.max_steps = max_steps
+        self.steps_per_second = None if steps_per_second is None else check_rate(steps_per_second, "steps_per_second")
+        self.max_steps = check_steps(max_steps, "max_steps")
+        check_steps(total_steps, "total_steps")
         self.builder = FrameBuilder(pool)
         if total_steps is None:
             total_steps = max_steps if max_steps is not None else (
@@ -288,8 +304,9 @@ class LiveRun:
 def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Recording:
     """Run ``steps`` steps (fewer if ``step_fn`` finishes) building a frame every ``every`` steps and after the
     last: a recording to replay or export, made without a kernel or pacing."""
-    if steps < 1 or every < 1:
-        raise ConfigError(f"steps and every must be >= 1, got steps={steps!r}, every={every!r}")
+    if check_steps(steps, "steps") is None or check_steps(every, "every") is None:
+        raise ConfigError(f"record needs a number of steps and a frame interval, got steps={steps!r}, "
+                          f"every={every!r}")
     rec = Recording()
     with FrameBuilder(pool) as b:
         b.step, b.steps = 0, steps
@@ -329,9 +346,11 @@ class RandomWorkload:
     """
 
     def __init__(self, pool: BlockPool, *, preset: str = "steady", seed: int = 0, steps: int | None = None) -> None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown workload preset {preset!r}; choose one of {sorted(PRESETS)}")
-        self.pool, self.preset, self.steps, self.done = pool, preset, steps, 0
+        if not isinstance(pool, BlockPool) or not is_int(seed):
+            raise ConfigError(f"a RandomWorkload runs on a BlockPool with an int seed, got {pool!r:.80}, seed={seed!r}")
+        self.pool, self.preset, self.steps, self.done = pool, preset, check_steps(steps, "steps"), 0
         self.rng = random.Random(seed)
         w = PRESETS[preset]
         self.max_tokens = int(w["tokens"]) * pool.block_size

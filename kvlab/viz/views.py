@@ -28,10 +28,10 @@ import traitlets
 
 from ..errors import ConfigError
 from ..eviction import POLICIES
-from ..pool import BlockPool
+from ..pool import BlockPool, is_int
 from .assets import css_source, esm_source
 from .frames import build_frame, decode_frame
-from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn
+from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_rate, check_steps
 from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
@@ -310,8 +310,13 @@ class Dashboard(FrameView):
     def __init__(self, pool: BlockPool | None = None, *, preset: str = "engine", num_blocks: int = 1024,
                  block_size: int = 16, policy: str | None = None, workload: str | None = None, seed: int = 0,
                  steps: int | None = None, speed: float = 200.0, fps: float = 30.0, **kwargs: Any) -> None:
-        if preset not in DASHBOARD_PRESETS:
+        if not isinstance(preset, str) or preset not in DASHBOARD_PRESETS:
             raise ConfigError(f"unknown dashboard preset {preset!r}; choose one of {sorted(DASHBOARD_PRESETS)}")
+        check_rate(fps, "fps")  # the setup is checked before anything is built, so a refusal leaves nothing behind
+        check_rate(speed, "speed (steps a second)")
+        check_steps(steps, "steps")
+        if not is_int(seed):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
         setup = DASHBOARD_PRESETS[preset]
         policy = setup["policy"] if policy is None else policy
         workload = setup["workload"] if workload is None else workload
@@ -369,10 +374,12 @@ class Dashboard(FrameView):
         if self.run is not None:
             self.run.steps_per_second = change["new"]
 
-    @traitlets.validate("policy", "workload", "block_size")
+    @traitlets.validate("policy", "workload", "block_size", "speed")
     def _valid(self, proposal: dict[str, Any]) -> Any:
         """Reject a bad setting before it is stored, so the dashboard is left as it was."""
         name, value = proposal["trait"].name, proposal["value"]
+        if name == "speed":
+            return check_rate(value, "speed (steps a second)")
         if name == "policy" and value not in POLICIES:
             raise ConfigError(f"unknown eviction policy {value!r}; choose one of {sorted(POLICIES)}")
         if name == "workload" and value not in PRESETS:
