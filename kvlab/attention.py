@@ -28,13 +28,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .compiled import load_extension
 from .errors import ConfigError, KVDataError
-from .pool import BlockPool
-from .storage import KVStorage
+from .pool import BlockPool, is_int
+from .storage import KVStorage, int_tensor
 
 TableLike = torch.Tensor | Sequence[Sequence[int]]
 Impl = Literal["auto", "torch", "compiled"]
@@ -63,19 +64,40 @@ def pad_block_tables(tables: TableLike, device: torch.device | str = "cpu") -> t
     if isinstance(tables, torch.Tensor):
         if tables.dim() != 2:
             raise ConfigError(f"block_tables must be [batch, max_blocks], got shape {list(tables.shape)}")
-        return tables.to(device=device, dtype=torch.long)
-    width = max((len(t) for t in tables), default=0)
-    out = torch.zeros((len(tables), width), dtype=torch.long)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        return int_tensor(tables, "block_tables", ConfigError, device)
+    if not isinstance(tables, (list, tuple, np.ndarray)):
+        raise ConfigError(f"block_tables must be a [batch, max_blocks] tensor or a list of lists, got {tables!r}")
+    rows = [int_tensor(t, "block_tables", ConfigError) for t in tables]
+    width = max((len(t) for t in rows), default=0)
+    out = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, t in enumerate(rows):
+        if t.dim() != 1:
+            raise ConfigError(f"block_tables row {i} must be a list of ids, got {tables[i]!r}")
+        out[i, :len(t)] = t
     return out.to(device)
 
 
 def _lengths(x: Sequence[int] | torch.Tensor, name: str) -> list[int]:
-    out = x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
-    if any(v < 0 for v in out):
-        raise ConfigError(f"{name} must be >= 0, got {out}")
+    t = int_tensor(x, name, ConfigError)
+    out = t.tolist()
+    if t.dim() != 1 or min(out, default=0) < 0:
+        raise ConfigError(f"{name} must be a list of ints >= 0, got {x!r}")
     return out
+
+
+def _scale(scale: float | None) -> float | None:
+    """None (``head_dim ** -0.5``) or a finite number > 0 as a float, else :class:`ConfigError` (the kernel and
+    SDPA would disagree on what a NaN or infinite scale means)."""
+    if scale is None:
+        return None
+    if not ((is_int(scale) or isinstance(scale, (float, np.floating))) and 0 < scale < math.inf):
+        raise ConfigError(f"scale must be None or a finite number > 0, got {scale!r}")
+    return float(scale)
+
+
+def _shape(x: object) -> str:
+    """A tensor as its shape and device (what an error about it needs), anything else as its repr."""
+    return f"of shape {list(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else repr(x)
 
 
 def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -106,13 +128,19 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
     """
     if impl not in ("auto", "torch", "compiled"):
         raise ConfigError(f"impl must be 'auto', 'torch' or 'compiled', got {impl!r}")
+    if workspace is not None and not isinstance(workspace, AttentionWorkspace):
+        raise ConfigError(f"workspace must be an AttentionWorkspace or None, got {workspace!r}")
+    scale = _scale(scale)
     storage = kv.storage_of() if isinstance(kv, BlockPool) else kv
+    if not isinstance(storage, KVStorage):
+        raise ConfigError(f"kv must be a BlockPool or a KVStorage, got {kv!r}")
     s = storage.spec
-    if not 0 <= layer < s.num_layers:
-        raise ConfigError(f"layer {layer} is not in 0..{s.num_layers - 1}")
-    if q.dim() != 3 or q.shape[2] != s.head_dim or q.shape[1] % s.num_kv_heads:
+    layer = storage.check_layer(layer)  # a bool or float layer would hand the kernel a temporary copy
+    if not isinstance(q, torch.Tensor):
+        raise KVDataError(f"q must be a torch.Tensor, got {q!r}")
+    if q.dim() != 3 or q.shape[2] != s.head_dim or not q.shape[1] or q.shape[1] % s.num_kv_heads:
         raise KVDataError(f"q has shape {list(q.shape)}; expected [tokens, q_heads, {s.head_dim}] with q_heads a "
-                          f"multiple of the pool's {s.num_kv_heads} kv heads")
+                          f"positive multiple of the pool's {s.num_kv_heads} kv heads")
     if q.dtype != s.dtype or q.device != storage.kv.device:
         raise KVDataError(f"q is {q.dtype} on {q.device}; the pool stores {s.dtype} on {storage.kv.device}")
     tables = pad_block_tables(block_tables, storage.kv.device)
@@ -166,7 +194,23 @@ def contiguous_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: 
                          query_lens: Sequence[int] | None = None, *, scale: float | None = None) -> torch.Tensor:
     """Reference: the same causal attention on plain per-sequence tensors ``keys[i]``/``values[i]``
     ``[len_i, kv_heads, dim]``, computed in float64 with explicit matmuls (GQA by grouping query heads)."""
-    qlens = [1] * len(keys) if query_lens is None else list(query_lens)
+    scale = _scale(scale)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or 0 in q.shape[1:]:
+        raise KVDataError(f"q must be a [tokens, q_heads, dim] tensor with q_heads, dim > 0, got {_shape(q)}")
+    if not (isinstance(keys, (list, tuple)) and isinstance(values, (list, tuple))):
+        raise ConfigError(f"keys and values must be lists of tensors, got {_shape(keys)} and {_shape(values)}")
+    qlens = [1] * len(keys) if query_lens is None else _lengths(query_lens, "query_lens")
+    if not len(keys) == len(values) == len(qlens) or sum(qlens) != q.shape[0]:
+        raise ConfigError(f"{len(keys)} keys, {len(values)} values and query_lens {qlens} for {q.shape[0]} rows of "
+                          f"q: give one of each per sequence, the query lengths summing to the rows")
+    for i, (k, v, m) in enumerate(zip(keys, values, qlens)):
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != 3 or v.shape != k.shape \
+                or k.shape[2] != q.shape[2] or not k.shape[1] or q.shape[1] % k.shape[1] \
+                or not k.device == v.device == q.device:
+            raise KVDataError(f"sequence {i}: keys {_shape(k)} and values {_shape(v)}; expected two [len, kv_heads, "
+                              f"{q.shape[2]}] on {q.device}, kv_heads dividing q's {q.shape[1]} heads")
+        if m > k.shape[0]:
+            raise ConfigError(f"sequence {i}: {m} queries over {k.shape[0]} tokens (queries must be <= tokens)")
     out = torch.empty_like(q)
     row = 0
     for k, v, m in zip(keys, values, qlens):

@@ -9,13 +9,34 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
-from .errors import ConfigError, KVDataError
+from .errors import ConfigError, KVDataError, KVLabError, UnknownBlockError
 from .spec import KVSpec
 
 IndexLike = Sequence[int] | torch.Tensor
+
+
+def int_tensor(x: Any, what: str, error: type[KVLabError], device: torch.device | str | None = None) -> torch.Tensor:
+    """``x`` as an int64 tensor on ``device``, else ``error`` naming the value at fault: ``x`` is an integer tensor
+    or array, or a list, tuple or range of ints as :func:`kvlab.pool.is_int` counts them (no bools, no floats)."""
+    from .pool import is_int  # (the pool imports this module: import it when called)
+    if isinstance(x, (list, tuple)):
+        if not set(map(type, x)) <= {int}:  # plain ints pass in one C-level pass; anything else is looked at
+            for v in x:  # torch would truncate a float, and read a bool among ints as 0 or 1
+                if not is_int(v):
+                    raise error(f"{what} must be ints, got {v!r}")
+    elif not (isinstance(x, range)
+              or isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+              or isinstance(x, np.ndarray) and x.dtype.kind in "iu"):
+        raise error(f"{what} must be ints (a list, or an integer tensor or array), got {x!r}")
+    try:
+        return torch.as_tensor(x, dtype=torch.long, device=device)
+    except ValueError:  # an int past int64
+        raise error(f"{what} must fit in int64, got {x!r}") from None
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -35,8 +56,12 @@ class KVStorage:
     """The KV tensor of a pool with ``num_blocks`` blocks of ``spec.block_size`` slots."""
 
     def __init__(self, spec: KVSpec, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        if not isinstance(spec, KVSpec):
+            raise ConfigError(f"spec must be a KVSpec, got {spec!r}")
+        if not is_int(num_blocks) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        num_blocks = int(num_blocks)  # a numpy int would overflow silently in the byte count below
         self.spec, self.num_blocks = spec, num_blocks
         nbytes = num_blocks * spec.bytes_per_block
         free = device_free_bytes(spec.device)
@@ -53,11 +78,31 @@ class KVStorage:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def _index(self, ids: IndexLike) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.long, device=self.kv.device).reshape(-1)
+    def check_layer(self, layer: Any) -> int:
+        """``layer`` as an int in ``0..num_layers - 1``, else :class:`ConfigError` (a bool or float index would
+        select a copy, not the layer)."""
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        if not is_int(layer) or not 0 <= layer < self.spec.num_layers:
+            raise ConfigError(f"layer {layer!r} is not an int in 0..{self.spec.num_layers - 1}")
+        return int(layer)
+
+    def _index(self, ids: IndexLike, what: Literal["block", "slot"] = "block") -> torch.Tensor:
+        """Block ids (or slots) as a flat int64 tensor, each in the pool, else :class:`UnknownBlockError`; one
+        min/max pass checks the range."""
+        n = self.num_blocks * (self.spec.block_size if what == "slot" else 1)
+        idx = int_tensor(ids, f"{what} ids", UnknownBlockError, self.kv.device).reshape(-1)
+        if idx.numel():
+            lo, hi = (int(x) for x in torch.aminmax(idx))
+            if lo < 0 or hi >= n:
+                raise UnknownBlockError(f"{what} {lo if lo < 0 else hi} is not in this pool ({what}s 0..{n - 1})")
+        return idx
 
     def block_view(self, block_id: int, span: int = 1) -> torch.Tensor:
         """A view (no copy) of ``span`` consecutive blocks from ``block_id``: ``[2, layers, span*B, heads, dim]``."""
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        if not (is_int(block_id) and is_int(span) and span >= 1 and 0 <= block_id <= self.num_blocks - span):
+            raise UnknownBlockError(f"{span!r} blocks from block {block_id!r} are not all in this pool (ids "
+                                    f"0..{self.num_blocks - 1})")
         s = self.spec
         return self.kv[:, :, block_id:block_id + span].reshape(2, s.num_layers, span * s.block_size,
                                                                s.num_kv_heads, s.head_dim)
@@ -79,13 +124,13 @@ class KVStorage:
 
     def write_slots(self, layer: int, slots: IndexLike, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of ``len(slots)`` tokens of one layer with one ``index_copy_`` (K and V together)."""
-        idx = self._index(slots)
+        layer, idx = self.check_layer(layer), self._index(slots, "slot")
         self.check_tokens(k, v, idx.numel())
         self.slots[:, layer].index_copy_(1, idx, torch.stack((k, v)))
 
     def read_slots(self, layer: int, slots: IndexLike) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather K/V of the given slots of one layer (a copy): two ``[len(slots), heads, dim]`` tensors."""
-        kv = self.slots[:, layer].index_select(1, self._index(slots))
+        kv = self.slots[:, self.check_layer(layer)].index_select(1, self._index(slots, "slot"))
         return kv[0], kv[1]
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
@@ -96,19 +141,28 @@ class KVStorage:
         if s.numel():
             self.kv[:, :, d] = self.kv[:, :, s]
 
+    def _check_blocks(self, name: str, t: Any, n: int) -> None:
+        """Raise :class:`KVDataError` unless ``t`` holds ``n`` whole blocks ``[2, layers, n, B, heads, dim]`` of
+        the pool's dtype."""
+        if not isinstance(t, torch.Tensor):
+            raise KVDataError(f"{name} must be a torch.Tensor, got {t!r}")
+        want = (*self.kv.shape[:2], n, *self.kv.shape[3:])
+        if t.shape != want or t.dtype != self.kv.dtype:
+            raise KVDataError(f"{name} is {t.dtype} of shape {list(t.shape)}; {n} blocks are {self.kv.dtype} of "
+                              f"shape {list(want)}")
+
     def gather_blocks(self, ids: IndexLike, out: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks ``ids`` as ``[2, layers, len(ids), B, heads, dim]``; into ``out`` (e.g. pinned host memory) if
         given."""
         idx = self._index(ids)
         if out is None:
             return self.kv.index_select(2, idx)
+        self._check_blocks("out", out, idx.numel())
         out.copy_(self.kv.index_select(2, idx), non_blocking=out.is_pinned())
         return out
 
     def scatter_blocks(self, ids: IndexLike, data: torch.Tensor) -> None:
         """Write ``data`` (as returned by :meth:`gather_blocks`) into blocks ``ids``."""
         idx = self._index(ids)
-        if data.shape[:2] != self.kv.shape[:2] or data.shape[2] != idx.numel() or data.shape[3:] != self.kv.shape[3:]:
-            raise KVDataError(f"block data of shape {list(data.shape)} does not fit {idx.numel()} blocks of "
-                              f"{list(self.kv.shape[3:])}")
+        self._check_blocks("data", data, idx.numel())
         self.kv.index_copy_(2, idx, data.to(self.kv.device, non_blocking=True))

@@ -3,7 +3,9 @@ stale tail slots, and after fork / copy-on-write, swap round trips and prefix-ca
 kernel (kvlab/_paged_attention.c) is held equal to the float64 reference and to the torch gather + SDPA path."""
 from __future__ import annotations
 
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +21,7 @@ from hypothesis import strategies as st
 
 import kvlab
 import kvlab.attention as attention
-from kvlab import BlockPool, ConfigError, KVDataError, KVSpec
+from kvlab import BlockPool, ConfigError, KVDataError, KVLabError, KVSpec
 from kvlab.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
 from kvlab.sequence import SequenceManager
 
@@ -113,6 +116,80 @@ def test_bad_input_raises_typed_errors():
         paged_attention(q, pool, 0, tables, [10], [2])
     with pytest.raises(ConfigError, match="'fast'"):
         paged_attention(q, pool, 0, tables, [10], impl="fast")
+
+
+def small_pool():
+    return BlockPool(8, spec=KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, device="cpu"))
+
+
+@pytest.mark.parametrize("layer", [False, True, 1.0, np.float64(1), np.bool_(True), None, "1", [1]], ids=repr)
+def test_layer_must_be_an_int(layer):
+    """``0 <= layer < num_layers`` let bools through, and ``kv[0, False]`` is a temporary copy, not a layer (the
+    compiled kernel read freed memory through it: see the subprocess test below); floats gave an IndexError."""
+    with pytest.raises(ConfigError, match=re.escape(repr(layer))):
+        paged_attention(torch.randn(1, 2, 4), small_pool(), layer, [[0, 1]], [5], impl="torch")
+
+
+BAD_ARGS = {  # keyword -> value: paged_attention must refuse it with a typed error naming it
+    "seq_lens=[1.5]": ({"seq_lens": [1.5]}, "1.5"),
+    "seq_lens=[5.9]": ({"seq_lens": [5.9]}, "5.9"),
+    "seq_lens=['5']": ({"seq_lens": ["5"]}, "'5'"),
+    "seq_lens=[True]": ({"seq_lens": [True]}, "True"),
+    "seq_lens=[nan]": ({"seq_lens": [math.nan]}, "nan"),
+    "seq_lens=[inf]": ({"seq_lens": [math.inf]}, "inf"),
+    "query_lens=[1.5]": ({"query_lens": [1.5]}, "1.5"),
+    "query_lens='1'": ({"query_lens": "1"}, "'1'"),
+    "table [[0.5, 1]]": ({"block_tables": [[0.5, 1]]}, "0.5"),
+    "table [[True, 1]]": ({"block_tables": [[True, 1]]}, "True"),
+    "float table tensor": ({"block_tables": torch.tensor([[0.0, 1.0]])}, re.escape("tensor([[0., 1.]])")),
+    "table [[0, 2**63]]": ({"block_tables": [[0, 2**63]]}, str(2**63)),
+    "q=None": ({"q": None}, "None"),
+    "kv=None": ({"kv": None}, "None"),
+    "workspace='x'": ({"workspace": "x"}, "'x'"),
+    "q with 0 heads": ({"q": torch.randn(1, 0, 4)}, re.escape("[1, 0, 4]")),
+    **{f"scale={v!r}": ({"scale": v}, re.escape(repr(v))) for v in (math.nan, math.inf, True, 0, -1.0)},
+}
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto"])
+@pytest.mark.parametrize("kwargs, named", BAD_ARGS.values(), ids=BAD_ARGS)
+def test_arguments_are_never_coerced(kwargs, named, impl):
+    """Floats were truncated, bools counted as ints, a NaN scale gave NaN on the kernel and 0 on torch."""
+    pool = small_pool()
+    before = pool.storage.kv.clone()
+    args = {"q": torch.randn(1, 2, 4), "kv": pool, "layer": 0, "block_tables": [[0, 1]], "seq_lens": [5], **kwargs}
+    with pytest.raises(KVLabError, match=named):
+        paged_attention(**args, impl=impl)
+    assert torch.equal(pool.storage.kv, before)
+
+
+def test_numpy_ints_int_tensors_and_numpy_scales_are_accepted():
+    pool, tables, _, _ = scattered_cache([5, 9], 4, kv_heads=2, head_dim=4, layers=2, layer=1)
+    q = torch.randn(2, 2, 4)
+    want = paged_attention(q, pool, 1, tables, [5, 9], scale=0.5)
+    got = paged_attention(q, pool, np.int64(1), [np.array(t) for t in tables], np.array([5, 9]),
+                          torch.tensor([1, 1], dtype=torch.int32), scale=np.float32(0.5))
+    assert torch.equal(got, want)
+
+
+BAD_REFERENCE_ARGS = {  # contiguous_attention(q [1, 2, 4], keys, values, ...) with one of these changed
+    "values=[]": ({"values": []}, ConfigError, "0 values"),
+    "keys=None": ({"keys": None}, ConfigError, "None"),
+    "query_lens=[1.5]": ({"query_lens": [1.5]}, ConfigError, "1.5"),
+    "query_lens=[2] for 1 row": ({"query_lens": [2]}, ConfigError, re.escape("[2]")),
+    "4 queries over 3 keys": ({"q": torch.randn(4, 2, 4), "query_lens": [4]}, ConfigError, "4 queries over 3"),
+    "3 q heads over 2": ({"q": torch.randn(1, 3, 4)}, KVDataError, "3 heads"),
+    "keys of dim 2": ({"keys": [torch.randn(3, 2, 2)]}, KVDataError, re.escape("[3, 2, 2]")),
+    "q=None": ({"q": None}, KVDataError, "None"),
+    "scale=nan": ({"scale": math.nan}, ConfigError, "nan"),
+}
+
+
+@pytest.mark.parametrize("kwargs, error, named", BAD_REFERENCE_ARGS.values(), ids=BAD_REFERENCE_ARGS)
+def test_reference_refuses_bad_input(kwargs, error, named):
+    k = torch.randn(3, 2, 4)
+    with pytest.raises(error, match=named):
+        contiguous_attention(**{"q": torch.randn(1, 2, 4), "keys": [k], "values": [k], **kwargs})
 
 
 def _shadow_attention(mgr, seqs, shadow, q):
@@ -282,6 +359,21 @@ def test_compiled_refuses_what_it_does_not_serve():
     with pytest.raises(ConfigError, match="bfloat16"):
         paged_attention(q.bfloat16(), bf16, 0, tables16, lens, impl="compiled")
     assert paged_attention(q.bfloat16(), bf16, 0, tables16, lens).dtype == torch.bfloat16  # auto: torch path
+
+
+@needs_kernel
+def test_a_bool_layer_never_reaches_the_kernel():
+    """Run apart: before the fix ``layer=False`` crashed the interpreter (SIGSEGV) on the compiled path."""
+    code = ("import torch, kvlab; from kvlab import BlockPool, KVSpec\n"
+            "p = BlockPool(8, spec=KVSpec(2, 2, 4, 4, device='cpu'))\n"
+            "for layer in (False, True):\n"
+            "    try:\n"
+            "        kvlab.paged_attention(torch.randn(1, 2, 4), p, layer, [[0, 1]], [5], impl='compiled')\n"
+            "    except kvlab.ConfigError as e:\n"
+            "        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert [line.split()[:2] for line in out.stdout.splitlines()] == [["layer", "False"], ["layer", "True"]]
 
 
 @needs_kernel
