@@ -3,6 +3,7 @@
 each with its own gloo group over loopback), every wait bounded by the link's timeout."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -10,14 +11,16 @@ import time
 import pytest
 import torch
 
-from kvlab import BlockStatus, EventRecorder, OutOfBlocksError, TinyConfig
+from _util import assert_same_state, pool_state
+from kvlab import BlockStatus, EventRecorder, OutOfBlocksError, TinyConfig, TinyLlama
 from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender,
                                RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
                                decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
 from kvlab.distributed import backend_for
 from kvlab.distributed.connector import MAX_RUNS, TAG_ANNOUNCE, TAG_PLAN, runs
-from kvlab.distributed.disagg import make_manager
-from kvlab.distributed.tp import head_split, run_tp, single_process
+from kvlab.distributed.disagg import configure, main as disagg_main, make_manager
+from kvlab.distributed.exercises import transfer_bytes
+from kvlab.distributed.tp import TPShard, generate as tp_generate, head_split, run_tp, single_process
 import kvlab.distributed as kd
 from kvlab.errors import ConfigError
 
@@ -291,6 +294,46 @@ def test_bad_input_is_refused_with_typed_errors():
         run_threads([decode_rank], [{"max_new_tokens": 0}], timeout=5)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_new_tokens=-1), "max_new_tokens must be a positive int, got -1"),
+    (dict(max_new_tokens=None), "max_new_tokens .*got None"), (dict(decode_block_size=-1), "decode_block_size .*-1"),
+    (dict(decode_block_size=0), "decode_block_size .*got 0"), (dict(num_blocks=1.5), "num_blocks .*got 1.5"),
+    (dict(pace=-1), "pace .*got -1"), (dict(pace=float("nan")), "pace .*got nan"), (dict(cfg="x"), "cfg .*got 'x'"),
+    (dict(managers=(None, None)), "SequenceManager, got None"),
+    (dict(managers=(make_manager(CFG, 16, 8), make_manager(TinyConfig(num_layers=3), 16, 8))), "3 layers")])
+def test_run_disagg_refuses_bad_arguments_before_any_rank_starts(kw, match):
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=match):
+        run_disagg(demo_batches(1, 8, 4), **{"threads": True, "timeout": 15, **kw})
+    assert time.monotonic() - t0 < 5  # no rank waited on a peer that refused
+
+
+def test_the_disagg_command_refuses_a_bad_decode_block_size():
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    with pytest.raises(ConfigError, match="--decode-block-size must be a positive integer, got -1"):
+        disagg_main(parser.parse_args(["--decode-block-size", "-1"]))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: backend_for(None), "None is not a torch device"), (lambda: backend_for("nope"), "'nope' is not"),
+    (lambda: kd.spec_vector(None), "KVSpec, got None"), (lambda: make_manager(None, 16, 8), "TinyConfig, got None"),
+    (lambda: demo_batches(shared=1.5), "shared .*got 1.5"), (lambda: demo_batches(vocab=0), "vocab .*got 0"),
+    (lambda: demo_batches(seed="x"), "seed .*got 'x'"), (lambda: demo_batches(prompts=0), "prompts .*got 0"),
+    (lambda: demo_batches(prompts=-1), "prompts .*got -1"), (lambda: demo_batches(prompt_len=True), "got True"),
+    (lambda: kd.prefill_seconds(64, chunk=0), "chunk .*got 0"), (lambda: kd.prefill_seconds(64, chunk=-1), "got -1"),
+    (lambda: kd.prefill_seconds(True), "prompt_len .*got True"), (lambda: transfer_bytes("8", 0), "got '8'"),
+    (lambda: head_split(CFG, 2, True), "rank .*got True"), (lambda: head_split(None, 2, 0), "TinyConfig, got None"),
+    (lambda: kd.TransferCase(block_size=0), "block_size .*got 0"),
+    (lambda: kd.TransferCase(dtype="nope"), "got 'nope'"), (lambda: kd.TransferCase(tokens=1.5), "got 1.5"),
+    (lambda: kd.measure_transfers([None]), "TransferCase, got \\[None\\]"),
+    (lambda: reference(BATCHES, 0), "max_new_tokens .*got 0"), (lambda: kd.TPShard(None, 2, 0), "got None"),
+    (lambda: run_tp([[1, 500]], 2), "token 1 is 500"), (lambda: run_tp(PROMPTS, -1), "max_new_tokens .*got -1")])
+def test_public_helpers_refuse_bad_arguments(call, match):
+    with pytest.raises(ConfigError, match=match):
+        call()
+
+
 # ---------------------------------------------------------------------------------------------- tensor parallel
 PROMPTS = demo_batches(3, 40, 20)[0]
 
@@ -322,6 +365,28 @@ def test_tp_above_the_kv_heads_replicates_them(heads, kv, tp, held):
 def test_tp_that_does_not_fit_is_refused_before_any_rank_starts(tp, match):
     with pytest.raises(ConfigError, match=match):
         run_tp(PROMPTS, 2, tp=tp)
+
+
+def test_a_shard_refuses_a_pool_of_all_heads_before_anything_changes():
+    model = TinyLlama(CFG)
+    manager = make_manager(CFG, 4, 8)
+    s = manager.create()
+    before = pool_state(manager.pool)
+    with pytest.raises(ConfigError, match="2 kv heads .* the model needs 2 layers x 1 kv heads"):
+        TPShard(model, 2, 0).step(None, manager, [s], [[1, 2, 3]])
+    assert s.num_tokens == 0 and s.block_table == []
+    assert_same_state(before, pool_state(manager.pool))
+
+
+def test_tp_generate_refuses_bad_input_before_creating_any_sequence():
+    model = TinyLlama(CFG)
+    manager = make_manager(CFG, 4, 8)
+    before = pool_state(manager.pool)
+    for prompts, n, match in (([[1, 2]], None, "got None"), ([[1, 2], [1.0]], 1, "prompt 1: token 0 is 1.0")):
+        with pytest.raises(ConfigError, match=match):
+            tp_generate(model.step, manager, prompts, n)
+    assert len(manager) == 0
+    assert_same_state(before, pool_state(manager.pool))
 
 
 def test_replication_needs_tp_a_multiple_of_the_kv_heads():

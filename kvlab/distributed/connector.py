@@ -195,6 +195,8 @@ class SaveSpec:
 
 def spec_vector(spec: KVSpec) -> torch.Tensor:
     """The handshake: ``[layers, kv heads, head_dim, block_size, dtype code]`` as int64."""
+    if not isinstance(spec, KVSpec):
+        raise ConfigError(f"spec_vector needs a KVSpec, got {spec!r}")
     code = DTYPES.index(spec.dtype) if spec.dtype in DTYPES else -1
     return torch.tensor([spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, code],
                         dtype=torch.int64)

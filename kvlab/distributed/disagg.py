@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, KVLabError
-from ..model import TinyConfig, TinyLlama, greedy
-from ..pool import BlockPool
+from ..model import TinyConfig, TinyLlama, check_pool, check_positive, check_tokens, greedy
+from ..pool import BlockPool, check_count, is_int
 from ..sequence import Sequence, SequenceManager
 from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
 from .launch import DEFAULT_TIMEOUT, Link, from_env, run_threads, spawn
@@ -37,6 +38,8 @@ PREFILL, DECODE = 0, 1
 def make_manager(cfg: TinyConfig, block_size: int, num_blocks: int,
                  device: torch.device | str = "cpu") -> SequenceManager:
     """A pool of ``num_blocks`` blocks for ``cfg``'s K/V (fp32, on ``device``) with a prefix cache."""
+    if not isinstance(cfg, TinyConfig):
+        raise ConfigError(f"make_manager needs a TinyConfig, got {cfg!r}")
     return SequenceManager(BlockPool(num_blocks, spec=cfg.kv_spec(block_size, device=device)), prefix_cache=True)
 
 
@@ -47,15 +50,24 @@ def _check_batches(batches: Any, cfg: TinyConfig) -> list[list[list[int]]]:
     for i, batch in enumerate(batches):
         if not isinstance(batch, (list, tuple)) or not batch:
             raise ConfigError(f"batch {i} must be a non-empty list of prompts, got {batch!r}")
-        rows = []
-        for j, p in enumerate(batch):
-            if not isinstance(p, (list, tuple)) or not p or \
-                    not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in p):
-                raise ConfigError(f"batch {i}, prompt {j}: a prompt is a non-empty list of token ids in "
-                                  f"0..{cfg.vocab_size - 1}, got {str(p)[:80]}")
-            rows.append(list(p))
-        out.append(rows)
+        out.append([check_tokens(p, cfg.vocab_size, f"batch {i}, prompt {j}") for j, p in enumerate(batch)])
     return out
+
+
+def _check_cfg(cfg: Any) -> TinyConfig:
+    """``cfg``, or the default config for None."""
+    if cfg is None:
+        return TinyConfig()
+    if not isinstance(cfg, TinyConfig):
+        raise ConfigError(f"cfg must be a TinyConfig or None, got {cfg!r}")
+    return cfg
+
+
+def _check_pace(pace: Any) -> float:
+    """Seconds of pause between layers: a finite number >= 0 (not a bool)."""
+    if not isinstance(pace, (int, float)) or isinstance(pace, bool) or not 0 <= pace < math.inf:
+        raise ConfigError(f"pace must be a number of seconds >= 0, got {pace!r}")
+    return float(pace)
 
 
 def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig | None = None, block_size: int = 16,
@@ -64,8 +76,8 @@ def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig | None = None,
     """The prefill rank: compute each batch's prompts, ship their KV, free them once sent. Returns the first
     tokens, the prefill logits and the sender's :class:`TransferReport` (as a dict). ``pace`` seconds of pause
     between layers let a live view keep up (the notebook; 0 elsewhere)."""
-    cfg = cfg or TinyConfig()
-    batches = _check_batches(batches, cfg)
+    cfg = _check_cfg(cfg)
+    batches, pace = _check_batches(batches, cfg), _check_pace(pace)
     model = TinyLlama(cfg, device=link.device)
     manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks, link.device)
     conn = KVSender(link, manager, peer)
@@ -102,9 +114,8 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
     """The decode rank: receive each batch's prompt KV into its own blocks (skipping what its prefix cache
     holds), decode ``max_new_tokens`` tokens per request (the first comes from the prefill rank), free them.
     Returns the generated tokens, the logits of each decode step and the receiver's report (as a dict)."""
-    cfg = cfg or TinyConfig()
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    cfg = _check_cfg(cfg)
+    max_new_tokens, pace = check_positive(max_new_tokens, "max_new_tokens"), _check_pace(pace)
     model = TinyLlama(cfg, device=link.device)
     manager = manager if manager is not None else make_manager(cfg, block_size, num_blocks, link.device)
     conn = KVReceiver(link, manager, peer)
@@ -142,8 +153,8 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
 def reference(batches: Batches, max_new_tokens: int, *, cfg: TinyConfig | None = None,
               block_size: int = 16, num_blocks: int = 512) -> dict[str, Any]:
     """The same batches in one process and one pool: tokens, prefill logits and decode-step logits."""
-    cfg = cfg or TinyConfig()
-    batches = _check_batches(batches, cfg)
+    cfg = _check_cfg(cfg)
+    batches, max_new_tokens = _check_batches(batches, cfg), check_positive(max_new_tokens, "max_new_tokens")
     model, manager = TinyLlama(cfg), make_manager(cfg, block_size, num_blocks)
     tokens, prefill, decode = [], [], []
     for batch in batches:
@@ -200,16 +211,23 @@ def run_disagg(batches: Batches, max_new_tokens: int = 8, *, cfg: TinyConfig | N
                managers: tuple[SequenceManager, SequenceManager] | None = None,
                pace: float = 0.0) -> DisaggResult:
     """Run prefill (rank 0) and decode (rank 1) as two processes on 127.0.0.1 (gloo), or as two threads of
-    this process (``threads=True``; ``managers`` then lets the caller watch both pools)."""
-    cfg = cfg or TinyConfig()
-    batches = _check_batches(batches, cfg)
-    pre: dict[str, Any] = {"batches": batches, "cfg": cfg, "block_size": block_size, "num_blocks": num_blocks,
-                           "pace": pace}
-    dec: dict[str, Any] = {"max_new_tokens": max_new_tokens, "cfg": cfg,
-                           "block_size": decode_block_size or block_size, "num_blocks": num_blocks, "pace": pace}
+    this process (``threads=True``; ``managers`` then lets the caller watch both pools). Every argument is
+    checked here, before any rank starts (a rank refusing one would leave its peer waiting for the timeout)."""
+    cfg, pace = _check_cfg(cfg), _check_pace(pace)
+    dbs = block_size if decode_block_size is None else decode_block_size
+    for name, value in (("block_size", block_size), ("decode_block_size", dbs), ("num_blocks", num_blocks)):
+        check_positive(value, name)
+    pre: dict[str, Any] = {"batches": _check_batches(batches, cfg), "cfg": cfg, "block_size": block_size,
+                           "num_blocks": num_blocks, "pace": pace}
+    dec: dict[str, Any] = {"max_new_tokens": check_positive(max_new_tokens, "max_new_tokens"), "cfg": cfg,
+                           "block_size": dbs, "num_blocks": num_blocks, "pace": pace}
     if managers is not None:
         if not threads:
             raise ConfigError("managers can only be shared with ranks that are threads (threads=True)")
+        if not isinstance(managers, (list, tuple)) or len(managers) != 2:
+            raise ConfigError(f"managers must be a pair (prefill, decode), got {managers!r}")
+        for m in managers:  # the ranks are threads here: their models live on the CPU
+            check_pool(m, cfg, torch.float32, torch.device("cpu"))
         pre["manager"], dec["manager"] = managers
     t0 = time.perf_counter()
     runner = run_threads if threads else spawn
@@ -222,8 +240,12 @@ def demo_batches(prompts: int = 4, prompt_len: int = 200, shared: int = 128, see
                  vocab: int = TinyConfig().vocab_size) -> list[list[list[int]]]:
     """Two batches of ``prompts`` prompts each: every prompt starts with the same ``shared`` tokens (a system
     prompt), so the second batch finds that prefix already cached on the decode rank."""
-    if not 0 <= shared < prompt_len:
+    check_positive(prompts, "prompts")
+    check_positive(vocab, "vocab")
+    if check_count(shared, "shared") >= check_positive(prompt_len, "prompt_len"):
         raise ConfigError(f"shared prefix {shared} must be in 0..prompt_len-1 ({prompt_len - 1})")
+    if not is_int(seed) or not 0 <= seed < 2 ** 64:  # what torch's generator takes
+        raise ConfigError(f"seed must be an int in 0..2**64-1, got {seed!r}")
     g = torch.Generator().manual_seed(seed)
     head = torch.randint(0, vocab, (shared,), generator=g).tolist()
     return [[head + torch.randint(0, vocab, (prompt_len - shared,), generator=g).tolist()
@@ -248,7 +270,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``kvlab disagg``: two processes here, or this rank of a ``torchrun`` group (``RANK`` set)."""
-    for name in ("prompts", "prompt_len", "new_tokens", "block_size", "blocks"):
+    if args.decode_block_size is None:
+        args.decode_block_size = args.block_size
+    for name in ("prompts", "prompt_len", "new_tokens", "block_size", "decode_block_size", "blocks"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     try:
@@ -257,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device {args.device!r} is not a torch device (cpu, cuda)") from None
     batches = demo_batches(args.prompts, args.prompt_len, args.shared)
     cfg = TinyConfig()
-    dbs = args.decode_block_size or args.block_size
+    dbs = args.decode_block_size
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         link = from_env(args.timeout, device)
         if link.world_size != 2:

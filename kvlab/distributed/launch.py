@@ -45,9 +45,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def as_device(device: Any) -> torch.device:
+    """``device`` as a torch device, else :class:`ConfigError`."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{device!r} is not a torch device (cpu, cuda, cuda:1)") from None
+
+
 def backend_for(device: torch.device | str) -> str:
     """``"nccl"`` for CUDA tensors, ``"gloo"`` otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return "nccl" if as_device(device).type == "cuda" else "gloo"
 
 
 class Group(Protocol):
@@ -152,7 +160,7 @@ def from_env(timeout: float = DEFAULT_TIMEOUT, device: torch.device | str = "cpu
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ConfigError(f"from_env needs torchrun's environment; {', '.join(missing)} not set")
-    dev = torch.device(device)
+    dev = as_device(device)
     if dev.type == "cuda":  # one GPU per rank
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)

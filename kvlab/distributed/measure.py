@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama
+from ..model import TinyConfig, TinyLlama, check_positive
 from ..pool import BlockPool
 from ..sequence import SequenceManager
 from ..spec import KVSpec
@@ -69,12 +69,13 @@ class TransferCase:
     dtype: str = "float32"
     scattered: bool = False
 
+    def __post_init__(self) -> None:
+        self.spec()  # bad sizes or dtype refused here, not in a rank
+
     def spec(self) -> KVSpec:
         """The (CPU) spec both ranks use; :class:`ConfigError` for bad sizes or an unknown dtype name."""
         for name in ("tokens", "requests"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+            check_positive(getattr(self, name), name)
         dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must name a torch dtype, got {self.dtype!r}")
@@ -165,10 +166,9 @@ def measure_transfers(cases: list[TransferCase], rounds: int = 5, *, timeout: fl
     """Time the connector against a plain send of the same bytes for each case, in one two-rank group (see the
     module docstring). A ``scattered`` case interleaves the sender's blocks of its requests (a pool that has been
     busy a while), so every layer is gathered into a staging buffer first instead of sent from the pool in runs."""
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
-        raise ConfigError(f"rounds must be a positive int, got {rounds!r}")
-    for c in cases:
-        c.spec()  # bad sizes refused here, before any process starts
+    check_positive(rounds, "rounds")
+    if not isinstance(cases, (list, tuple)) or not all(isinstance(c, TransferCase) for c in cases):
+        raise ConfigError(f"cases must be a list of TransferCase, got {cases!r}")
     kw = {"cases": list(cases), "rounds": rounds}
     _, got = (run_threads if threads else spawn)([transfer_rank, transfer_rank], [kw, kw], timeout=timeout)
     out = []
@@ -196,8 +196,8 @@ def prefill_seconds(prompt_len: int, cfg: TinyConfig | None = None, block_size: 
     """Best of ``rounds`` wall times of computing a ``prompt_len``-token prompt's KV with the tiny decoder,
     ``chunk`` tokens per step."""
     cfg = cfg or TinyConfig()
-    if not isinstance(prompt_len, int) or prompt_len < 1:
-        raise ConfigError(f"prompt_len must be a positive int, got {prompt_len!r}")
+    for name, value in (("prompt_len", prompt_len), ("chunk", chunk), ("rounds", rounds)):
+        check_positive(value, name)
     model = TinyLlama(cfg)
     prompt = [(7 * i) % cfg.vocab_size for i in range(prompt_len)]
     warm = SequenceManager(BlockPool(8, spec=cfg.kv_spec(block_size)))

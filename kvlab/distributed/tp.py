@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from ..attention import AttentionWorkspace, paged_attention
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama, greedy, rms_norm, rope
-from ..pool import BlockPool
+from ..model import TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm, rope
+from ..pool import BlockPool, check_count, is_int
 from ..sequence import Sequence, SequenceManager
 from ..spec import KVSpec
 from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
@@ -31,9 +31,11 @@ from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
 
 def head_split(cfg: TinyConfig, tp: int, rank: int) -> tuple[range, range]:
     """``(query heads, kv heads)`` rank ``rank`` of ``tp`` holds; :class:`ConfigError` when ``tp`` does not fit."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+    if not isinstance(cfg, TinyConfig):
+        raise ConfigError(f"head_split needs a TinyConfig, got {cfg!r}")
+    if not is_int(tp) or tp < 1:
         raise ConfigError(f"tp must be a positive int, got {tp!r}")
-    if not isinstance(rank, int) or not 0 <= rank < tp:
+    if not is_int(rank) or not 0 <= rank < tp:
         raise ConfigError(f"rank must be in 0..{tp - 1}, got {rank!r}")
     h, kv = cfg.num_heads, cfg.num_kv_heads
     if h % tp:
@@ -55,6 +57,8 @@ class TPShard:
     output projection, the rest whole."""
 
     def __init__(self, model: TinyLlama, tp: int, rank: int) -> None:
+        if not isinstance(model, TinyLlama):
+            raise ConfigError(f"TPShard needs a TinyLlama, got {model!r}")
         c = model.cfg
         self.model, self.tp, self.rank = model, tp, rank
         self.q_heads, self.kv_heads = head_split(c, tp, rank)
@@ -75,12 +79,12 @@ class TPShard:
     def step(self, link: Link, manager: SequenceManager, seqs: Seq[Sequence], new_tokens: Seq[Seq[int]]
              ) -> torch.Tensor:
         """:meth:`TinyLlama.step` on this rank's heads; one all-reduce per layer combines the ranks. Returns
-        the logits of each sequence's last new token (the same on every rank)."""
+        the logits of each sequence's last new token (the same on every rank; an empty batch, the same on
+        every rank too, changes nothing and returns ``[0, vocab]``)."""
         c, m = self.model.cfg, self.model
-        flat = [t for toks in new_tokens for t in toks]
-        if not all(len(t) for t in new_tokens) or not all(isinstance(t, int) and 0 <= t < c.vocab_size for t in flat):
-            raise ConfigError(f"every sequence needs new token ids in 0..{c.vocab_size - 1}")
-        storage = manager.pool.storage_of()
+        storage, flat = m.check_step(manager, seqs, new_tokens, len(self.kv_heads))
+        if not flat:
+            return m.embed.new_empty(0, c.vocab_size)
         x = m.embed[torch.tensor(flat, dtype=torch.long)]
         batch = manager.append_batch(seqs, new_tokens)
         hq, hk = len(self.q_heads), len(self.kv_heads)
@@ -103,13 +107,11 @@ class TPShard:
         return rms_norm(x[last], m.norm, c.eps) @ m.lm_head.T
 
 
-def generate(step: Any, manager: SequenceManager, prompts: Seq[Seq[int]], max_new_tokens: int
-             ) -> tuple[list[list[int]], list[list[list[float]]]]:
-    """Greedy generation with ``step(manager, seqs, new_tokens) -> logits``: the tokens and every step's
-    logits. The sequences are freed at the end."""
-    seqs = [manager.create(list(p)) for p in prompts]
-    feed = [list(p)[s.num_tokens:] for s, p in zip(seqs, prompts)]
-    out, logits = greedy(step, manager, seqs, feed, max_new_tokens)
+def generate(step: Any, manager: SequenceManager, prompts: Seq[Seq[int]], max_new_tokens: int,
+             cfg: TinyConfig | None = None) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """Greedy generation with ``step(manager, seqs, new_tokens) -> logits`` (:func:`kvlab.model.generate`, for
+    ``cfg``'s vocabulary): the tokens and every step's logits. The sequences are freed at the end."""
+    seqs, out, logits = generate_seqs(step, manager, prompts, max_new_tokens, (cfg or TinyConfig()).vocab_size)
     for s in seqs:
         manager.free(s)
     return out, [lg.tolist() for lg in logits]
@@ -122,7 +124,7 @@ def tp_rank(link: Link, prompts: Seq[Seq[int]], *, max_new_tokens: int = 8, cfg:
     shard = TPShard(TinyLlama(cfg), link.world_size, link.rank)
     pool = BlockPool(num_blocks, spec=shard.kv_spec(block_size))
     manager = SequenceManager(pool, prefix_cache=True)
-    tokens, logits = generate(lambda mg, s, t: shard.step(link, mg, s, t), manager, prompts, max_new_tokens)
+    tokens, logits = generate(lambda mg, s, t: shard.step(link, mg, s, t), manager, prompts, max_new_tokens, cfg)
     manager.check_invariants()
     return {"tokens": tokens, "logits": logits, "kv_heads": list(shard.kv_heads),
             "bytes_per_block": pool.bytes_per_block}
@@ -134,18 +136,19 @@ def single_process(prompts: Seq[Seq[int]], max_new_tokens: int, *, cfg: TinyConf
     cfg = cfg or TinyConfig()
     model = TinyLlama(cfg)
     pool = BlockPool(num_blocks, spec=cfg.kv_spec(block_size))
-    tokens, logits = generate(model.step, SequenceManager(pool, prefix_cache=True), prompts, max_new_tokens)
+    tokens, logits = generate(model.step, SequenceManager(pool, prefix_cache=True), prompts, max_new_tokens, cfg)
     return {"tokens": tokens, "logits": logits, "bytes_per_block": pool.bytes_per_block}
 
 
 def run_tp(prompts: Seq[Seq[int]], max_new_tokens: int = 8, *, tp: int = 2, cfg: TinyConfig | None = None,
            block_size: int = 16, num_blocks: int = 256, timeout: float = DEFAULT_TIMEOUT,
            threads: bool = False) -> list[dict[str, Any]]:
-    """Run ``tp`` ranks (processes on 127.0.0.1, or threads) and return each rank's result. The head split is
-    checked here first, so a ``tp`` that does not fit is refused before any process starts."""
+    """Run ``tp`` ranks (processes on 127.0.0.1, or threads) and return each rank's result. The head split, the
+    prompts and ``max_new_tokens`` are checked here first, so they are refused before any process starts."""
     cfg = cfg or TinyConfig()
-    for r in range(tp if isinstance(tp, int) and tp > 0 else 1):
+    for r in range(tp if is_int(tp) and tp > 0 else 1):
         head_split(cfg, tp, r)
-    kw = {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens, "cfg": cfg,
+    kw = {"prompts": check_prompts(prompts, cfg.vocab_size),
+          "max_new_tokens": check_count(max_new_tokens, "max_new_tokens"), "cfg": cfg,
           "block_size": block_size, "num_blocks": num_blocks}
     return (run_threads if threads else spawn)([tp_rank] * tp, [kw] * tp, timeout=timeout)
