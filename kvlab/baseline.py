@@ -20,15 +20,16 @@ from bisect import bisect_left
 from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from .clock import LogicalClock
 from .events import EventBus
+from .pool import check_count, is_int
 
 
 class ContiguousAllocator:
     """First-fit reservations of contiguous slot runs in an arena of ``capacity`` token slots."""
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ConfigError(f"capacity must be a positive number of slots, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = capacity = int(capacity)
         self._starts: list[int] = [0]  # free extents as parallel sorted lists (start, length)
         self._lens: list[int] = [capacity]
         self.regions: dict[int, tuple[int, int]] = {}  # owner -> (start, length)
@@ -45,10 +46,12 @@ class ContiguousAllocator:
     def reserve(self, owner: int, n: int) -> int:
         """Reserve the first free run of ``n`` slots for ``owner``; returns its start. Raises
         :class:`OutOfBlocksError` (nothing changes) when no run is long enough."""
+        owner = check_count(owner, "owner")
         if owner in self.regions:
             raise ConfigError(f"owner {owner} already holds slots {self.regions[owner]}")
-        if not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise ConfigError(f"a reservation needs >= 1 slot, got {n!r}")
+        n = int(n)
         for i, length in enumerate(self._lens):
             if length >= n:
                 start = self._starts[i]
@@ -64,6 +67,7 @@ class ContiguousAllocator:
 
     def release(self, owner: int) -> None:
         """Return ``owner``'s region to the free extents, merging with free neighbours."""
+        owner = check_count(owner, "owner")
         if owner not in self.regions:
             raise DoubleFreeError(f"owner {owner} holds no contiguous region (released twice?)")
         start, n = self.regions.pop(owner)

@@ -29,7 +29,8 @@ figures on every run and machine.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,10 @@ class Claim:
     supported: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        for name in ("value", "threshold"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise ConfigError(f"Claim.{name} must be a number, got {x!r:.80}")
         object.__setattr__(self, "supported", bool(self.value >= self.threshold))
 
 
@@ -95,8 +100,14 @@ def prefix_hit_share(engine: Engine, workload: Workload, block_size: int) -> tup
     (:func:`~kvlab.traces.prefix_hits`)``, number of requests preempted)``. A request preempted by recompute
     finds its own blocks again when readmitted; those hits avoid recomputation but are no prefix sharing, and the
     bound counts each request once, so such requests are left out of both shares."""
+    if not isinstance(engine, Engine):
+        raise ConfigError(f"engine must be an Engine, got {engine!r:.80}")
     log = engine.log.requests
-    bound = prefix_hits(workload, block_size)
+    bound = prefix_hits(workload, block_size)  # first: it checks the workload and the block size
+    late = next((r for r in workload if r.id not in log or log[r.id].finish_step < 0), None)
+    if late is not None:
+        raise ConfigError(f"request {late.id} of workload {workload.name!r} has not finished in this engine: run "
+                          f"the engine on this workload first")
     kept = [(r, int(b)) for r, b in zip(workload, bound) if log[r.id].preemptions == 0]
     prompt = sum(r.prompt_len for r, _ in kept) or 1
     return (sum(log[r.id].prefix_hit_tokens for r, _ in kept) / prompt, sum(b for _, b in kept) / prompt,
@@ -111,8 +122,9 @@ def _hits(engine: Engine, w: Workload, block_size: int) -> str:
 
 def check_baselines(baselines: str | Sequence[str]) -> tuple[str, ...]:
     """``baselines`` as a tuple of known names (one name is accepted alone); :class:`ConfigError` otherwise."""
-    names = (baselines,) if isinstance(baselines, str) else tuple(baselines)
-    bad = [b for b in names if b not in BASELINES]
+    names = (baselines,) if isinstance(baselines, str) else tuple(baselines) if isinstance(baselines, Iterable) \
+        else ()
+    bad = [b for b in names if not isinstance(b, str) or b not in BASELINES]
     if bad or not names:
         raise ConfigError(f"baselines must be some of {', '.join(BASELINES)}, got {baselines!r}")
     return names
@@ -206,11 +218,12 @@ def verdicts(claims: Sequence[Claim]) -> dict[tuple[str, str], bool]:
 
 
 def claims_report(claims: Sequence[Claim] | None = None, baseline: str | None = None) -> str:
-    """The claims of §2.2.6 beside kvlab's measurements, as plain text; ``baseline`` keeps one baseline's."""
+    """The claims of §2.2.6 beside kvlab's measurements, as plain text; ``baseline`` keeps one baseline's (or
+    some, as :func:`check_baselines` reads them)."""
+    keep = None if baseline is None else check_baselines(baseline)  # first: before measuring anything
     claims = list(claims) if claims is not None else measure_claims()
-    if baseline is not None:
-        check_baselines(baseline)
-        claims = [c for c in claims if c.baseline == baseline]
+    if keep is not None:
+        claims = [c for c in claims if c.baseline in keep]
     lines = ["Claims of text §2.2.6, measured on kvlab (metadata mode, simulated seconds)", ""]
     for c in claims:
         verdict = "supported" if c.supported else "NOT supported by this measurement"

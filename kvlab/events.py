@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -138,6 +140,8 @@ class EventBus(list):
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Add ``fn``; returns a function that unsubscribes it."""
+        if not callable(fn):  # refused now: at publish it would only be dropped as a failed subscriber
+            raise ConfigError(f"a subscriber must be callable (it is called with each event), got {fn!r:.80}")
         self.append(fn)
         return lambda: self.remove(fn) if fn in self else None
 

@@ -282,7 +282,7 @@ class RandomPolicy(EvictionPolicy):
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+        self.seed = check_seed(seed)
         self._evictions = 0
         self._blocks: list[int] = []  # the candidates, in the order swap-removal leaves them
         self._at: dict[int, int] = {}  # candidate -> its index in _blocks
@@ -335,6 +335,15 @@ class RandomPolicy(EvictionPolicy):
         for i, new in places:
             self._blocks[i] = new
             self._at[new] = i
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` as an int, else :class:`ConfigError`: a float or a list would seed too (``random`` takes anything
+    hashable, or its repr), but not the generator the caller meant."""
+    from .pool import is_int  # (the pool imports this module: import it when called)
+    if not is_int(seed):
+        raise ConfigError(f"seed must be an int, got {seed!r:.80}")
+    return int(seed)
 
 
 class OPTPolicy(_HeapPolicy):
@@ -421,15 +430,12 @@ class FutureUses:
     """
 
     def __init__(self, keys_per_request: Sequence[Sequence[Hashable]]) -> None:
-        if isinstance(keys_per_request, (str, bytes)) or not isinstance(keys_per_request, Sequence):
-            raise ConfigError(f"keys_per_request must be a list of key lists, one per request, got "
-                              f"{keys_per_request!r:.80}")
+        _check_list(keys_per_request, "keys_per_request must be a list of key lists, one per request")
         uses: dict[Hashable, list[int]] = {}  # key -> its use times, ascending
         starts = [0]  # starts[i]: the time of request i's first use; the last entry: the end of time
         t = 0
         for i, keys in enumerate(keys_per_request):
-            if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-                raise ConfigError(f"request {i}: its keys must be a list, got {keys!r:.80}")
+            _check_list(keys, f"request {i}: its keys must be a list")
             for key in keys:
                 if not isinstance(key, Hashable):
                     raise ConfigError(f"request {i}: key {key!r:.80} is not hashable")
@@ -451,14 +457,18 @@ class FutureUses:
         (:meth:`PrefixCache.block_hash`, salted by its tenant) of its first ``(len - 1) // block_size`` full
         blocks, as a sequence looks its prompt up (the last token is always computed)."""
         from .pool import is_int  # (the pool imports this module: import it when called)
-        from .prefix import PrefixCache
+        from .prefix import PrefixCache, check_tenant, token_bytes
         if not is_int(block_size) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
-        if tenants is not None and len(tenants) != len(prompts):
-            raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
+        _check_list(prompts, "prompts must be a list of token id lists")
+        if tenants is not None:
+            _check_list(tenants, "tenants must be a list of tenants, one per prompt, or None")
+            if len(tenants) != len(prompts):
+                raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
         keys = []
         for i, tokens in enumerate(prompts):
-            tenant = None if tenants is None else tenants[i]
+            token_bytes(tokens, f"FutureUses.of_prompts: prompt {i}")  # all of it, not only the blocks hashed
+            tenant = None if tenants is None else check_tenant(tenants[i])
             chain, parent = [], None
             for j in range(max(0, (len(tokens) - 1) // block_size)):
                 parent = PrefixCache.block_hash(parent, tokens[j * block_size:(j + 1) * block_size], tenant)
@@ -479,9 +489,18 @@ class FutureUses:
 
     def next_use(self, key: Hashable) -> float:
         """The time of the first use of ``key`` at or after now; ``math.inf`` if it is never used again."""
-        times = self._uses.get(key, ())
+        try:
+            times = self._uses.get(key, ())
+        except TypeError:  # unhashable
+            raise ConfigError(f"next_use: key {key!r:.80} is not hashable") from None
         i = bisect_left(times, self.now)
         return float(times[i]) if i < len(times) else math.inf
+
+
+def _check_list(x: object, what: str) -> None:
+    """ConfigError (``what``, then ``x``) unless ``x`` is a sequence other than a string."""
+    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
+        raise ConfigError(f"{what}, got {x!r:.80}")
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
@@ -493,6 +512,7 @@ def make_policy(policy: "str | EvictionPolicy", seed: int = 0,
                 next_use: Callable[[int], float] | None = None) -> EvictionPolicy:
     """A policy from its name (``lru``, ``fifo``, ``lfu``, ``random``, ``clock``; ``opt`` with its
     ``next_use`` oracle) or an :class:`EvictionPolicy` instance."""
+    check_seed(seed)
     if isinstance(policy, EvictionPolicy):
         return policy
     if policy == "random":

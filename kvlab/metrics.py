@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import ConfigError
 from .events import EngineEvent
 
 if TYPE_CHECKING:
@@ -79,6 +80,11 @@ class StepMetrics(EngineEvent):
         return 1 - self.token_slots / self.reserved_slots if self.reserved_slots else 0.0
 
 
+#: what :meth:`MetricsLog.series` reads: every number a step records, and the ratios derived from them
+GAUGES = (*(f.name for f in fields(StepMetrics) if f.type in ("int", "float", int, float)),
+          *(name for name, v in vars(StepMetrics).items() if isinstance(v, property)))
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """Life of one request; the times are ``(step, seconds)`` pairs, -1 until they happen."""
@@ -117,7 +123,10 @@ class RequestRecord:
 
 def distribution(values: Sequence[float] | np.ndarray, name: str, unit: str) -> dict[str, float]:
     """``{name}_count``, and ``{name}_{mean,p50,p90,max}_{unit}`` of ``values`` (all 0 when there are none)."""
-    x = np.asarray(values, dtype=float)
+    try:
+        x = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: values must be numbers, got {values!r:.80}") from None
     stats = (x.mean(), np.percentile(x, 50), np.percentile(x, 90), x.max()) if x.size else (0.0,) * 4
     return {f"{name}_count": int(x.size),
             **{f"{name}_{k}_{unit}": float(v) for k, v in zip(("mean", "p50", "p90", "max"), stats)}}
@@ -158,7 +167,9 @@ class MetricsLog:
     requests: dict[int, RequestRecord] = field(default_factory=dict)
 
     def series(self, name: str) -> np.ndarray:
-        """One gauge over the steps, e.g. ``series("utilisation")`` or ``series("waiting")``."""
+        """One gauge (:data:`GAUGES`) over the steps, e.g. ``series("utilisation")`` or ``series("waiting")``."""
+        if not (isinstance(name, str) and name in GAUGES):
+            raise ConfigError(f"unknown gauge {name!r:.80}; choose one of {', '.join(GAUGES)}")
         return np.array([getattr(s, name) for s in self.steps], dtype=float)
 
     def finished(self) -> list[RequestRecord]:

@@ -75,8 +75,8 @@ import torch
 
 from .device import default_device
 from .errors import ConfigError
-from .pool import BlockPool
-from .spec import KVSpec
+from .pool import INT32_MAX, BlockPool, is_int
+from .spec import KVSpec, check_device
 from .workloads import Workload
 
 GOALS = ("memory_efficient", "performance_optimal", "balanced")
@@ -88,6 +88,9 @@ WEIGHTS: dict[str, tuple[float, float, float, float]] = {
     "performance_optimal": (0.25, 0.25, 0.5, 1.0),
     "balanced": (1.0, 0.5, 0.5, 0.5),
 }
+#: the settings of :func:`measure_attention_ms` that :func:`sweep` passes on, with their defaults
+TIMING: dict[str, Any] = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim": 64, "rounds": 5, "device": None,
+                          "seed": 0}
 
 
 def _check_goal(goal: str) -> str:
@@ -108,6 +111,8 @@ class ChunkSizeOptimizer:
         prompt + output), token sequences (their ``len``) or plain lengths (ints)."""
         if isinstance(sequences, Workload):
             lengths = sequences.sequence_lengths().tolist()
+        elif isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+            raise ConfigError(f"sequences must be a Workload, token sequences or lengths, got {sequences!r:.80}")
         else:
             lengths = []
             for s in sequences:
@@ -181,11 +186,10 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
     pool's own metadata gives blocks held and tokens stored; then every request is released, which must leave
     only the cached prefix blocks behind (``check=True`` also runs ``pool.check_invariants()``).
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ConfigError(f"block size must be a positive int, got {block_size!r}")
-    if not len(workload):
-        raise ConfigError(f"workload {workload.name!r} has no requests")
-    B = block_size
+    B = _check_sizes([block_size])[0]
+    _check_workload(workload)
+    if not isinstance(check, (bool, np.bool_)):
+        raise ConfigError(f"check must be True or False, got {check!r:.80}")
     need = int(sum(-(-r.total_len // B) for r in workload))
     pool = BlockPool(need, spec=KVSpec(block_size=B, device=torch.device("cpu")), with_storage=False)
     prefixes: dict[str, list[int]] = {}  # prefix id -> its full blocks, owned by the first request naming it
@@ -233,19 +237,60 @@ def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batc
     ``max_len``), their blocks scattered over the pool in a seeded random order. Each round visits every size in
     turn, so a burst of load elsewhere on the machine slows all sizes alike instead of one. ``on_step()`` is
     called after each timing (progress bars)."""
-    if not len(workload):
-        raise ConfigError(f"workload {workload.name!r} has no requests")
+    _check_workload(workload)
+    sizes = _check_sizes(block_sizes)
+    kw = _check_timing(dict(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim, rounds=rounds,
+                            device=device, seed=seed))
+    if on_step is not None and not callable(on_step):
+        raise ConfigError(f"on_step must be callable or None, got {on_step!r:.80}")
     lens = np.sort(workload.sequence_lengths())
-    lens = np.minimum(lens[np.linspace(0, lens.size - 1, min(batch, lens.size)).round().astype(int)], max_len)
-    if type(rounds) is not int or rounds < 1:
-        raise ConfigError(f"rounds must be a positive int, got {rounds!r}")
-    times: dict[int, list[float]] = {bs: [] for bs in block_sizes}
-    for _ in range(rounds):
+    lens = np.minimum(lens[np.linspace(0, lens.size - 1, min(kw["batch"], lens.size)).round().astype(int)],
+                      kw["max_len"])
+    times: dict[int, list[float]] = {bs: [] for bs in sizes}
+    for _ in range(kw["rounds"]):
         for bs, seen in times.items():
-            seen.append(_decode_step_ms(lens.tolist(), bs, num_heads, head_dim, device, seed))
+            seen.append(_decode_step_ms(lens.tolist(), bs, kw["num_heads"], kw["head_dim"], device, kw["seed"]))
             if on_step is not None:
                 on_step()
     return {bs: (float(np.median(t)), min(t), max(t)) for bs, t in times.items()}
+
+
+def _check_workload(workload: Workload) -> None:
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"workload must be a Workload, got {workload!r:.80}")
+    if not len(workload):
+        raise ConfigError(f"workload {workload.name!r} has no requests")
+
+
+def _check_sizes(block_sizes: Iterable[int]) -> list[int]:
+    """``block_sizes`` (at least one; numpy integers count as ints) as distinct plain ints, ascending; the error
+    names the size at fault."""
+    what = f"block sizes must be distinct ints in 1..{INT32_MAX}"
+    if isinstance(block_sizes, str) or not isinstance(block_sizes, Iterable):
+        raise ConfigError(f"{what}, got {block_sizes!r:.80}")
+    sizes = list(block_sizes)
+    bad = [s for s in sizes if not (is_int(s) and 1 <= s <= INT32_MAX)]
+    if bad or not sizes or len(set(sizes)) != len(sizes):  # (set() only once they are ints: hashable)
+        raise ConfigError(f"{what}, got {bad[0] if bad else sizes!r:.80}")
+    return sorted(int(s) for s in sizes)
+
+
+def _check_timing(settings: dict[str, Any]) -> dict[str, Any]:
+    """:data:`TIMING` updated by ``settings`` (:func:`measure_attention_ms`'s), each checked before any work."""
+    unknown = sorted(set(settings) - set(TIMING))
+    if unknown:
+        raise ConfigError(f"unknown attention setting {unknown[0]!r}; known: {', '.join(TIMING)}")
+    kw = {**TIMING, **settings}
+    for name in ("batch", "max_len", "num_heads", "head_dim", "rounds"):
+        if not is_int(kw[name]) or not 1 <= kw[name] <= INT32_MAX:
+            raise ConfigError(f"{name} must be a positive int, got {kw[name]!r:.80}")
+        kw[name] = int(kw[name])
+    if not is_int(kw["seed"]) or not 0 <= kw["seed"] < 2**63:  # what numpy and torch both take
+        raise ConfigError(f"seed must be an int in 0..2**63-1, got {kw['seed']!r:.80}")
+    kw["seed"] = int(kw["seed"])  # torch's manual_seed takes no numpy integer
+    if kw["device"] is not None:
+        check_device(kw["device"], "device")
+    return kw
 
 
 def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, device: Any, seed: int) -> float:
@@ -285,12 +330,16 @@ class SweepResult:
     attention: str = "not measured"
     weights: dict[str, tuple[float, float, float, float]] = field(default_factory=lambda: dict(WEIGHTS))
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, list) or not self.rows or not all(isinstance(r, SweepRow) for r in self.rows):
+            raise ConfigError(f"a sweep result needs a non-empty list of SweepRow, got {self.rows!r:.80}")
+
     def costs(self, goal: str = "balanced") -> dict[int, float]:
         """``cost(B)`` of the module docstring's model for every swept block size."""
         a, b, c, d = self.weights[_check_goal(goal)]
-        over = np.array([r.table_entries + r.alloc_calls for r in self.rows], dtype=float)
-        reads = np.array([r.attention_slots for r in self.rows], dtype=float)
-        return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o / over.max() + d * t / reads.max())
+        over = _relative([r.table_entries + r.alloc_calls for r in self.rows])
+        reads = _relative([r.attention_slots for r in self.rows])
+        return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o + d * t)
                 for r, o, t in zip(self.rows, over, reads)}
 
     def with_weights(self, goal: str, weights: Sequence[float]) -> SweepResult:
@@ -328,6 +377,12 @@ class SweepResult:
         return self.to_markdown()
 
 
+def _relative(counts: Sequence[int]) -> np.ndarray:
+    """``counts`` / their max; all 0 when the max is 0 (no size costs anything there, rather than 0/0 = NaN)."""
+    x = np.asarray(counts, dtype=float)
+    return x / max(x.max(), 1.0)
+
+
 def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, attention: bool = True,
           progress: bool = True, **attention_kwargs: Any) -> SweepResult:
     """Measure ``workload`` at every block size (see the module docstring). Attention timing needs the KV
@@ -335,13 +390,9 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
     ``attention_kwargs`` go to :func:`measure_attention_ms`."""
     from tqdm.auto import tqdm
 
-    sizes = list(block_sizes)
-    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
-    if not sizes or bad or len(set(sizes)) != len(sizes):
-        raise ConfigError(f"block sizes must be distinct positive ints, got {sizes!r}")
-    sizes.sort()
-    kw = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim": 64, "rounds": 5, "device": None,
-          **attention_kwargs}
+    sizes = _check_sizes(block_sizes)
+    _check_workload(workload)
+    kw = _check_timing(attention_kwargs)
     with tqdm(total=len(sizes) * (1 + kw["rounds"] if attention else 1), desc=f"sweep {workload.name}",
               unit="step", disable=None if progress else True) as bar:  # None: off in logs
         rows = []
@@ -363,6 +414,9 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure."""
     from .viz.static import Picture  # a figure that displays as an image in any kernel
 
+    if not isinstance(result, SweepResult):
+        raise ConfigError(f"plot_sweep draws a SweepResult, got {result!r:.80}")
+    costs, best = result.costs(goal), result.recommend(goal)  # first: a bad goal is refused before any drawing
     sizes = [r.block_size for r in result.rows]
     fig = Picture(figsize=(10, 6.5), layout="constrained")
     ax = fig.subplots(2, 2).ravel()
@@ -372,7 +426,7 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     ax[1].plot(sizes, [r.table_entries for r in result.rows], "o-", label="block-table entries")
     ax[1].plot(sizes, [r.alloc_calls for r in result.rows], "s--", label="allocation calls")
     ax[1].set(yscale="log", title="bookkeeping")
-    reads = [r.attention_slots / max(q.attention_slots for q in result.rows) for r in result.rows]
+    reads = _relative([r.attention_slots for r in result.rows])
     ax[2].plot(sizes, reads, "o-", color="C2", label="slots read (in the cost), / max")
     if not any(math.isnan(r.attention_ms) for r in result.rows):
         top = max(r.attention_spread[1] for r in result.rows)
@@ -381,7 +435,6 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
                              [(r.attention_spread[1] - r.attention_ms) / top for r in result.rows]],
                        fmt="s--", color="C4", capsize=3, label="measured ms, median [min-max], / max")
     ax[2].set(ylabel="relative to the largest", title="paged attention (one decode step)")
-    costs, best = result.costs(goal), result.recommend(goal)
     ax[3].plot(sizes, [costs[s] for s in sizes], "o-", color="C3")
     ax[3].axvline(best, color="k", ls=":", label=f"recommended: {best}")
     ax[3].set(title=f"cost ({goal})")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,13 +23,16 @@ class KVSpec:
     device: torch.device = field(default_factory=default_device)
 
     def __post_init__(self) -> None:
+        from .pool import is_int  # (the pool imports this module: import it when called)
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"KVSpec.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ConfigError(f"KVSpec.dtype must be a torch.dtype, got {self.dtype!r}")
-        object.__setattr__(self, "device", torch.device(self.device))
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(f"KVSpec.dtype must be a floating torch.dtype (K and V are real numbers), "
+                              f"got {self.dtype!r}")
+        object.__setattr__(self, "device", check_device(self.device, "KVSpec.device"))
 
     @property
     def bytes_per_token(self) -> int:
@@ -43,7 +47,22 @@ class KVSpec:
 
     def blocks_for_budget(self, total_memory: int) -> int:
         """How many blocks fit in ``total_memory`` bytes (the text's ``total_memory`` argument)."""
-        if not isinstance(total_memory, int) or total_memory < self.bytes_per_block:
+        from .pool import is_int  # (the pool imports this module: import it when called)
+        if not is_int(total_memory) or total_memory < self.bytes_per_block:
             raise ConfigError(
                 f"total_memory={total_memory!r} bytes holds no block of {self.bytes_per_block} bytes")
-        return total_memory // self.bytes_per_block
+        return int(total_memory) // self.bytes_per_block
+
+
+def check_device(value: Any, what: str) -> torch.device:
+    """``value`` as a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), else :class:`ConfigError`
+    naming ``what``: refused here rather than at the first tensor, long after the mistake."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{what} must be a torch device (e.g. cpu, cuda, cuda:1), got {value!r:.80}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what}: kvlab runs on cpu or cuda devices, got {value!r:.80}")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"{what} {value!r:.80}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, TraceFormatError
-from .workloads import AZURE_COLUMNS, HASH_BLOCK, Request, Workload, parse_trace
+from .workloads import AZURE_COLUMNS, HASH_BLOCK, Request, Workload, os_reason, parse_trace
 
 DATA = Path(__file__).parent / "data" / "traces"
 TRACES: dict[str, str] = {
@@ -77,8 +77,8 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
                           f"{', '.join(TRACES)}")
     try:
         data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {e.strerror or e}; it is no bundled trace "
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {os_reason(e)}; it is no bundled trace "
                           f"either ({', '.join(TRACES)})") from None
     where = str(path)
     if data.startswith(b"\x1f\x8b"):
@@ -194,6 +194,8 @@ def prefix_hits(workload: Workload, block_size: int) -> np.ndarray:
     :class:`~kvlab.errors.ConfigError`: their token ids come from unrelated schemes."""
     if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ConfigError(f"block_size must be an int >= 1, got {block_size!r:.60}")
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"prefix_hits bounds a Workload, got {workload!r:.60}")
     block_size = int(block_size)
     requests = workload.requests
     hashed = sum(r.hash_ids is not None for r in requests)

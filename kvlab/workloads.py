@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, TraceFormatError
+from .pool import is_int
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
           "hash_ids")
@@ -186,8 +187,8 @@ class Request:
         :class:`~kvlab.errors.ConfigError`: such traces run without a model (metadata mode)."""
         if self.prompt_tokens is not None:
             return list(self.prompt_tokens)
-        if vocab_size is not None and vocab_size < 1:
-            raise ConfigError(f"vocab_size must be >= 1, got {vocab_size}")
+        if vocab_size is not None and not (is_int(vocab_size) and vocab_size >= 1):
+            raise ConfigError(f"vocab_size must be an int >= 1 or None, got {_show(vocab_size)}")
         if self.hash_ids is not None:
             return _hash_token_ids(self.hash_ids, self.prompt_len, INT_MAX + 1 if vocab_size is None else vocab_size,
                                    self.id)
@@ -261,6 +262,14 @@ def _show(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _finite(v: Any) -> bool:
+    """A real number (a Python or numpy int or float, not a bool) that is finite as a float."""
+    try:
+        return (is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def _token_ids(key: str, n: int, vocab_size: int) -> list[int]:
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, vocab_size, n).tolist()
@@ -276,7 +285,14 @@ class Workload:
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.requests = sorted(self.requests, key=lambda r: (r.arrival, r.id))
+        if isinstance(self.requests, (str, bytes)) or not isinstance(self.requests, Iterable):
+            raise ConfigError(f"workload {self.name!r}: requests must be a list of Request, got "
+                              f"{_show(self.requests)}")
+        reqs = list(self.requests)  # once: it may be an iterator
+        stray = [r for r in reqs if not isinstance(r, Request)]
+        if stray:
+            raise ConfigError(f"workload {self.name!r}: requests must be a list of Request, got {_show(stray[0])}")
+        self.requests = sorted(reqs, key=lambda r: (r.arrival, r.id))
         bad = _inconsistency(self.requests)
         if bad is not None:
             raise ConfigError(bad[1])
@@ -365,11 +381,16 @@ class LengthRange:
     sigma: float = 0.7
 
     def __post_init__(self) -> None:
-        if not (1 <= self.lo < self.mean < self.hi) or self.sigma <= 0:
-            raise ConfigError(f"LengthRange needs 1 <= lo < mean < hi and sigma > 0, got lo={self.lo}, "
-                              f"hi={self.hi}, mean={self.mean}, sigma={self.sigma}")
+        if not (is_int(self.lo) and is_int(self.hi) and _finite(self.mean) and _finite(self.sigma)
+                and 1 <= self.lo < self.mean < self.hi <= INT_MAX and self.sigma > 0):
+            raise ConfigError(f"LengthRange needs ints 1 <= lo < hi <= {INT_MAX}, a mean between them and a "
+                              f"finite sigma > 0, got lo={self.lo!r}, hi={self.hi!r}, mean={self.mean!r}, "
+                              f"sigma={self.sigma!r}")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if not isinstance(rng, np.random.Generator):
+            raise ConfigError(f"rng must be a numpy Generator, got {_show(rng)}")
+        n = _bounded_int(n, "LengthRange.sample: n")
         mu = _location(self.lo, self.hi, float(self.mean), self.sigma)
         lo, hi = (_PHI.cdf((math.log(x) - mu) / self.sigma) for x in (self.lo, self.hi))
         z = _inv_cdf(np.clip(rng.uniform(lo, hi, n), 1e-300, 1 - 1e-16)) if n else np.zeros(0)
@@ -432,7 +453,7 @@ def burst_arrivals(n: int, rate: float, burst_size: int, rng: np.random.Generato
     """``n`` arrival times in bursts of ``burst_size`` simultaneous requests; the bursts are Poisson at
     ``rate / burst_size`` per second, so the mean rate is still ``rate``."""
     starts = poisson_arrivals(-(-n // burst_size), rate / burst_size, rng)
-    return np.repeat(starts, burst_size)[:n]
+    return starts[np.arange(n) // burst_size]  # not np.repeat: a burst larger than n would fill memory
 
 
 def make_workload(name: str, n: int, seed: int = 0, *, rate: float = 8.0, arrival: str = "poisson",
@@ -447,18 +468,22 @@ def make_workload(name: str, n: int, seed: int = 0, *, rate: float = 8.0, arriva
         prefix_share: fraction of requests that start with one of the scenario's shared prefixes (default: the
             scenario's own, see the module table; 0 turns sharing off).
     """
-    key = ALIASES.get(name, name)
+    key = ALIASES.get(name, name) if isinstance(name, str) else None
     if key not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)} "
                           f"(or {', '.join(ALIASES)})")
-    for arg, value, ok in (("n", n, isinstance(n, int) and n >= 1),
-                           ("rate", rate, isinstance(rate, (int, float)) and 0 < rate < math.inf),
-                           ("burst_size", burst_size, isinstance(burst_size, int) and burst_size >= 1),
-                           ("tenants", tenants, isinstance(tenants, int) and tenants >= 1),
-                           ("prefix_share", prefix_share, prefix_share is None or 0 <= prefix_share <= 1),
-                           ("arrival", arrival, arrival in ("poisson", "burst"))):
-        if not ok or isinstance(value, bool):
-            raise ConfigError(f"make_workload: invalid {arg}={value!r}")
+    # counts up to INT_MAX: ids must fit the pool's int32 fields, and numpy's int64 the draws
+    for arg, value, ok in (("n", n, is_int(n) and 1 <= n <= INT_MAX),
+                           ("seed", seed, is_int(seed) and seed >= 0),
+                           ("rate", rate, _finite(rate) and rate > 0),
+                           ("burst_size", burst_size, is_int(burst_size) and 1 <= burst_size <= INT_MAX),
+                           ("tenants", tenants, is_int(tenants) and 1 <= tenants <= INT_MAX),
+                           ("prefix_share", prefix_share,
+                            prefix_share is None or _finite(prefix_share) and 0 <= prefix_share <= 1),
+                           ("arrival", arrival, isinstance(arrival, str) and arrival in ("poisson", "burst"))):
+        if not ok:
+            raise ConfigError(f"make_workload: invalid {arg}={_show(value)}")
+    n = int(n)
     rng = np.random.default_rng(seed)
     times = poisson_arrivals(n, rate, rng) if arrival == "poisson" else burst_arrivals(n, rate, burst_size, rng)
     names = list(SCENARIOS)
@@ -488,12 +513,28 @@ def write_trace(workload: Workload, path: str | Path) -> Path:
     """Write ``workload`` as JSONL or CSV, chosen by the suffix of ``path`` (format: module docstring).
     :func:`read_trace` gives back equal requests. The text is built in full before the file is opened, so the
     one thing CSV cannot hold (a tenant or prefix id with a lone surrogate: not UTF-8) raises
-    :class:`~kvlab.errors.ConfigError` and leaves no half-written file."""
-    path = Path(path)
+    :class:`~kvlab.errors.ConfigError` and leaves no half-written file; so does a path that cannot be written."""
+    path = _path(path)
     kind = _kind(path)
     text = _jsonl_text(workload) if kind == "jsonl" else _csv_text(workload)
-    path.write_bytes(text.encode("utf-8"))
+    try:
+        path.write_bytes(text.encode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"cannot write trace {str(path)[:200]!r}: {os_reason(e)}") from None
     return path
+
+
+def _path(path: Any) -> Path:
+    """``path`` (a str or path-like) as a :class:`Path`, else :class:`ConfigError`."""
+    try:
+        return Path(path)
+    except TypeError:
+        raise ConfigError(f"a trace path must be a str or Path, got {_show(path)}") from None
+
+
+def os_reason(e: OSError | ValueError) -> str:
+    """Why a path could not be opened: the OS's words, or the ValueError's (a NUL in the path)."""
+    return getattr(e, "strerror", None) or str(e)
 
 
 def _jsonl_text(workload: Workload) -> str:
@@ -553,12 +594,12 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
     are not UTF-8, a JSON line that does not parse, a CSV quote that never closes, a field of the wrong type or
     out of range, a repeated id, ...); nothing is returned unless every record is good. A file that cannot be
     read at all raises :class:`~kvlab.errors.ConfigError`."""
-    path = Path(path)
+    path = _path(path)
     kind = _kind(path)
     try:
         data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read trace {path}: {e.strerror or e}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {os_reason(e)}") from None
     return parse_trace(data, kind, str(path), name or path.stem)
 
 
