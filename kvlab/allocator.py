@@ -39,7 +39,8 @@ import torch
 from . import events as ev
 from .block import BlockStatus, KVBlock
 from .errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
-from .pool import BlockPool, check_owner, is_int
+from .checks import is_int
+from .pool import BlockPool, check_owner
 from .textbook import check_kv_data
 
 FREE = int(BlockStatus.FREE)

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from .compiled import load_extension
 from .errors import ConfigError, KVDataError
-from .pool import BlockPool, is_int
+from .checks import is_int
+from .pool import BlockPool
 from .storage import KVStorage, int_tensor
 
 TableLike = torch.Tensor | Sequence[Sequence[int]]

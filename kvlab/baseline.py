@@ -20,7 +20,7 @@ from bisect import bisect_left
 from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from .clock import LogicalClock
 from .events import EventBus
-from .pool import check_count, is_int
+from .checks import check_count, is_int
 
 
 class ContiguousAllocator:

@@ -57,7 +57,7 @@ from .events import EngineEvent, Event
 from .eviction import POLICIES, FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .perf import FastBlockPool, FastSequenceManager
-from .pool import is_int
+from .checks import is_int
 from .prefix import PrefixCache
 from .sequence import Sequence, SwapState
 from .spec import KVSpec

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from .checks import is_int
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -340,7 +341,6 @@ class RandomPolicy(EvictionPolicy):
 def check_seed(seed: object) -> int:
     """``seed`` as an int, else :class:`ConfigError`: a float or a list would seed too (``random`` takes anything
     hashable, or its repr), but not the generator the caller meant."""
-    from .pool import is_int  # (the pool imports this module: import it when called)
     if not is_int(seed):
         raise ConfigError(f"seed must be an int, got {seed!r:.80}")
     return int(seed)
@@ -456,7 +456,6 @@ class FutureUses:
         """The uses a :class:`~kvlab.PrefixCache` will look up: for each prompt, the chained hashes
         (:meth:`PrefixCache.block_hash`, salted by its tenant) of its first ``(len - 1) // block_size`` full
         blocks, as a sequence looks its prompt up (the last token is always computed)."""
-        from .pool import is_int  # (the pool imports this module: import it when called)
         from .prefix import PrefixCache, check_tenant, token_bytes
         if not is_int(block_size) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -479,7 +478,6 @@ class FutureUses:
     def advance(self, request: int) -> None:
         """Request ``request`` is being admitted: now = its first use. Time only moves forward; ``len(self)``
         is the end, where every use lies in the past."""
-        from .pool import is_int  # (the pool imports this module: import it when called)
         if not is_int(request) or not 0 <= request <= len(self):
             raise ConfigError(f"request must be an int in 0..{len(self)}, got {request!r}")
         if request < self.request:

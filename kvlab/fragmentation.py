@@ -39,7 +39,8 @@ import numpy as np
 from . import events as ev
 from .block import BlockStatus
 from .errors import ConfigError
-from .pool import BlockPool, check_count, is_int
+from .checks import check_count, is_int
+from .pool import BlockPool
 
 FREE, ALLOCATED = int(BlockStatus.FREE), int(BlockStatus.ALLOCATED)
 

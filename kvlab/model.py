@@ -24,17 +24,10 @@ import torch.nn.functional as F
 
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
 from .errors import ConfigError, KVLabError
-from .pool import check_count, is_int
+from .checks import check_count, check_positive, is_int
 from .sequence import Sequence, SequenceManager
 from .spec import KVSpec
 from .storage import KVStorage
-
-
-def check_positive(n: Any, what: str) -> int:
-    """A count >= 1 (not a bool), else :class:`ConfigError`."""
-    if not is_int(n) or n < 1:
-        raise ConfigError(f"{what} must be a positive int, got {n!r}")
-    return int(n)
 
 
 def check_tokens(tokens: Any, vocab_size: int, what: str) -> list[int]:

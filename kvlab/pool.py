@@ -41,13 +41,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import events as ev
 from .block import BlockStatus, KVBlock
+from .checks import check_count, is_int
 from .clock import Clock, LogicalClock
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, OutOfBlocksError,
                      RefcountUnderflowError, UnknownBlockError)
@@ -65,11 +66,6 @@ CLOCK_MAX = 2**62  # a clock starting later could tick past int64 (2**63 - 1) an
 RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
 
 Ids = Sequence[int] | np.ndarray | torch.Tensor
-
-
-def is_int(x: Any) -> TypeGuard[int]:
-    """The id rule, everywhere: a Python int or numpy integer, never a bool (nor numpy's, which is no integer)."""
-    return type(x) is int or isinstance(x, np.integer)
 
 
 def check_owner(owner: Any) -> int:
@@ -100,13 +96,6 @@ def notify(hooks: Sequence[Callable[..., None]], *args: Any) -> None:
             error = error or e
     if error is not None:
         raise error
-
-
-def check_count(n: Any, what: str) -> int:
-    """A count >= 0 (not a bool), else :class:`ConfigError`."""
-    if not is_int(n) or n < 0:
-        raise ConfigError(f"{what} must be an int >= 0, got {n!r}")
-    return int(n)
 
 
 class BlockPool(TextbookNames):

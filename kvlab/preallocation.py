@@ -24,7 +24,8 @@ import numpy as np
 
 from .allocator import DynamicAllocator, check_size_class
 from .errors import ConfigError, OutOfBlocksError
-from .pool import INT32_MAX, BlockPool, check_count, check_owner, is_int
+from .checks import check_count, is_int
+from .pool import INT32_MAX, BlockPool, check_owner
 
 Key = tuple[int, int]  # (owner, size_class)
 

@@ -44,7 +44,8 @@ import torch
 from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .pool import BlockPool, is_int
+from .checks import is_int
+from .pool import BlockPool
 
 TOKEN_MAX = 2**63 - 1  # token ids are hashed as int64
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor

@@ -19,7 +19,7 @@ from typing import Any
 
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
-from .pool import is_int
+from .checks import is_int
 from .traces import prefix_hit_bound
 from .workloads import Workload
 

@@ -38,7 +38,8 @@ import torch
 from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .pool import BlockPool, is_int
+from .checks import is_int
+from .pool import BlockPool
 from .prefix import TOKEN_MAX, PrefixCache, check_tenant, check_token_ids
 
 NewTokens = int | Seq[int]

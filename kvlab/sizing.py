@@ -75,7 +75,8 @@ import torch
 
 from .device import default_device
 from .errors import ConfigError
-from .pool import INT32_MAX, BlockPool, is_int
+from .checks import is_int
+from .pool import INT32_MAX, BlockPool
 from .spec import KVSpec, check_device
 from .workloads import Workload
 

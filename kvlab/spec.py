@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .checks import is_int
 from .device import default_device
 from .errors import ConfigError
 
@@ -23,7 +24,6 @@ class KVSpec:
     device: torch.device = field(default_factory=default_device)
 
     def __post_init__(self) -> None:
-        from .pool import is_int  # (the pool imports this module: import it when called)
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -47,7 +47,6 @@ class KVSpec:
 
     def blocks_for_budget(self, total_memory: int) -> int:
         """How many blocks fit in ``total_memory`` bytes (the text's ``total_memory`` argument)."""
-        from .pool import is_int  # (the pool imports this module: import it when called)
         if not is_int(total_memory) or total_memory < self.bytes_per_block:
             raise ConfigError(
                 f"total_memory={total_memory!r} bytes holds no block of {self.bytes_per_block} bytes")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .checks import is_int
 from .errors import ConfigError, KVDataError, KVLabError, UnknownBlockError
 from .spec import KVSpec
 
@@ -22,8 +23,7 @@ IndexLike = Sequence[int] | torch.Tensor
 
 def int_tensor(x: Any, what: str, error: type[KVLabError], device: torch.device | str | None = None) -> torch.Tensor:
     """``x`` as an int64 tensor on ``device``, else ``error`` naming the value at fault: ``x`` is an integer tensor
-    or array, or a list, tuple or range of ints as :func:`kvlab.pool.is_int` counts them (no bools, no floats)."""
-    from .pool import is_int  # (the pool imports this module: import it when called)
+    or array, or a list, tuple or range of ints as :func:`kvlab.checks.is_int` counts them (no bools, no floats)."""
     if isinstance(x, (list, tuple)):
         if not set(map(type, x)) <= {int}:  # plain ints pass in one C-level pass; anything else is looked at
             for v in x:  # torch would truncate a float, and read a bool among ints as 0 or 1
@@ -56,7 +56,6 @@ class KVStorage:
     """The KV tensor of a pool with ``num_blocks`` blocks of ``spec.block_size`` slots."""
 
     def __init__(self, spec: KVSpec, num_blocks: int) -> None:
-        from .pool import is_int  # (the pool imports this module: import it when called)
         if not isinstance(spec, KVSpec):
             raise ConfigError(f"spec must be a KVSpec, got {spec!r}")
         if not is_int(num_blocks) or num_blocks < 1:
@@ -81,7 +80,6 @@ class KVStorage:
     def check_layer(self, layer: Any) -> int:
         """``layer`` as an int in ``0..num_layers - 1``, else :class:`ConfigError` (a bool or float index would
         select a copy, not the layer)."""
-        from .pool import is_int  # (the pool imports this module: import it when called)
         if not is_int(layer) or not 0 <= layer < self.spec.num_layers:
             raise ConfigError(f"layer {layer!r} is not an int in 0..{self.spec.num_layers - 1}")
         return int(layer)
@@ -99,7 +97,6 @@ class KVStorage:
 
     def block_view(self, block_id: int, span: int = 1) -> torch.Tensor:
         """A view (no copy) of ``span`` consecutive blocks from ``block_id``: ``[2, layers, span*B, heads, dim]``."""
-        from .pool import is_int  # (the pool imports this module: import it when called)
         if not (is_int(block_id) and is_int(span) and span >= 1 and 0 <= block_id <= self.num_blocks - span):
             raise UnknownBlockError(f"{span!r} blocks from block {block_id!r} are not all in this pool (ids "
                                     f"0..{self.num_blocks - 1})")

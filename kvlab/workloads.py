@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, TraceFormatError
-from .pool import is_int
+from .checks import is_int
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
           "hash_ids")

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, KVLabError
-from ..model import TinyConfig, TinyLlama, check_pool, check_positive, check_tokens, greedy
-from ..pool import BlockPool, check_count, is_int
+from ..checks import check_count, check_positive, is_int
+from ..model import TinyConfig, TinyLlama, check_pool, check_tokens, greedy
+from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
 from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
 from .launch import DEFAULT_TIMEOUT, Link, from_env, run_threads, spawn

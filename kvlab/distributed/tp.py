@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from ..attention import AttentionWorkspace, paged_attention
 from ..errors import ConfigError
 from ..model import TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm, rope
-from ..pool import BlockPool, check_count, is_int
+from ..checks import check_count, is_int
+from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
 from ..spec import KVSpec
 from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
