@@ -171,6 +171,8 @@ class EventRecorder:
     """Records every event of a bus (optionally only some kinds) for replay, counting and widgets."""
 
     def __init__(self, bus: EventBus, kinds: tuple[type[Event], ...] = (Event,)) -> None:
+        if not isinstance(bus, EventBus):
+            raise ConfigError(f"an EventRecorder listens to an EventBus (e.g. pool.events), got {bus!r:.80}")
         self.events: list[Event] = []
         self._kinds = kinds
         self.close = bus.subscribe(self._on_event)

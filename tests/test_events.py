@@ -434,3 +434,11 @@ def test_a_subscriber_that_raises_keeps_the_event_from_no_one(cls):
     assert [e.as_dict() for e in after] == [e.as_dict() for e in before] and after.counts() == {"Allocated": 1,
                                                                                               "Freed": 1}
     assert wrong not in pool.events and [str(x) for _, _, x in pool.events.failures] == ["a bug in a view"]
+
+
+def test_a_recorder_listens_to_an_event_bus_only():
+    from kvlab.errors import ConfigError
+
+    for bad in (None, "bus", BlockPool(4, with_storage=False)):
+        with pytest.raises(ConfigError, match="EventBus"):
+            EventRecorder(bad)
