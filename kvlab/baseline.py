@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
-from .clock import LogicalClock
-from .events import EventBus
 from .checks import check_count, is_int
+from .clock import LogicalClock
+from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
+from .events import EventBus
 
 
 class ContiguousAllocator:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
-from .errors import ConfigError, KVLabError
 from .checks import check_count, check_positive, is_int
+from .errors import ConfigError, KVLabError
 from .sequence import Sequence, SequenceManager
 from .spec import KVSpec
 from .storage import KVStorage

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .checks import is_int
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
-from .checks import is_int
 from .traces import prefix_hit_bound
 from .workloads import Workload
 

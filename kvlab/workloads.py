@@ -84,8 +84,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, TraceFormatError
 from .checks import is_int
+from .errors import ConfigError, TraceFormatError
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
           "hash_ids")
