@@ -437,3 +437,35 @@ def test_lab_serves_the_folder_and_opens_the_index(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+@pytest.mark.parametrize("ip", ["0.0.0.0", "::", ""])
+def test_lab_url_shows_a_wildcard_address_as_the_machine_name(monkeypatch, ip):
+    """Listening on every interface (``0.0.0.0``, ``::`` or empty) is no address a browser can open: the URL names
+    the machine instead (never ``http://[::]:...``)."""
+    from kvlab import lab
+
+    monkeypatch.setattr(lab.socket, "gethostname", lambda: "gpu-box")
+    assert lab.lab_url(ip, 8890, "chapters/index.ipynb", "t0k") == \
+        "http://gpu-box:8890/lab/tree/chapters/index.ipynb?token=t0k"
+
+
+@pytest.mark.parametrize("ip,host", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]"), ("10.0.0.7", "10.0.0.7")])
+def test_lab_url_keeps_a_specific_address(monkeypatch, ip, host):
+    """A specific address is the one to open, an IPv6 one in brackets."""
+    from kvlab import lab
+
+    monkeypatch.setattr(lab.socket, "gethostname", lambda: "gpu-box")
+    assert lab.lab_url(ip, 8890, "index.ipynb", "t0k") == f"http://{host}:8890/lab/tree/index.ipynb?token=t0k"
+
+
+def test_json_output_writes_nan_and_infinities_as_null(capsys):
+    """``--json`` output is strict JSON: NaN, +inf and -inf (python floats or numpy scalars, at any depth) are
+    null, finite numbers stay numbers."""
+    import numpy as np
+
+    cli._print_json({"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "ok": 1.5,
+                     "rows": [np.float64("inf"), (np.float32("-inf"), np.int64(3))]})
+    out = capsys.readouterr().out
+    assert out == '{"nan": null, "inf": null, "-inf": null, "ok": 1.5, "rows": [null, [null, 3]]}\n'
+    assert json.loads(out)["rows"] == [None, [None, 3]]

@@ -449,3 +449,99 @@ def test_a_decode_rank_out_of_blocks_gives_back_what_it_took():
     assert "asked for" in got["decode"] and got["prefill"] in ("PeerLostError", "TransferTimeoutError")
     small.check_invariants()
     assert len(small) == 0 and small.pool.num_free_blocks == 8
+
+
+def _cache_prompt(manager, prompt) -> None:
+    """Put ``prompt``'s full blocks into ``manager``'s prefix cache (computed once, then freed: cached)."""
+    seq = manager.create(list(prompt))
+    manager.append_tokens([seq], [list(prompt)])
+    manager.cache_full_blocks(seq)
+    manager.free(seq)
+
+
+def test_a_fully_cached_prompt_still_receives_its_last_block():
+    """``get_num_new_matched_tokens`` leaves at least one prompt token to compute, as a local prefix hit does
+    (the next token's logits need it): a 32-token prompt whose 2 blocks of 16 are all cached takes only 1 block
+    from the cache and receives 16 tokens, never 0. A 33-token prompt receives its 1 uncached token; 40 tokens
+    over a cached 32-token prefix receive 8; a prompt nothing matches receives everything."""
+    b = make_manager(CFG, 16, 64)
+    cached = [(3 * j) % CFG.vocab_size for j in range(40)]
+    _cache_prompt(b, cached[:32])
+    _cache_prompt(b, cached[:33])
+    got = {}
+
+    def send(link):
+        KVSender(link, make_manager(CFG, 16, 8), 1).finish()
+
+    def receive(link):
+        conn = KVReceiver(link, b, 0)
+        for n in (32, 33, 40):
+            got[n] = conn.get_num_new_matched_tokens(RemoteRequest(n, tuple(cached[:n]), 0))
+            seq = b.create(cached[:n])  # the local hit the scheduler will take
+            got[n, "local"] = n - seq.num_tokens
+            b.free(seq)
+        got["other"] = conn.get_num_new_matched_tokens(RemoteRequest(9, tuple([5] * 32), 0))
+        assert conn.poll_requests() is None
+
+    run_threads([send, receive], timeout=20)
+    assert got == {32: 16, (32, "local"): 16, 33: 1, (33, "local"): 1, 40: 8, (40, "local"): 8, "other": 32}
+    b.check_invariants()
+
+
+def test_both_reports_count_requests_not_steps():
+    """A step of 4 requests then a step of 2: the sender's and the receiver's reports both read 6 requests (and
+    agree on blocks and tokens moved), whatever the number of steps."""
+    a, b = make_manager(CFG, 16, 64), make_manager(CFG, 16, 64)
+    batches = [[[(5 * i + j) % CFG.vocab_size for j in range(20 + i)] for i in range(4)],
+               [[(11 * i + j) % CFG.vocab_size for j in range(17)] for i in range(2)]]
+    reports = {}
+
+    def send(link):
+        conn = KVSender(link, a, 1)
+        rid = 0
+        for batch in batches:
+            seqs = [a.create(p) for p in batch]
+            a.append_tokens(seqs, batch)
+            for s, p in zip(seqs, batch):
+                conn.request_finished(RemoteRequest(rid, tuple(p), 0), s)
+                rid += 1
+            conn.start_save(conn.build_connector_meta())
+            for layer in range(CFG.num_layers):
+                conn.save_kv_layer(layer)
+            conn.wait_for_save()
+            for s in seqs:
+                a.free(s)
+        conn.finish()
+        reports["sender"] = conn.report
+
+    def receive(link):
+        conn = KVReceiver(link, b, 0)
+        while (requests := conn.poll_requests()) is not None:
+            seqs = []
+            for r in requests:
+                q = b.create(list(r.prompt))
+                b.append_tokens([q], [list(r.prompt)])
+                conn.update_state_after_alloc(r, q)
+                seqs.append(q)
+            conn.start_load_kv(conn.build_connector_meta())
+            for layer in range(CFG.num_layers):
+                conn.wait_for_layer_load(layer)
+            for q in seqs:
+                b.free(q)
+        reports["receiver"] = conn.report
+
+    run_threads([send, receive], timeout=20)
+    sent, received = reports["sender"], reports["receiver"]
+    assert sent.requests == received.requests == 6
+    assert sent.blocks_sent == received.blocks_received == 4 * 2 + 2 * 2  # 17 to 23 tokens: 2 blocks of 16 each
+    assert sent.tokens_moved == received.tokens_moved == (20 + 21 + 22 + 23) + 2 * 17
+
+
+def test_transfer_timing_ratio_is_the_connectors_share_of_the_plain_speed():
+    """``ratio`` is connector throughput over the plain send's, i.e. plain seconds / connector seconds: a
+    connector taking 4x the plain send's time reaches 0.25 of it (1.0 would be the transport's limit)."""
+    from kvlab.distributed.measure import TransferTiming
+
+    t = TransferTiming(block_size=16, tokens=64, requests=2, blocks=8, bytes=4_000_000, connector=0.02, plain=0.005)
+    assert t.ratio == 0.25
+    assert (t.blocks_per_s, t.gb_per_s, t.plain_gb_per_s) == (400.0, 0.2, 0.8)

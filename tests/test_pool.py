@@ -565,3 +565,47 @@ def test_check_invariants_names_each_broken_invariant(cls, what):
     corrupt(p)
     with pytest.raises(AssertionError, match=words):
         p.check_invariants()
+
+
+# ---------------------------------------------------------------- what a block view reports
+def test_only_an_allocated_block_without_references_is_cached(pool):
+    """``KVBlock.is_cached`` (and ``ReferenceManager.is_safe_to_evict``, which reads it) needs both halves:
+    ALLOCATED *and* refcount 0. A FREE block and an EVICTING one also have refcount 0 but hold nothing that may
+    be evicted; a PENDING block is owned; a referenced one is in use. Only the cached block answers True."""
+    rm = ReferenceManager(pool)
+    (held,) = pool.allocate(1)
+    cached = _cached_block(pool)
+    (pending,) = pool.reserve(1)
+    evicting = _cached_block(pool)
+    pool.begin_eviction([evicting])
+    free = pool.free_ids()[0]
+    blocks = {"free": free, "pending": pending, "held": held, "evicting": evicting, "cached": cached}
+    assert {name: pool.block(b).status.name for name, b in blocks.items()} == {
+        "free": "FREE", "pending": "PENDING", "held": "ALLOCATED", "evicting": "EVICTING", "cached": "ALLOCATED"}
+    refs = {name: pool.block(b).reference_count for name, b in blocks.items()}
+    assert refs == {"free": 0, "pending": 1, "held": 1, "evicting": 0, "cached": 0}
+    expected = {"free": False, "pending": False, "held": False, "evicting": False, "cached": True}
+    assert {name: pool.block(b).is_cached for name, b in blocks.items()} == expected
+    assert {name: rm.is_safe_to_evict(b) for name, b in blocks.items()} == expected
+    assert {name: pool.is_cached(b) for name, b in blocks.items()} == expected  # the pool's own answer agrees
+
+
+def test_capacity_tokens_follows_the_size_class(spec):
+    """A buddy block of class k holds ``block_size << k`` tokens (and as many bytes as that many base blocks):
+    with sizes 16, 32 and 64 a class-1 block holds 32 tokens and a class-2 block 64, not the base 16."""
+    p = BlockPool(8, spec=spec, block_sizes=[16, 32, 64])
+    b0, b1, b2 = (p.allocate(1, size_class=k)[0] for k in (0, 1, 2))
+    assert [p.block(b).size_class for b in (b0, b1, b2)] == [0, 1, 2]
+    assert [p.block(b).capacity_tokens for b in (b0, b1, b2)] == [16, 32, 64]
+    bpb = p.bytes_per_block
+    assert [p.block(b).memory_usage for b in (b0, b1, b2)] == [bpb, 2 * bpb, 4 * bpb]
+
+
+def test_a_budget_of_exactly_one_block_makes_a_one_block_pool(spec):
+    """``total_memory`` equal to one block's bytes is enough for one block; one byte less holds none and is
+    refused (the boundary of ``blocks_for_budget``)."""
+    p = BlockPool(total_memory=spec.bytes_per_block, spec=spec)
+    assert p.num_blocks == 1 and p.storage.nbytes == spec.bytes_per_block
+    assert spec.blocks_for_budget(spec.bytes_per_block) == 1
+    with pytest.raises(ConfigError, match=f"total_memory={spec.bytes_per_block - 1} bytes holds no block"):
+        BlockPool(total_memory=spec.bytes_per_block - 1, spec=spec)

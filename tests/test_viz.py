@@ -729,3 +729,119 @@ def test_frames_and_replay_paths_of_the_wrong_kind_are_typed_errors(tmp_path):
         RandomWorkload(pool, seed=1.5)
     with pytest.raises(ConfigError, match="BlockPool"):
         LiveRun("pool", lambda: False)
+
+
+# ---------------------------------------------------------------------------- flashes, histories, runs: edges
+def test_a_flash_lasts_one_frame():
+    """A flash says what happened since the previous frame: a block allocated before frame 1 and untouched
+    afterwards flashes in frame 1 only, and frame 2 shows no flash at all."""
+    p = BlockPool(8, with_storage=False)
+    with FrameBuilder(p) as b:
+        p.allocate(2)
+        assert decode_frame(b.build()).flash.tolist() == [fr.FLASH_ALLOCATED] * 2 + [fr.FLASH_NONE] * 6
+        p.set_owner([0], 4)  # no flash for a change of owner
+        assert decode_frame(b.build()).flash.tolist() == [fr.FLASH_NONE] * 8
+
+
+def test_every_base_block_of_a_large_block_flashes():
+    """In a buddy pool a class-2 block covers 4 base blocks: all 4 flash when it is allocated, and all 4 when it is
+    freed, not only its first."""
+    p = BlockPool(8, block_sizes=[16, 32, 64], with_storage=False)
+    with FrameBuilder(p) as b:
+        (big,) = p.allocate(1, size_class=2)
+        (small,) = p.allocate(1)
+        assert (big, small) == (0, 4)
+        f = decode_frame(b.build())
+        assert f.flash.tolist() == [fr.FLASH_ALLOCATED] * 5 + [fr.FLASH_NONE] * 3
+        assert f.size_class.tolist() == [2, 2, 2, 2, 0, 0, 1, 1]  # the splits left a free class-0 5, class-1 6
+        p.free([big])
+        assert decode_frame(b.build()).flash.tolist() == [fr.FLASH_FREED] * 4 + [fr.FLASH_NONE] * 4
+
+
+def test_a_block_swapped_out_flashes_freed():
+    """A block that leaves through ``begin_eviction``/``finish_eviction`` (a swap-out: StatusChanged to FREE, no
+    Freed event) flashes "freed" in the frame after; starting the eviction (ALLOCATED -> EVICTING) flashes
+    nothing."""
+    p = BlockPool(4, with_storage=False)
+    with FrameBuilder(p) as b:
+        ids = p.allocate(2)
+        b.build()
+        p.begin_eviction([ids[1]])
+        f = decode_frame(b.build())
+        assert f.flash.tolist() == [fr.FLASH_NONE] * 4 and f.state[ids[1]] == fr.EVICTING
+        p.finish_eviction([ids[1]])
+        f = decode_frame(b.build())
+        assert f.flash.tolist() == [fr.FLASH_NONE, fr.FLASH_FREED, fr.FLASH_NONE, fr.FLASH_NONE]
+        assert f.state[ids[1]] == fr.FREE
+
+
+def test_a_long_history_goes_in_chunks_and_only_the_first_resets(monkeypatch):
+    """A history larger than one message goes in several: the first tells the browser to start afresh
+    (``reset``), the others add to it, and together they carry every frame once, in order, none over the chunk
+    size."""
+    from kvlab.viz import PoolView
+    from kvlab.viz import views
+
+    p = BlockPool(16, with_storage=False)
+    rec = record(p, RandomWorkload(p, seed=2, steps=9), 9)
+    assert len(rec) == 10
+    size = max(len(f) for f in rec)
+    monkeypatch.setattr(views, "HISTORY_CHUNK", 3 * size)  # at most 3 frames a message
+    v = PoolView(recording=rec)
+    calls = []
+    v.send = lambda content, buffers=None: calls.append((content, buffers))
+    v._on_msg(v, {"type": "ready"}, [])
+    assert [c["reset"] for c, _ in calls] == [True] + [False] * (len(calls) - 1) and len(calls) >= 4
+    assert all(c == {"type": "history", "reset": c["reset"], "index": 9} for c, _ in calls)
+    assert [bytes(f) for _, bufs in calls for f in bufs] == list(rec)
+    assert all(sum(map(len, bufs)) <= 3 * size for _, bufs in calls)
+
+
+def test_changing_the_dashboards_setup_starts_the_series_afresh():
+    """A new policy, block size or workload is a new pool: the fragmentation series and the evictions of the old
+    run are dropped with it, leaving the one point of the fresh, empty pool."""
+    from kvlab.viz import Dashboard
+
+    d = Dashboard(num_blocks=64, block_size=16, seed=1)
+    for _ in range(30):
+        d.step()
+    assert len(d.series) == 31 and d.series[-1] != (0.0, 0.0, 0.0, 0.0)
+    assert d.workload == "bursty"
+    for change in ({"policy": "fifo"}, {"block_size": 32}, {"workload": "steady"}):
+        for _ in range(5):
+            d.step()
+        name, value = next(iter(change.items()))
+        setattr(d, name, value)
+        assert list(d.series) == [(0.0, 0.0, 0.0, 0.0)] and list(d.evictions) == [], name
+
+
+def test_record_ends_with_the_last_step_whatever_the_interval():
+    """``record(steps=10, every=3)`` of a workload that never ends frames steps 0, 3, 6, 9 and the last step,
+    10; a workload that ends early (step 5) ends the recording with its last step."""
+    p = BlockPool(16, with_storage=False)
+    rec = record(p, lambda: True, 10, every=3)
+    assert [decode_frame(f).tail["run"] for f in rec] == [{"step": s, "steps": 10} for s in (0, 3, 6, 9, 10)]
+    calls = []
+    rec = record(p, lambda: calls.append(1) or len(calls) < 5, 10, every=3)
+    assert [decode_frame(f).tail["run"]["step"] for f in rec] == [0, 3, 5] and len(calls) == 5
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_max_steps_runs_exactly_that_many_steps(n):
+    """``LiveRun(max_steps=n)`` calls a step function that never ends exactly ``n`` times and is done."""
+    p = BlockPool(16, with_storage=False)
+    calls = []
+    run = LiveRun(p, lambda: calls.append(1) or True, max_steps=n)
+    assert run.run() == n and len(calls) == n and run.steps == n and run.state == "done"
+    assert decode_frame(run.recording[len(run.recording) - 1]).tail["run"] == {"step": n, "steps": n}
+
+
+def test_recording_never_drops_the_newest_frame():
+    """Trimming to ``max_bytes`` drops the oldest frames, never the newest, even one larger than ``max_bytes``."""
+    rec = Recording(max_bytes=10)
+    for i in range(2):
+        rec.append(bytes([i]) * 4)
+    rec.append(b"\x09" * 25)
+    assert list(rec) == [b"\x09" * 25] and rec.nbytes == 25 and rec.trimmed == 2
+    rec.append(b"\x07" * 3)
+    assert list(rec) == [b"\x07" * 3] and rec.nbytes == 3 and rec.trimmed == 3
