@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..checks import check_positive
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama, check_positive
+from ..model import TinyConfig, TinyLlama
 from ..pool import BlockPool
 from ..sequence import SequenceManager
 from ..spec import KVSpec

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..block import BlockStatus
+from ..checks import check_positive, is_int
 from ..errors import ConfigError, OutOfBlocksError
-from ..pool import BlockPool, is_int
+from ..pool import BlockPool
 from .frames import ALLOCATED, FREE, FrameBuilder
 
 
@@ -38,9 +39,7 @@ def check_rate(value: Any, what: str) -> float:
 
 def check_steps(value: Any, what: str) -> int | None:
     """``value`` as a number of steps >= 1, or None (no limit), else :class:`ConfigError` naming it."""
-    if value is not None and (not is_int(value) or value < 1):
-        raise ConfigError(f"{what} must be an int >= 1 or None, got {value!r}")
-    return None if value is None else int(value)
+    return None if value is None else check_positive(value, what)
 
 
 class FrameSink(Protocol):

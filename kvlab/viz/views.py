@@ -26,9 +26,10 @@ from typing import Any
 import anywidget
 import traitlets
 
+from ..checks import is_int
 from ..errors import ConfigError
 from ..eviction import POLICIES
-from ..pool import BlockPool, is_int
+from ..pool import BlockPool
 from .assets import css_source, esm_source
 from .frames import build_frame, decode_frame
 from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_rate, check_steps
