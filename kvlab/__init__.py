@@ -13,7 +13,7 @@ from .claims import BASELINES, Claim, claims_report, measure_claims, prefetch_ef
 from .clock import LogicalClock, WallClock
 from .device import default_device
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
-                     OutOfBlocksError, RefcountUnderflowError, TraceFormatError, UnknownBlockError)
+                     ModelFileError, OutOfBlocksError, RefcountUnderflowError, TraceFormatError, UnknownBlockError)
 from .events import (Allocated, Cached, EngineEvent, Event, EventBus, EventRecorder, Evicted, Freed, Merged,
                      Migrated, RefChanged, Split, StatusChanged)
 from . import exercises
@@ -24,7 +24,9 @@ from .engine import (Admitted, CostModel, Engine, EngineConfig, Finished, Preemp
                      run_workload)
 from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, FragmentationDetector
 from .metrics import MetricsLog, RequestRecord, StepMetrics
-from .model import TinyConfig, TinyLlama
+from .model import Llama, LlamaConfig, TinyConfig, TinyLlama
+from .loader import load_model
+from .tokenizer import ChatTokenizer
 from .perf import COMPILED as hotpath_compiled
 from .perf import FastBlockPool, PyFastBlockPool
 from .pool import BlockPool
@@ -51,8 +53,8 @@ __all__ = [
     "PolicyRace", "race_policies", "BASELINES", "claims_report", "measure_claims", "prefetch_effect",
     "prefix_hit_share", "verdicts", "run_workload",
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
-    "PrefixStored", "Sequence", "SequenceManager", "Swapped", "TinyConfig", "TinyLlama", "contiguous_attention",
-    "paged_attention",
+    "PrefixStored", "Sequence", "SequenceManager", "Swapped", "Llama", "LlamaConfig", "TinyConfig", "TinyLlama",
+    "contiguous_attention", "paged_attention", "ChatTokenizer", "ModelFileError", "load_model",
     "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
     "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
     "load_trace", "prefix_hit_bound", "prefix_hits", "trace_names",

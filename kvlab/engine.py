@@ -57,7 +57,7 @@ from .errors import ConfigError
 from .events import EngineEvent, Event
 from .eviction import POLICIES, FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
-from .model import TinyLlama
+from .model import Llama
 from .perf import FastBlockPool, FastSequenceManager
 from .prefix import PrefixCache
 from .sequence import Sequence, SwapState
@@ -447,8 +447,9 @@ class Engine:
         cfg = config or EngineConfig()
         if not isinstance(cfg, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {cfg!r}")
-        if model is not None and not isinstance(model, TinyLlama):
-            raise ConfigError(f"model must be a TinyLlama or None (metadata only), got {model!r:.80}")
+        if model is not None and not isinstance(model, Llama):
+            raise ConfigError(f"model must be a kvlab Llama (TinyLlama, load_model) or None (metadata only), "
+                              f"got {model!r:.80}")
         unknown = sorted(set(overrides) - set(cfg.__dict__))
         if unknown:
             raise ConfigError(f"EngineConfig has no setting {unknown[0]!r}")

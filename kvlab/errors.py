@@ -50,3 +50,8 @@ class TraceFormatError(KVLabError, ValueError):
 
     def __reduce__(self):  # keep it picklable (e.g. across multiprocessing) despite the custom signature
         return type(self), (self.path, self.line, self.problem)
+
+
+class ModelFileError(KVLabError, ValueError):
+    """A model file kvlab cannot run: truncated, not GGUF, or an architecture or tokenizer it does not implement.
+    The message names the file or the value at fault; nothing is loaded."""

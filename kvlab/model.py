@@ -1,11 +1,16 @@
-"""A tiny llama-style decoder that proves the paged cache end to end (no download, random weights).
+"""One Llama decoder that writes its K/V into the paged cache: a tiny random one, or a real model.
 
-RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP, a few layers, weights drawn from
-a fixed seed. Two ways to run it:
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP. :class:`Llama` holds the weights
+and runs them; where they come from is the only difference between the two models kvlab ships:
 
-* :meth:`TinyLlama.forward_full` recomputes the whole prefix every step with plain tensors and the reference
+* :class:`TinyLlama`: a few layers drawn from a fixed seed (no download, instant; its output is noise);
+* a real model read from a GGUF file by :func:`kvlab.load_model` (e.g. SmolLM2-135M-Instruct, 30 layers).
+
+Two ways to run either:
+
+* :meth:`Llama.forward_full` recomputes the whole prefix every step with plain tensors and the reference
   :func:`kvlab.attention.contiguous_attention` (no cache at all);
-* :meth:`TinyLlama.step` runs only the new tokens of a batch of sequences: it appends them through
+* :meth:`Llama.step` runs only the new tokens of a batch of sequences: it appends them through
   :class:`kvlab.SequenceManager` (blocks on demand, copy-on-write, prefix-cache hits), writes their K/V into the
   pool's slots (one ``index_copy_`` per layer) and attends with :func:`kvlab.paged_attention`.
 
@@ -48,7 +53,7 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
     return [check_tokens(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
 
 
-def check_pool(manager: Any, cfg: TinyConfig, dtype: torch.dtype, device: torch.device,
+def check_pool(manager: Any, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
                kv_heads: int | None = None) -> KVStorage:
     """``manager``'s KV storage, once checked to hold ``cfg``'s K/V (``kv_heads`` heads per block: all of them,
     or a tensor-parallel rank's) in ``dtype`` on ``device``; else :class:`ConfigError` naming both layouts. The
@@ -67,32 +72,35 @@ def check_pool(manager: Any, cfg: TinyConfig, dtype: torch.dtype, device: torch.
 
 
 @dataclass(frozen=True)
-class TinyConfig:
-    """Model shape. ``head_dim = dim // num_heads``; ``num_heads`` is a multiple of ``num_kv_heads`` (GQA)."""
-    vocab_size: int = 101
-    dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    ffn_dim: int = 128
+class LlamaConfig:
+    """A Llama model's shape. ``head_dim = dim // num_heads``; ``num_heads`` is a multiple of ``num_kv_heads``
+    (grouped-query attention). ``context_len`` is the longest sequence the model was trained for; ``name`` is
+    what reports call it."""
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
     rope_theta: float = 10000.0
     eps: float = 1e-6
-    seed: int = 0
+    context_len: int = 8192
+    name: str = "llama"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
-            object.__setattr__(self, name, check_positive(getattr(self, name), f"TinyConfig.{name}"))
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "context_len"):
+            object.__setattr__(self, name, check_positive(getattr(self, name), f"{type(self).__name__}.{name}"))
         for name in ("rope_theta", "eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ConfigError(f"TinyConfig.{name} must be a positive finite number, got {value!r}")
-        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 64:  # what torch's generator takes
-            raise ConfigError(f"TinyConfig.seed must be an int in 0..2**64-1, got {self.seed!r}")
+                raise ConfigError(f"{type(self).__name__}.{name} must be a positive finite number, got {value!r}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"{type(self).__name__}.name must be a str, got {self.name!r}")
         if self.dim % self.num_heads or self.head_dim % 2:  # rotary embeddings rotate pairs of a head's dims
-            raise ConfigError(f"TinyConfig.dim={self.dim} does not split into num_heads={self.num_heads} heads "
-                              f"of an even size")
+            raise ConfigError(f"{type(self).__name__}.dim={self.dim} does not split into "
+                              f"num_heads={self.num_heads} heads of an even size")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"TinyConfig.num_heads={self.num_heads} is not a multiple of "
+            raise ConfigError(f"{type(self).__name__}.num_heads={self.num_heads} is not a multiple of "
                               f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
 
     @property
@@ -105,57 +113,110 @@ class TinyConfig:
         return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype, torch.device(device))
 
 
+@dataclass(frozen=True)
+class TinyConfig(LlamaConfig):
+    """The random teaching model's shape (small enough to run anywhere in milliseconds) and its weights' seed."""
+    vocab_size: int = 101
+    dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_dim: int = 128
+    name: str = "tiny-llama"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 64:  # what torch's generator takes
+            raise ConfigError(f"TinyConfig.seed must be an int in 0..2**64-1, got {self.seed!r}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, dim]`` by its positions (rotate-half convention)."""
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``[tokens, 1, head_dim // 2]`` of each position's rotation: pair ``i`` of a head
+    turns by ``position / theta ** (2i / head_dim)`` (computed in fp32, once per step for every layer)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+                               / head_dim)
+    ang = positions.to(torch.float32)[:, None] * inv_freq
+    return ang.cos()[:, None].to(dtype), ang.sin()[:, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, dim]`` (rotate-half convention: dims ``i`` and ``i + dim/2`` pair up)."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    ang = positions.to(torch.float32)[:, None] * freqs  # [tokens, half]
-    cos, sin = ang.cos()[:, None].to(x.dtype), ang.sin()[:, None].to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 
-class TinyLlama:
-    """The decoder's weights and its two forward paths (see the module docstring)."""
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, dim]`` by its positions (:func:`rope_angles`, then :func:`apply_rope`)."""
+    return apply_rope(x, *rope_angles(positions, x.shape[-1], theta, x.dtype))
 
-    def __init__(self, cfg: TinyConfig = TinyConfig(), dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        if not isinstance(cfg, TinyConfig):
-            raise ConfigError(f"TinyLlama needs a TinyConfig, got {cfg!r}")
+
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Each layer weight's shape (``out x in`` for projections, as ``x @ w.T`` uses them)."""
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    return {"attn_norm": (d,), "wq": (cfg.num_heads * hd, d), "wk": (cfg.num_kv_heads * hd, d),
+            "wv": (cfg.num_kv_heads * hd, d), "wo": (d, cfg.num_heads * hd), "mlp_norm": (d,),
+            "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+
+
+class Llama:
+    """A Llama decoder's weights and its two forward paths (see the module docstring).
+
+    ``embed`` ``[vocab, dim]``, ``layers`` (one dict of :data:`LAYER_WEIGHTS` per layer, shapes from
+    :func:`weight_shapes`), ``norm`` ``[dim]`` and ``lm_head`` ``[vocab, dim]`` (the same tensor as ``embed`` when
+    the model ties them). ``tokenizer`` turns text into ids and back (a real model's; ``None`` for
+    :class:`TinyLlama`). Every tensor is checked against ``cfg`` and moved to ``dtype`` on ``device`` here."""
+
+    def __init__(self, cfg: LlamaConfig, embed: torch.Tensor, layers: Seq[dict[str, torch.Tensor]],
+                 norm: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tokenizer: Any = None) -> None:
+        if not isinstance(cfg, LlamaConfig):
+            raise ConfigError(f"{type(self).__name__} needs a LlamaConfig, got {cfg!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ConfigError(f"TinyLlama's dtype must be a floating torch.dtype, got {dtype!r}")
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        g = torch.Generator().manual_seed(cfg.seed)
-        hd, d = cfg.head_dim, cfg.dim
+            raise ConfigError(f"{type(self).__name__}'s dtype must be a floating torch.dtype, got {dtype!r}")
+        self.cfg, self.dtype, self.device, self.tokenizer = cfg, dtype, torch.device(device), tokenizer
+        shapes = weight_shapes(cfg)
+        if len(layers) != cfg.num_layers or any(set(p) != set(LAYER_WEIGHTS) for p in layers):
+            raise ConfigError(f"expected {cfg.num_layers} layers of weights {LAYER_WEIGHTS}")
 
-        def w(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(self.device, dtype)
+        def put(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ConfigError(f"weight {what} must be a tensor of shape {list(shape)}, got "
+                                  f"{list(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+            return t.to(self.device, dtype).contiguous()
 
-        self.embed = w(cfg.vocab_size, d) * d ** 0.5
-        self.layers = [{"attn_norm": torch.ones(d, device=self.device, dtype=dtype),
-                        "wq": w(cfg.num_heads * hd, d), "wk": w(cfg.num_kv_heads * hd, d),
-                        "wv": w(cfg.num_kv_heads * hd, d), "wo": w(d, cfg.num_heads * hd),
-                        "mlp_norm": torch.ones(d, device=self.device, dtype=dtype),
-                        "w_gate": w(cfg.ffn_dim, d), "w_up": w(cfg.ffn_dim, d), "w_down": w(d, cfg.ffn_dim)}
-                       for _ in range(cfg.num_layers)]
-        self.norm = torch.ones(d, device=self.device, dtype=dtype)
-        self.lm_head = w(cfg.vocab_size, d)
+        v, d = cfg.vocab_size, cfg.dim
+        self.embed = put(embed, (v, d), "embed")
+        self.layers = [{k: put(p[k], shapes[k], f"{k} of layer {i}") for k in LAYER_WEIGHTS}
+                       for i, p in enumerate(layers)]
+        self.norm = put(norm, (d,), "norm")
+        self.lm_head = self.embed if lm_head is embed else put(lm_head, (v, d), "lm_head")
         self.workspace = AttentionWorkspace()
 
-    def _qkv(self, p: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor):
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"{type(self).__name__}({c.name!r}: {c.num_layers} layers, {c.num_heads} query / "
+                f"{c.num_kv_heads} KV heads x {c.head_dim}, vocab {c.vocab_size}, {self.dtype}, {self.device})")
+
+    def _layer(self, p: dict[str, torch.Tensor], x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor],
+               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One decoder layer on ``x`` ``[tokens, dim]``: ``attend(q, k, v)`` stores and attends (paged or not)."""
         c = self.cfg
         h = rms_norm(x, p["attn_norm"], c.eps)
-        q = rope((h @ p["wq"].T).view(-1, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rope((h @ p["wk"].T).view(-1, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-        return q, k, (h @ p["wv"].T).view(-1, c.num_kv_heads, c.head_dim)
-
-    def _finish_layer(self, p: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + attn.reshape(x.shape[0], -1) @ p["wo"].T
-        h = rms_norm(x, p["mlp_norm"], self.cfg.eps)
+        q = apply_rope((h @ p["wq"].T).view(-1, c.num_heads, c.head_dim), *rot)
+        k = apply_rope((h @ p["wk"].T).view(-1, c.num_kv_heads, c.head_dim), *rot)
+        v = (h @ p["wv"].T).view(-1, c.num_kv_heads, c.head_dim)
+        x = x + attend(q, k, v).reshape(x.shape[0], -1) @ p["wo"].T
+        h = rms_norm(x, p["mlp_norm"], c.eps)
         return x + (F.silu(h @ p["w_gate"].T) * (h @ p["w_up"].T)) @ p["w_down"].T
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +224,9 @@ class TinyLlama:
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.embed[torch.tensor(ids, dtype=torch.long, device=self.device)]
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
 
     def check_step(self, manager: SequenceManager, seqs: Seq[Sequence], new_tokens: Seq[Seq[int]],
                    kv_heads: int | None = None) -> tuple[KVStorage, list[int]]:
@@ -181,10 +245,10 @@ class TinyLlama:
     def forward_full(self, tokens: Seq[int]) -> torch.Tensor:
         """Logits ``[len(tokens), vocab]`` recomputing everything, no cache."""
         x = self._embed(check_tokens(tokens, self.cfg.vocab_size, "tokens"))
-        pos = torch.arange(x.shape[0], device=self.device)
+        rot = self._rotation(torch.arange(x.shape[0], device=self.device))
+        n = [x.shape[0]]
         for p in self.layers:
-            q, k, v = self._qkv(p, x, pos)
-            x = self._finish_layer(p, x, contiguous_attention(q, [k], [v], [x.shape[0]]))
+            x = self._layer(p, x, rot, lambda q, k, v: contiguous_attention(q, [k], [v], n))
         return self._logits(x)
 
     @torch.no_grad()
@@ -197,12 +261,13 @@ class TinyLlama:
             return self.embed.new_empty(0, self.cfg.vocab_size)
         x = self._embed(ids)
         batch = manager.append_batch(seqs, new_tokens)
+        rot = self._rotation(batch.positions)
         for layer, p in enumerate(self.layers):
-            q, k, v = self._qkv(p, x, batch.positions)
-            storage.write_slots(layer, batch.slots, k, v)
-            attn = paged_attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
-                                   workspace=self.workspace)
-            x = self._finish_layer(p, x, attn)
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = layer) -> torch.Tensor:
+                storage.write_slots(layer, batch.slots, k, v)
+                return paged_attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
+                                       workspace=self.workspace)
+            x = self._layer(p, x, rot, attend)
         for seq in seqs:
             manager.cache_full_blocks(seq)
         last = torch.tensor(batch.query_lens, device=self.device).cumsum(0) - 1
@@ -225,13 +290,32 @@ class TinyLlama:
         return toks[len(prompt):]
 
 
+class TinyLlama(Llama):
+    """The teaching model: :class:`Llama` with weights drawn from ``cfg.seed`` (no file, no download)."""
+
+    def __init__(self, cfg: TinyConfig = TinyConfig(), dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if not isinstance(cfg, TinyConfig):
+            raise ConfigError(f"TinyLlama needs a TinyConfig, got {cfg!r}")
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+        shapes = weight_shapes(cfg)
+        embed = w(cfg.vocab_size, cfg.dim) * cfg.dim ** 0.5
+        layers = [{k: torch.ones(shape) if len(shape) == 1 else w(*shape) for k, shape in shapes.items()}
+                  for _ in range(cfg.num_layers)]
+        super().__init__(cfg, embed, layers, torch.ones(cfg.dim), w(cfg.vocab_size, cfg.dim), dtype, device)
+
+
 Step = Callable[[SequenceManager, Seq[Sequence], Seq[Seq[int]]], torch.Tensor]
 
 
 def greedy(step: Step, manager: SequenceManager, seqs: Seq[Sequence], feed: Seq[Seq[int]],
            max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding through the paged cache: ``step(manager, seqs, feed)`` appends the tokens fed to each
-    sequence and returns one row of logits per sequence (``TinyLlama.step``, or a tensor-parallel one); each
+    sequence and returns one row of logits per sequence (``Llama.step``, or a tensor-parallel one); each
     row's argmax is fed next. Returns each sequence's new tokens and every step's logits."""
     out: list[list[int]] = [[] for _ in seqs]
     logits: list[torch.Tensor] = []

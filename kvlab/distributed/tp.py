@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionWorkspace, paged_attention
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm, rope
+from ..model import LlamaConfig, TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm, rope
 from ..checks import check_count, is_int
 from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
@@ -30,10 +30,10 @@ from ..spec import KVSpec
 from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
 
 
-def head_split(cfg: TinyConfig, tp: int, rank: int) -> tuple[range, range]:
+def head_split(cfg: LlamaConfig, tp: int, rank: int) -> tuple[range, range]:
     """``(query heads, kv heads)`` rank ``rank`` of ``tp`` holds; :class:`ConfigError` when ``tp`` does not fit."""
-    if not isinstance(cfg, TinyConfig):
-        raise ConfigError(f"head_split needs a TinyConfig, got {cfg!r}")
+    if not isinstance(cfg, LlamaConfig):
+        raise ConfigError(f"head_split needs a LlamaConfig, got {cfg!r}")
     if not is_int(tp) or tp < 1:
         raise ConfigError(f"tp must be a positive int, got {tp!r}")
     if not is_int(rank) or not 0 <= rank < tp:
