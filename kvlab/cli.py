@@ -479,3 +479,63 @@ def _disagg(args: argparse.Namespace) -> int:
     from .distributed.disagg import main as disagg_main
 
     return disagg_main(args)
+
+
+# ---------------------------------------------------------------------------------------------------- chat
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="questions, answered in turn on one session")
+    p.add_argument("--model", type=_path, default="smollm2-135m", metavar="NAME|PATH",
+                   help="a known model (smollm2-135m, the default) or a Llama-architecture .gguf file")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="system prompt starting every prompt (default: the chat template's own)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
+                   help="longest answer in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 answers greedily (default); above 0 samples, softer as T grows")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only from the most likely tokens whose probability reaches P (default: 1, all)")
+    p.add_argument("--seed", type=_seed, default=None, metavar="S", help="seed of the sampling (default: random)")
+    p.add_argument("--history", action="store_true",
+                   help="each prompt follows the earlier questions and answers (a conversation)")
+    p.add_argument("--blocks", type=_positive_int, default=1024, help="pool blocks (default: %(default)s)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: %(default)s)")
+    p.add_argument("--device", type=_device, default=None, help="torch device (default: kvlab's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of the text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
+
+
+@command("chat", "chat with a real language model whose K/V live in kvlab's paged pool: answers each PROMPT in "
+                 "turn on one session (later prompts hit the prefix cache) and prints the cache report", _chat_args)
+def _chat(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .chat import ChatSession, check_temperature, check_top_p
+    from .loader import load_model
+
+    temperature = check_temperature(args.temperature, "--temperature")
+    top_p = check_top_p(args.top_p, "--top-p")
+    model = load_model(args.model, device=args.device, progress=not args.no_progress)
+    session = ChatSession(model, num_blocks=args.blocks, block_size=args.block_size, system=args.system)
+    for prompt in args.prompts:
+        shown = ""
+
+        def stream(i: int, token: int, text: str) -> None:
+            nonlocal shown
+            if text.startswith(shown) and not text.endswith("\ufffd"):  # a character still incomplete: wait
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+
+        if not args.json:
+            print(f"> {prompt}")
+        reply = session.ask(prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
+                            seed=args.seed, history=args.history, on_token=None if args.json else stream)
+        if args.json:
+            _print_json({"prompt": prompt, **dataclasses.asdict(reply), "pool": session.usage()})
+            continue
+        print(reply.text[len(shown):] if reply.text.startswith(shown) else f"\n{reply.text}")
+        print(f"[{reply.prompt_tokens} prompt tokens, {reply.prefix_hit_tokens} from the prefix cache; "
+              f"{len(reply.tokens)} generated ({reply.finish_reason}); {reply.blocks_used} blocks; first token "
+              f"{reply.ttft_s:.2f} s; {reply.decode_tokens_per_s:.1f} tokens/s]\n")
+    if not args.json:
+        print(session.report())
+    return 0
