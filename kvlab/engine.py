@@ -17,7 +17,9 @@ One step of :meth:`Engine.step`:
 4. **waiting** requests are admitted round-robin over tenants while sequences, tokens and blocks last
    (a prefix-cache hit skips the cached part of the prompt; :meth:`PrefixCache.peek` prices it first);
 5. the batch runs: metadata mode appends token counts (:meth:`SequenceManager.append_tokens`), real mode runs
-   the tiny decoder through the paged KV tensor (:meth:`TinyLlama.step`) and samples greedily;
+   the model through the paged KV tensor (:meth:`Llama.step <kvlab.model.Llama.step>`) and samples each
+   request's next token (:func:`kvlab.chat.sample`: greedy, or temperature and top-p with a seeded generator);
+   a request ends at its ``output_len`` or, with a real model, when it samples the end-of-turn token;
 6. finished requests release their blocks (full blocks stay cached for later prefix hits);
 7. with ``prefetch`` swapped requests come back now, while blocks are free (see *Time*).
 
@@ -37,8 +39,8 @@ counts for every request holding it. :meth:`Engine.remove_tenant` aborts a tenan
 block they held.
 
 **Time.** Steps are counted; seconds come from :class:`CostModel` in metadata mode (an explicit, stated
-assumption) and from the wall clock in real mode. Copies to and from host memory at preemption or at an
-on-demand swap-in stall the step. A *prefetched* swap-in (end of the previous step) overlaps the next step's
+assumption: ``summary()["clock"]`` says ``"simulated"``) and from the wall clock in real mode (``"wall"``).
+Copies to and from host memory at preemption or at an on-demand swap-in stall the step. A *prefetched* swap-in (end of the previous step) overlaps the next step's
 compute and stalls only by what it takes longer than that compute: this is the effect of prefetching, measured
 as ``swap_in_stall_s`` (and ``swap_stall_s``, which adds swap-outs) with and without it.
 """
@@ -51,7 +53,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .baseline import ContiguousMemory
+from .chat import check_seed, check_temperature, check_top_p, sample
 from .checks import is_int
 from .errors import ConfigError
 from .events import EngineEvent, Event
@@ -165,6 +170,10 @@ class EngineConfig:
     quotas: dict[str, int] = field(default_factory=dict)
     reservations: dict[str, int] = field(default_factory=dict)
     cost: CostModel = field(default_factory=CostModel)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_batched_tokens"):
@@ -181,7 +190,10 @@ class EngineConfig:
         if not isinstance(self.policy, str) or self.policy not in (*POLICIES, "opt"):
             raise ConfigError(f"EngineConfig.policy must be one of {', '.join((*POLICIES, 'opt'))}, "
                               f"got {self.policy!r}")
-        for name in ("prefix_caching", "prefetch"):
+        self.temperature = check_temperature(self.temperature, "EngineConfig.temperature")
+        self.top_p = check_top_p(self.top_p, "EngineConfig.top_p")
+        check_seed(self.seed)
+        for name in ("prefix_caching", "prefetch", "stop_at_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cost, CostModel):
@@ -334,9 +346,9 @@ class PagedMemory:
         job.computed = job.seq.num_tokens
 
     # -------------------------------------------------------------------------------- the batch
-    def execute(self, batch: list[tuple[Job, int]]) -> list[int] | None:
+    def execute(self, batch: list[tuple[Job, int]]) -> torch.Tensor | None:
         """Append this step's tokens, taking the promised blocks. Real mode runs the model through the paged
-        cache and returns the greedy next token of every row; metadata mode only counts (and returns None)."""
+        cache and returns the logits of every row's last token; metadata mode only counts (and returns None)."""
         seqs = [j.sequence for j, _ in batch]
         feeds: list[Any] = ([j.tokens[j.computed:j.computed + n] for j, n in batch] if self.track_ids
                             else [n for _, n in batch])
@@ -344,7 +356,7 @@ class PagedMemory:
         for j, _ in batch:
             j.pending = 0
         if self.model is not None:  # the model appends and registers full blocks itself
-            return self.model.step(self.manager, seqs, feeds).argmax(-1).tolist()
+            return self.model.step(self.manager, seqs, feeds)
         self.manager.append_tokens(seqs, feeds)
         if self.cache is not None:  # register what a prefill computed; a decode's blocks wait for the release
             bs, cache_full = self.bs, self.manager.cache_full_blocks
@@ -468,6 +480,10 @@ class Engine:
                                                        else ContiguousMemory(cfg, model))
         self.events = self.memory.events
         self.model = model
+        # Real mode samples with its own seeded generator; a model with a tokenizer ends a request at end of turn.
+        self.generator = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
+        tokenizer = getattr(model, "tokenizer", None)
+        self.eos = tokenizer.eos_id if tokenizer is not None and cfg.stop_at_eos else None
         self.log = MetricsLog()
         self.outputs: dict[int, list[int]] = {}  # request id -> the tokens it generated
         self._arrivals = deque(reqs)
@@ -551,7 +567,9 @@ class Engine:
                 decode += 1
             else:
                 prefill += n
-        next_ids = self.memory.execute(batch)
+        logits = self.memory.execute(batch)
+        next_ids = None if logits is None else sample(logits, self.config.temperature, self.config.top_p,
+                                                      self.generator)
         self.step_count += 1
         cost = self.config.cost
         if self.model is None:
@@ -592,7 +610,7 @@ class Engine:
     def summary(self) -> dict[str, Any]:
         """Metrics of the run so far (see :meth:`MetricsLog.summary`) plus the setup."""
         out = {"memory": self.config.memory, "block_size": self.config.block_size, "policy": self.config.policy,
-               "preemption": self.config.preemption}
+               "preemption": self.config.preemption, "clock": "simulated" if self.model is None else "wall"}
         out.update(self.log.summary())
         out["prefix_hit_tokens"] = sum(r.prefix_hit_tokens for r in self.log.requests.values())
         out["swap_ins"], out["prefetched_swap_ins"] = self.swap_ins, self.prefetched_ins
@@ -864,16 +882,19 @@ class Engine:
             job.computed += n
             if job.computed < len(job.tokens):
                 continue
-            rec = job.rec
+            rec, stopped = job.rec, False
             if job.generated < job.req.output_len:
-                job.tokens.append(next_ids[i] if next_ids is not None
-                                  else (job.req.id * 7919 + job.generated) % 32000)  # a stand-in sample
-                job.generated += 1
+                token = next_ids[i] if next_ids is not None else (job.req.id * 7919 + job.generated) % 32000
                 if rec.first_step < 0:
                     rec.first_step, rec.first_s = step, now
-            if job.generated == job.req.output_len:
+                stopped = token == self.eos  # the model ended its turn: done, and the end token is not kept
+                if not stopped:
+                    job.tokens.append(token)
+                    job.generated += 1
+            if stopped or job.generated == job.req.output_len:
                 if rec.first_step < 0:  # nothing to generate: the prompt's last step is its first "token"
                     rec.first_step, rec.first_s = step, now
+                rec.output_len = job.generated  # what it generated: fewer than asked when the model stopped
                 rec.finish_step, rec.finish_s = step, now
                 self.outputs[job.req.id] = job.tokens[len(job.tokens) - job.generated:]
                 self.running.remove(job)

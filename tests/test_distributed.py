@@ -323,7 +323,7 @@ def test_the_disagg_command_refuses_a_bad_decode_block_size():
     (lambda: demo_batches(prompts=-1), "prompts .*got -1"), (lambda: demo_batches(prompt_len=True), "got True"),
     (lambda: kd.prefill_seconds(64, chunk=0), "chunk .*got 0"), (lambda: kd.prefill_seconds(64, chunk=-1), "got -1"),
     (lambda: kd.prefill_seconds(True), "prompt_len .*got True"), (lambda: transfer_bytes("8", 0), "got '8'"),
-    (lambda: head_split(CFG, 2, True), "rank .*got True"), (lambda: head_split(None, 2, 0), "TinyConfig, got None"),
+    (lambda: head_split(CFG, 2, True), "rank .*got True"), (lambda: head_split(None, 2, 0), "LlamaConfig, got None"),
     (lambda: kd.TransferCase(block_size=0), "block_size .*got 0"),
     (lambda: kd.TransferCase(dtype="nope"), "got 'nope'"), (lambda: kd.TransferCase(tokens=1.5), "got 1.5"),
     (lambda: kd.measure_transfers([None]), "TransferCase, got \\[None\\]"),

@@ -465,6 +465,6 @@ def test_engine_arguments_of_the_wrong_kind_are_typed_errors():
     assert e.step_count == 0 and e.run(max_steps=2)["requests"] == 1 and e.step_count == 2
 
 
-def test_a_model_that_is_no_tiny_llama_is_refused_when_the_engine_is_built():
-    with pytest.raises(ConfigError, match="model must be a TinyLlama"):
+def test_a_model_that_is_no_llama_is_refused_when_the_engine_is_built():
+    with pytest.raises(ConfigError, match="model must be a kvlab Llama"):
         Engine([Request(0, 0.0, 4, 1)], model="x")
