@@ -417,3 +417,20 @@ def test_the_wheel_ships_the_decode_kernel(wheel):
     assert "kvlab/_paged_attention.c" in names
     if DECODE_KERNEL_COMPILED:
         assert any(n.startswith("kvlab/_paged_attention") and n.endswith(".so") for n in names), sorted(names)
+
+
+@needs_kernel
+def test_mixed_batch_sends_its_decode_rows_to_the_kernel(monkeypatch):
+    """In a step mixing prefill chunks with decode (the engine's chunked prefill), the decode rows still go to the
+    compiled kernel, in one call, and the result equals the torch path's."""
+    lens, qlens = [40, 7, 129, 300, 20, 1], [40, 1, 100, 1, 2, 1]
+    pool, tables, keys, values = scattered_cache(lens, 16, kv_heads=2, head_dim=32)
+    q = torch.randn(sum(qlens), 4, 32)
+    calls = []
+    real = attention._compiled_decode
+    monkeypatch.setattr(attention, "_compiled_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    out = paged_attention(q, pool, 0, tables, lens, qlens)
+    assert calls == [3]
+    torch.testing.assert_close(out, paged_attention(q, pool, 0, tables, lens, qlens, impl="torch"),
+                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, contiguous_attention(q, keys, values, qlens), atol=1e-5, rtol=1e-5)
