@@ -40,9 +40,10 @@ block they held.
 
 **Time.** Steps are counted; seconds come from :class:`CostModel` in metadata mode (an explicit, stated
 assumption: ``summary()["clock"]`` says ``"simulated"``) and from the wall clock in real mode (``"wall"``).
-Copies to and from host memory at preemption or at an on-demand swap-in stall the step. A *prefetched* swap-in (end of the previous step) overlaps the next step's
-compute and stalls only by what it takes longer than that compute: this is the effect of prefetching, measured
-as ``swap_in_stall_s`` (and ``swap_stall_s``, which adds swap-outs) with and without it.
+Copies to and from host memory at preemption or at an on-demand swap-in stall the step. A *prefetched* swap-in
+(end of the previous step) overlaps the next step's compute and stalls only by what it takes longer than that
+compute: this is the effect of prefetching, measured as ``swap_in_stall_s`` (and ``swap_stall_s``, which adds
+swap-outs) with and without it.
 """
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def test_a_directory_is_no_model(tmp_path):
 
 def test_engine_takes_a_loaded_model(written):
     m = load_model(written[0], progress=False)
-    eng = kvlab.Engine([kvlab.Request(0, 0.0, 12, 4)], kvlab.EngineConfig(num_blocks=16, block_size=4, max_model_len=64),
-                       model=m)
+    cfg = kvlab.EngineConfig(num_blocks=16, block_size=4, max_model_len=64)
+    eng = kvlab.Engine([kvlab.Request(0, 0.0, 12, 4)], cfg, model=m)
     eng.run()
     assert eng.finished_count == 1
