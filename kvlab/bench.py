@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,6 +49,7 @@ def load(name: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ConfigError(f"unknown benchmark {name!r}; have {', '.join(available())}")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # a dataclass in the file looks its module up there while it is being built
     spec.loader.exec_module(mod)
     return mod
 
