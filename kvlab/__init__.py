@@ -26,7 +26,7 @@ from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, 
 from .metrics import MetricsLog, RequestRecord, StepMetrics
 from .model import Llama, LlamaConfig, TinyConfig, TinyLlama
 from .loader import load_model
-from .chat import ChatReply, ChatSession, sample
+from .chat import ChatReply, ChatSession, ChatStep, ChatStream, sample
 from .tokenizer import ChatTokenizer
 from .perf import COMPILED as hotpath_compiled
 from .perf import FastBlockPool, PyFastBlockPool
@@ -56,7 +56,7 @@ __all__ = [
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
     "PrefixStored", "Sequence", "SequenceManager", "Swapped", "Llama", "LlamaConfig", "TinyConfig", "TinyLlama",
     "contiguous_attention", "paged_attention", "ChatTokenizer", "ModelFileError", "load_model",
-    "ChatReply", "ChatSession", "sample",
+    "ChatReply", "ChatSession", "ChatStep", "ChatStream", "sample",
     "ChunkSizeOptimizer", "LengthRange", "Request", "Scenario", "SweepResult", "SweepRow", "TraceFormatError",
     "Workload", "make_workload", "measure_block_size", "plot_sweep", "read_trace", "sweep", "write_trace",
     "load_trace", "prefix_hit_bound", "prefix_hits", "trace_names",
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-_LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard")
+_LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "ChatView")
 
 
 def __getattr__(name: str):

@@ -160,7 +160,7 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
     if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
         raise ConfigError(f"block tables name blocks outside 0..{storage.num_blocks - 1}")
     first = np.cumsum([0, *qlens]).tolist()  # each sequence's first row of q
-    todo = range(len(lens))
+    todo: Sequence[int] = range(len(lens))
     out = torch.empty_like(q)
     if impl != "torch":
         refusal = compiled_decode_refusal(q, storage, qlens)

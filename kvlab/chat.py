@@ -21,6 +21,9 @@ appends into the shared, partly filled last block copies that block first (copy-
 >>> session.ask("What is the capital of Germany?").prefix_hit_tokens   # one block of the shared start was cached
 16
 >>> print(session.report())                                           # blocks used / cached / free, hits
+>>> for step in session.stream("And of Italy?"):                       # token by token (ask is built on it)
+...     print(step.text)
+
 
 Every figure is measured: ``ttft_s`` and ``decode_tokens_per_s`` are wall seconds (``time.perf_counter``).
 Bad arguments raise :class:`~kvlab.ConfigError` before anything changes; a pool too small for an answer raises
@@ -30,8 +33,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Sequence as Seq
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -131,6 +134,75 @@ class ChatReply:
     decode_tokens_per_s: float
 
 
+@dataclass(frozen=True)
+class ChatStep:
+    """What a streamed request looks like after one decode step (``step`` 0: the first token, sampled from the
+    prefill's logits). ``new_tokens[j]`` is the token answer ``j`` got at this step (None once it has ended),
+    ``all_tokens[j]`` its tokens so far, ``tables[j]`` its sequence's block table now (empty once it has ended:
+    its blocks are released). ``prefix_hit_tokens`` of the ``prompt_tokens`` came from the prefix cache (the
+    leading ``prefix_hit_tokens // block_size`` entries of every table); ``cow_copies`` blocks were copied on
+    write so far. ``texts`` decodes the tokens (empty strings for a model without a tokenizer)."""
+    step: int
+    new_tokens: tuple[int | None, ...]
+    all_tokens: tuple[tuple[int, ...], ...]
+    tables: tuple[tuple[int, ...], ...]
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    cow_copies: int
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def texts(self) -> list[str]:
+        tok = self.tokenizer
+        return [tok.decode(list(t)) if tok is not None else "" for t in self.all_tokens]
+
+    @property
+    def text(self) -> str:
+        """The first answer's text so far."""
+        return self.tokenizer.decode(list(self.all_tokens[0])) if self.tokenizer is not None else ""
+
+
+class ChatStream:
+    """One request answered token by token: iterate it for a :class:`ChatStep` after each decode step;
+    ``reply`` is the :class:`ChatReply` once the iteration ends (None before). :meth:`close` abandons the request
+    (its blocks are freed; ``reply`` stays None); so does an exception raised where it is iterated, or dropping
+    the stream. Made by :meth:`ChatSession.stream`; :meth:`ChatSession.ask` and :meth:`~ChatSession.complete`
+    run one to the end."""
+
+    def __init__(self, steps: Generator[ChatStep, None, ChatReply], done: Callable[[ChatReply], None]) -> None:
+        self._steps, self._done = steps, done
+        self.reply: ChatReply | None = None
+
+    def __iter__(self) -> Iterator[ChatStep]:
+        return self
+
+    def __next__(self) -> ChatStep:
+        try:
+            return next(self._steps)
+        except StopIteration as end:
+            if self.reply is None and end.value is not None:
+                self.reply = end.value
+                self._done(end.value)
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Abandon the request if it is still going (its blocks are freed)."""
+        self._steps.close()
+
+    def run(self, on_token: OnToken | None = None) -> ChatReply:
+        """Answer to the end; ``on_token(i, token_id, text_so_far)`` sees the first answer's tokens."""
+        try:
+            for step in self:
+                t = step.new_tokens[0]
+                if on_token is not None and t is not None:
+                    on_token(len(step.all_tokens[0]) - 1, t, step.text)
+        finally:
+            self.close()
+        if self.reply is None:
+            raise ConfigError("this stream was closed before its answer was complete")
+        return self.reply
+
+
 class ChatSession:
     """A chat with ``model`` (a :class:`~kvlab.model.Llama`; :func:`kvlab.load_model` gives one with a tokenizer)
     over its own pool of ``num_blocks`` blocks of ``block_size`` tokens (``.pool``) and a
@@ -165,20 +237,10 @@ class ChatSession:
         sampled in one batch from a fork of the prompt's sequence; ``on_token(i, token_id, text_so_far)`` sees
         the first answer's tokens as they arrive. The turn (question and first answer) is added to ``turns``."""
         t0 = time.perf_counter()
-        tok = self.model.tokenizer
-        if tok is None:
-            raise ConfigError(f"{self.model.cfg.name} has no tokenizer: give token ids to complete() instead")
         if not isinstance(prompt, str):
             raise ConfigError(f"prompt must be a str, got {prompt!r:.80}")
-        if not isinstance(history, bool):
-            raise ConfigError(f"history must be True or False, got {history!r}")
         args = self._check(max_new_tokens, temperature, top_p, seed, n, on_token)
-        messages = [{"role": "system", "content": self.system}] if self.system is not None else []
-        messages += self.turns if history else []
-        ids = tok.chat([*messages, {"role": "user", "content": prompt}])
-        reply = self._answer(check_tokens(ids, self.model.cfg.vocab_size, "prompt"), t0, *args)
-        self.turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.text}]
-        return reply
+        return self._stream(prompt, t0, history, *args[:-1]).run(on_token)
 
     def complete(self, prompt_ids: Seq[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, n: int = 1, on_token: OnToken | None = None
@@ -187,7 +249,40 @@ class ChatSession:
         for a model without a tokenizer (:class:`~kvlab.TinyLlama`: no end-of-turn token, its texts are empty)."""
         t0 = time.perf_counter()
         ids = check_tokens(prompt_ids, self.model.cfg.vocab_size, "prompt_ids")
-        return self._answer(ids, t0, *self._check(max_new_tokens, temperature, top_p, seed, n, on_token))
+        args = self._check(max_new_tokens, temperature, top_p, seed, n, on_token)
+        return self._stream(ids, t0, False, *args[:-1]).run(on_token)
+
+    def stream(self, prompt: str | Seq[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, n: int = 1, history: bool = False) -> ChatStream:
+        """Answer ``prompt`` token by token: a :class:`ChatStream` to iterate (one :class:`ChatStep` after each
+        decode step), with the reply in ``.reply`` at the end. A str is a chat message, as :meth:`ask` takes it
+        (the turn is added to ``turns`` when the answer is complete); token ids are continued as they are, as
+        :meth:`complete` does. Everything is checked here: a bad argument raises :class:`ConfigError` now, and
+        nothing runs until the stream is iterated."""
+        t0 = time.perf_counter()
+        if not isinstance(prompt, str):
+            prompt = check_tokens(prompt, self.model.cfg.vocab_size, "prompt")
+        return self._stream(prompt, t0, history, *self._check(max_new_tokens, temperature, top_p, seed, n, None)[:-1])
+
+    def _stream(self, prompt: str | list[int], t0: float, history: Any, max_new_tokens: int, temperature: float,
+                top_p: float, seed: int | None, n: int) -> ChatStream:
+        if not isinstance(history, bool):
+            raise ConfigError(f"history must be True or False, got {history!r}")
+        if not isinstance(prompt, str):
+            self._fits(len(prompt), max_new_tokens)
+            return ChatStream(self._steps(prompt, t0, max_new_tokens, temperature, top_p, seed, n), lambda r: None)
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ConfigError(f"{self.model.cfg.name} has no tokenizer: give token ids to complete() instead")
+        messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+        messages += self.turns if history else []
+        ids = check_tokens(tok.chat([*messages, {"role": "user", "content": prompt}]), self.model.cfg.vocab_size,
+                           "prompt")
+        self._fits(len(ids), max_new_tokens)
+
+        def done(reply: ChatReply) -> None:
+            self.turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply.text}]
+        return ChatStream(self._steps(ids, t0, max_new_tokens, temperature, top_p, seed, n), done)
 
     def _check(self, max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any, n: Any, on_token: Any
                ) -> tuple[int, float, float, int | None, int, OnToken | None]:
@@ -196,12 +291,17 @@ class ChatSession:
         return (check_positive(max_new_tokens, "max_new_tokens"), check_temperature(temperature),
                 check_top_p(top_p), check_seed(seed), check_positive(n, "n"), on_token)
 
-    def _answer(self, ids: list[int], t0: float, max_new_tokens: int, temperature: float, top_p: float,
-                seed: int | None, n: int, on_token: OnToken | None) -> ChatReply:
-        model, manager, context = self.model, self.manager, self.model.cfg.context_len
-        if len(ids) + max_new_tokens > context:
-            raise ConfigError(f"the prompt ({len(ids)} tokens) plus max_new_tokens={max_new_tokens} is longer than "
-                              f"{model.cfg.name}'s context of {context} tokens")
+    def _fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        context = self.model.cfg.context_len
+        if prompt_tokens + max_new_tokens > context:
+            raise ConfigError(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens={max_new_tokens} is longer "
+                              f"than {self.model.cfg.name}'s context of {context} tokens")
+
+    def _steps(self, ids: list[int], t0: float, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int | None, n: int) -> Generator[ChatStep, None, ChatReply]:
+        """The one path of every request: prefill, fork, then decode, yielding a :class:`ChatStep` after each
+        step; returns the :class:`ChatReply`. Its ``finally`` frees the request however it ends (closed too)."""
+        model, manager = self.model, self.manager
         tok = model.tokenizer
         eos = tok.eos_id if tok is not None else None
         generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -210,7 +310,9 @@ class ChatSession:
         seqs: list[Sequence] = []
         out: list[list[int]] = [[] for _ in range(n)]
         finish = ["length"] * n
-        peak = 0
+        peak = hit = 0
+        t_first = t_last = 0.0
+        later = 0  # tokens of the steps after the first
 
         def held() -> int:
             return len({b for s in seqs if s.alive for b in s.block_table})
@@ -221,8 +323,6 @@ class ChatSession:
             logits = model.step(manager, seqs, [ids[hit:]])  # prefill: the part the prefix cache did not hold
             seqs += [seqs[0].fork() for _ in range(n - 1)]
             logits, live = logits.expand(n, -1), list(range(n))
-            t_first = t_last = 0.0
-            later = 0  # tokens of the steps after the first
             for step in range(max_new_tokens):
                 peak = max(peak, held())
                 now_tokens = sample(logits, temperature, top_p, generator)
@@ -230,18 +330,21 @@ class ChatSession:
                 if step == 0:
                     t_first = now
                 going = []
+                new: list[int | None] = [None] * n
                 for j, t in zip(live, now_tokens):
                     if t == eos:
                         finish[j] = "stop"
                         manager.free(seqs[j])  # its full blocks stay cached
                         continue
                     out[j].append(t)
+                    new[j] = t
                     going.append(j)
                     if step:
                         later, t_last = later + 1, now
-                    if j == 0 and on_token is not None:
-                        on_token(len(out[0]) - 1, t, tok.decode(out[0]) if tok is not None else "")
                 live = going
+                yield ChatStep(step, tuple(new), tuple(map(tuple, out)),
+                               tuple(tuple(s.block_table) if s.alive else () for s in seqs), len(ids), hit, len(cows),
+                               tok)
                 if not live or step == max_new_tokens - 1:
                     break
                 logits = model.step(manager, [seqs[j] for j in live], [[out[j][-1]] for j in live])

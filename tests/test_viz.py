@@ -558,7 +558,7 @@ def test_one_palette_for_python_and_every_widget_module():
         assert {k: tuple(v) for k, v in data["state"].items() if k != "GAP"} == STATE_RGB
         assert [g[0] for g in data["gauges"]] == [g[0] for g in palette.GAUGES]
     js = "\n".join((REPO / "widgets" / n).read_text() for n in ("common.js", "pool.js", "fragmentation.js",
-                                                                "eviction.js", "dashboard.js"))
+                                                                "eviction.js", "dashboard.js", "chat.js"))
     assert not re.findall(r"\[\s*\d+\s*,\s*\d+\s*,\s*\d+\s*\]", js)  # no colour copied into the JS
     assert set(palette.OKABE_ITO.values()) >= {STATE_RGB[k] for k in ("PENDING", "ALLOC1", "EVICTING", "CACHED")}
     # "just allocated" (the flash) is not the pending colour, and no two states share a colour
@@ -614,7 +614,8 @@ def test_wheel_ships_the_widget_modules(wheel):
     assert widget_dir() == REPO / "widgets"
     assert all("export default" in esm_source(v) for v in VIEWS)
     names = set(wheel.namelist())
-    for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "replay.js", "kvlab.css"):
+    for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "chat.js", "replay.js",
+              "kvlab.css"):
         assert f"kvlab/_widgets/{f}" in names, f
     assert "kvlab/viz/assets.py" in names
 

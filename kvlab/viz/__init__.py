@@ -22,11 +22,14 @@ def __getattr__(name: str) -> Any:
     if name in _VIEWS:  # anywidget is imported only when a view is asked for
         from . import views
         return getattr(views, name)
+    if name == "ChatView":
+        from .chat import ChatView
+        return ChatView
     raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
 
 
 __all__ = [
-    "CACHED", "DASHBOARD_PRESETS", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView",
+    "CACHED", "ChatView", "DASHBOARD_PRESETS", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView",
     "FragmentationView", "LiveRun", "PRESETS", "Pacer", "Picture", "PoolView", "RandomWorkload", "Recording",
     "STATE_NAMES", "build_frame", "decode_frame", "export_html", "palette", "plot_dashboard", "plot_evictions",
     "plot_fragmentation", "plot_pool", "record",

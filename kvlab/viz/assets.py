@@ -20,6 +20,7 @@ VIEWS: dict[str, tuple[tuple[str, ...], str]] = {
     "fragmentation": (("fragmentation.js",), "({ model, el }) => kvMount(model, el, (b, m) => [kvFragPanel(b, m)])"),
     "dashboard": (("pool.js", "fragmentation.js", "eviction.js", "dashboard.js"),
                   "({ model, el }) => kvMount(model, el, kvDashboardPanels, kvDashboardControls)"),
+    "chat": (("pool.js", "chat.js"), "({ model, el }) => kvMount(model, el, kvChatPanels, kvChatControls)"),
 }
 
 

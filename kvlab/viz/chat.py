@@ -1,0 +1,316 @@
+"""ChatView: chat with a real model and watch its KV cache fill, share, fork and evict (all of §2.2 at once).
+
+``ChatView(session)`` shows a :class:`~kvlab.ChatSession` as a text box and a Send button beside the session's
+pool. While an answer streams in, token by token, the pool grid (the :class:`~kvlab.viz.PoolView` panel: state
+colours, refcounts, flashes) fills block by block, and each live request's block table is listed under the
+answer. A table entry is drawn in the colour of its grid cell; entries the prefix cache served are marked
+"prefix hit", entries with two or more references "shared", and a block copied on write "copied". Under every
+turn, one status line counts what happened, from the pool's events: prompt tokens served by the cache (not
+recomputed), blocks copied on write when ``n > 1`` answers fork, cached blocks evicted to make room.
+
+>>> view = kvlab.ChatView(kvlab.ChatSession(model, num_blocks=64, system="You are a helpful assistant."))
+>>> view                                    # type a question and press Send: the kernel stays responsive
+>>> view.ask("What is the capital of France?")          # or from a cell (a notebook run headless records it)
+>>> view.ask("And of Germany?", n=2, temperature=0.8)  # prefix hits, then a fork and one copy-on-write
+
+How it runs. A Send click starts the turn as an asyncio task on the kernel's loop (as a LiveRun does): the task
+takes one token of :meth:`ChatSession.stream <kvlab.ChatSession.stream>` (the same path ``ask`` uses), then yields
+to the loop, so clicks and later cells run between two tokens; a click handler that generated the whole answer
+itself would hold the kernel until the answer ended. :meth:`ChatView.ask` runs the turn in the calling cell.
+
+Frames. After every token the view builds one frame (:mod:`kvlab.viz.frames`) whose JSON tail also carries the
+conversation so far, the block tables and the status line (``tail["chat"]``): ``recording`` keeps every one, so
+``ChatView(recording=...)``, ``PoolView(recording=...)`` and :meth:`ChatView.export_html` replay the chat token by
+token. The browser gets them paced (at most ``fps`` a second, the latest, and always the last of a turn), since
+unpaced sends are dropped by the server's iopub rate limit. The display bundle's PNG (:func:`plot_chat`) shows the
+latest pool and answer where no JavaScript runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import traitlets
+
+from ..chat import ChatReply, ChatSession, ChatStep, ChatStream, check_temperature
+from ..checks import check_positive
+from ..errors import ConfigError
+from ..events import Event, Evicted
+from ..sequence import CopiedOnWrite
+from .export import export_html
+from .frames import HEADER, Frame, FrameBuilder, build_frame
+from .live import Pacer, Recording
+from .static import Picture, as_frame, draw_pool, legend
+from .views import FrameView
+
+MAX_ANSWERS = 8  # answers per turn the view offers: each is a fork listed with its block table
+
+
+def with_chat(frame: bytes, chat: dict[str, Any]) -> bytes:
+    """``frame`` with ``chat`` added to its JSON tail (as ``tail["chat"]``); the rest unchanged."""
+    fields = list(HEADER.unpack_from(frame))
+    tail_len = fields[-1]
+    tail = json.loads(frame[len(frame) - tail_len:]) if tail_len else {}
+    extra = json.dumps({**tail, "chat": chat}, separators=(",", ":")).encode()
+    fields[-1] = len(extra)
+    return b"".join((HEADER.pack(*fields), frame[HEADER.size:len(frame) - tail_len], extra))
+
+
+def status_line(turn: dict[str, Any]) -> str:
+    """What a turn did, in words: prefix hits, copies on write, evictions, tokens generated."""
+    parts = [f"{turn['prompt_tokens']} prompt tokens, {turn['hit_tokens']} from cache, not recomputed"]
+    if turn["answers_n"] > 1 or turn["cow"]:
+        parts.append(f"{turn['answers_n']} answers forked, {turn['cow']} block{'s' * (turn['cow'] != 1)} "
+                     "copied on write")
+    parts.append(f"{turn['evicted']} cached block{'s' * (turn['evicted'] != 1)} evicted")
+    if turn["error"]:
+        parts.append(turn["error"])
+    elif turn["live"]:
+        each = " in all answers" if turn["answers_n"] > 1 else ""
+        parts.append(f"answering: {turn['generated']} tokens so far{each}")
+    else:
+        parts.append(f"{turn['generated']} tokens generated ({', '.join(turn['finish'])})")
+    return " · ".join(parts)
+
+
+class ChatView(FrameView):
+    """A chat box beside the session's pool: Send streams the answer while the grid and the block tables fill.
+
+    ``session`` is a :class:`~kvlab.ChatSession` (or give ``recording=`` frames of an earlier ChatView to replay
+    them). ``n`` answers and ``temperature`` are the Send button's defaults (the browser's boxes change them);
+    ``max_new_tokens`` bounds every answer; ``history`` puts the conversation so far in front of each question,
+    so a second turn hits the cache for the whole first one."""
+
+    view = "chat"
+    busy = traitlets.Bool(False).tag(sync=True)  # a turn is being answered
+    interactive = traitlets.Bool(False).tag(sync=True)  # a session to send to (False: a replay)
+    n = traitlets.Int(1).tag(sync=True)
+    temperature = traitlets.Float(0.0).tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)  # why the last Send was refused ("" if it was not)
+
+    def __init__(self, session: ChatSession | None = None, *, n: int = 1, temperature: float = 0.0,
+                 max_new_tokens: int = 64, history: bool = True, fps: float = 30.0,
+                 recording: Recording | Iterable[bytes] | None = None, **kwargs: Any) -> None:
+        if (session is None) == (recording is None):
+            raise ConfigError(f"a ChatView shows a ChatSession or replays a recording, got {session!r:.80} and "
+                              f"recording={recording!r:.80}")
+        if session is not None and not isinstance(session, ChatSession):
+            raise ConfigError(f"a ChatView shows a kvlab.ChatSession, not {session!r:.80}")
+        if not isinstance(history, bool):
+            raise ConfigError(f"history must be True or False, got {history!r}")
+        check_answers(n)
+        check_temperature(temperature)
+        self.session, self.history_turns = session, history
+        self.max_new_tokens = check_positive(max_new_tokens, "max_new_tokens")
+        self.pacer = Pacer(fps)
+        self.recording = Recording()  # every frame built, one per token (the browser gets them paced)
+        self.turns: list[dict[str, Any]] = []
+        self.tables: list[list[int]] = []  # the block tables of the latest request (its last step's)
+        self.task: asyncio.Task[ChatReply | None] | None = None
+        self._turn: dict[str, Any] = {}
+        super().__init__(None if session is None else session.pool, recording=recording,
+                         interactive=session is not None, n=n, temperature=temperature, **kwargs)
+
+    @traitlets.validate("n", "temperature")
+    def _valid(self, proposal: dict[str, Any]) -> Any:
+        """A bad default is refused before it is stored (the view stays as it was)."""
+        if proposal["trait"].name == "temperature":
+            return check_temperature(proposal["value"])
+        return check_answers(proposal["value"])
+
+    # ------------------------------------------------------------------ frames
+    def chat_state(self) -> dict[str, Any]:
+        """What a frame's ``tail["chat"]`` holds: every turn (prompt, answers, status), the block tables of the
+        latest request, how many leading entries the prefix cache served, the blocks copied on write."""
+        turn = self._turn
+        return {"turns": [{k: t[k] for k in ("prompt", "answers", "status", "live")} for t in self.turns],
+                "tables": self.tables, "hit_blocks": turn.get("hit_blocks", 0), "copied": turn.get("copied", []),
+                "answering": self.busy}
+
+    def update(self) -> None:
+        """Send the pool's current state with the conversation (no flashes)."""
+        if self.session is None:
+            raise ConfigError("this ChatView replays a recording and has no pool to update from")
+        self._emit(with_chat(build_frame(self.session.pool), self.chat_state()), force=True)
+
+    def _emit(self, data: bytes, force: bool = False) -> None:
+        """Record the frame; send it if one is due (or ``force``)."""
+        self.recording.append(data)
+        if force or self.pacer.due():
+            self.pacer.mark()
+            self.show_frame(data)
+
+    def export_html(self, path: str | Path, title: str = "kvlab chat") -> Path:
+        """The recorded chat as one standalone HTML replay (:func:`kvlab.viz.export_html`)."""
+        return export_html(self.recording if len(self.recording) else self.history, path, view="chat", title=title)
+
+    # ------------------------------------------------------------------ a turn
+    def _open(self, prompt: Any, n: Any, temperature: Any, seed: Any) -> tuple[ChatStream, Any, int, float]:
+        """Check everything and open the turn's stream (it runs when iterated); the view is not touched."""
+        if self.session is None:
+            raise ConfigError("this ChatView replays a recording: there is no session to ask")
+        if self.busy:
+            raise ConfigError("a turn is being answered: wait for it (or stop it) before sending another")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ConfigError(f"the prompt is empty: {prompt!r}")
+        n = check_answers(self.n if n is None else n)
+        temperature = check_temperature(self.temperature if temperature is None else temperature)
+        stream = self.session.stream(prompt, max_new_tokens=self.max_new_tokens, temperature=temperature, seed=seed,
+                                     n=n, history=self.history_turns)
+        return stream, prompt, n, temperature
+
+    def _begin(self, stream: ChatStream, prompt: Any, n: int, temperature: float) -> ChatStream:
+        """Start the turn: a new entry in the conversation, the pool's events counted, the question's frame."""
+        assert self.session is not None  # checked by _open
+        shown = prompt if isinstance(prompt, str) else "token ids " + " ".join(map(str, prompt))
+        self._turn = {"prompt": shown, "answers": [""] * n, "status": "reading the prompt", "live": True,
+                      "answers_n": n, "prompt_tokens": 0, "hit_tokens": 0, "hit_blocks": 0, "cow": 0, "copied": [],
+                      "evicted": 0, "generated": 0, "finish": [], "error": ""}
+        self.turns.append(self._turn)
+        self.tables = []
+        self.n, self.temperature, self.message, self.busy = n, temperature, "", True
+        self._builder = FrameBuilder(self.session.pool)
+        self._unsubscribe = self.session.pool.events.subscribe(self._on_event)
+        self._emit(with_chat(self._builder.build(), self.chat_state()), force=True)
+        return stream
+
+    def _on_event(self, e: Event) -> None:
+        if isinstance(e, Evicted):
+            self._turn["evicted"] += 1
+        elif isinstance(e, CopiedOnWrite):
+            self._turn["cow"] += 1
+            self._turn.setdefault("new_copies", []).append(e.dst)
+
+    def _step(self, step: ChatStep) -> None:
+        """One token: the answers, the tables and the status line, then a frame (sent if one is due)."""
+        t, block = self._turn, self.session.pool.block_size if self.session is not None else 1
+        t["answers"] = [text or " ".join(map(str, ids)) for text, ids in zip(step.texts, step.all_tokens)]
+        t["prompt_tokens"], t["hit_tokens"] = step.prompt_tokens, step.prefix_hit_tokens
+        t["hit_blocks"], t["generated"] = step.prefix_hit_tokens // block, sum(map(len, step.all_tokens))
+        if any(step.tables):  # at the end every answer has released its blocks: keep the last tables shown
+            self.tables = [list(table) for table in step.tables]
+        # A copy is marked where it landed (answer, position) while it stays there: a block that fills up may
+        # be swapped for an equal cached one, and the copy's id be reused elsewhere.
+        for b in t.pop("new_copies", []):
+            t["copied"] += [[j, p, b] for j, table in enumerate(self.tables) for p, x in enumerate(table) if x == b]
+        t["copied"] = [[j, p, b] for j, p, b in t["copied"]
+                       if j < len(self.tables) and p < len(self.tables[j]) and self.tables[j][p] == b]
+        t["status"] = status_line(t)
+        self._emit(with_chat(self._builder.build(), self.chat_state()))
+
+    def _end(self, reply: ChatReply | None, error: BaseException | None) -> None:
+        """The turn is over (answered, stopped or failed): its last frame, always sent."""
+        t = self._turn
+        self._unsubscribe()
+        t["live"], self.busy = False, False
+        if reply is not None:
+            t["finish"] = reply.finish_reasons
+            t["generated"] = sum(map(len, reply.all_tokens))
+        elif isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+            t["error"] = "stopped before the end (its blocks were released)"
+        elif error is not None:
+            t["error"] = f"failed: {error}"
+        t["status"] = status_line(t)
+        self._emit(with_chat(self._builder.build(), self.chat_state()), force=True)
+        self._builder.close()
+        self.refresh_if_unwatched()
+
+    def ask(self, prompt: str | list[int], *, n: int | None = None, temperature: float | None = None,
+            seed: int | None = None) -> ChatReply:
+        """Answer ``prompt`` in this cell (a str for a model with a tokenizer, else token ids), recording a frame
+        per token and sending them paced; returns the :class:`~kvlab.ChatReply`. ``n`` and ``temperature`` default
+        to the view's."""
+        stream = self._begin(*self._open(prompt, n, temperature, seed))
+        try:
+            for step in stream:
+                self._step(step)
+        except BaseException as e:
+            stream.close()
+            self._end(None, e)
+            raise
+        assert stream.reply is not None
+        self._end(stream.reply, None)
+        return stream.reply
+
+    def submit(self, prompt: str | list[int], *, n: int | None = None, temperature: float | None = None,
+               seed: int | None = None) -> asyncio.Task[ChatReply | None]:
+        """What Send does: answer ``prompt`` as a task on the running loop, one token between two turns of the
+        loop. The task's result is the reply (None if the turn failed: the status line says why)."""
+        opened = self._open(prompt, n, temperature, seed)
+        try:
+            loop = asyncio.get_running_loop()  # the kernel's, in a notebook
+        except RuntimeError:
+            raise ConfigError("submit runs the turn on a running event loop (a notebook's kernel); in a script, "
+                              "use ask()") from None
+        self.task = loop.create_task(self._answer(self._begin(*opened)))
+        return self.task
+
+    async def _answer(self, stream: ChatStream) -> ChatReply | None:
+        try:
+            for step in stream:
+                self._step(step)
+                await asyncio.sleep(0)  # the loop handles clicks and cells between two tokens
+        except asyncio.CancelledError as e:
+            stream.close()
+            self._end(None, e)
+            raise
+        except Exception as e:
+            stream.close()
+            self._end(None, e)
+            self.message = str(e)
+            return None
+        self._end(stream.reply, None)
+        return stream.reply
+
+    def stop(self) -> None:
+        """Stop the turn being answered (its blocks are freed; the answer so far stays)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def _on_msg(self, widget: Any, content: dict[str, Any], buffers: Any) -> None:
+        if content.get("type") != "send":
+            return super()._on_msg(widget, content, buffers)
+        try:
+            self.submit(content.get("prompt") or "", n=content.get("n"), temperature=content.get("temperature"))
+        except ConfigError as e:
+            self.message = str(e)  # the browser shows it; the view is unchanged
+
+    # ------------------------------------------------------------------ static fallback
+    def figure(self) -> Picture:
+        if not self.frame:
+            raise ConfigError("this ChatView has no frame yet")
+        return plot_chat(self.frame)
+
+
+def check_answers(n: Any) -> int:
+    """How many answers a turn forks: an int in 1..MAX_ANSWERS, else :class:`ConfigError` naming it."""
+    if check_positive(n, "n (answers)") > MAX_ANSWERS:
+        raise ConfigError(f"n (answers) must be at most {MAX_ANSWERS}, got {n!r}")
+    return int(n)
+
+
+def plot_chat(x: Any) -> Picture:
+    """A ChatView's frame as a figure: the pool grid beside the conversation (the latest turns), the block tables
+    of the latest request and each turn's status line."""
+    f: Frame = as_frame(x)
+    chat = f.tail.get("chat", {})
+    fig = Picture(figsize=(13, 5.5), layout="constrained")
+    pool_ax, text_ax = fig.subplots(1, 2, width_ratios=(1, 1.3))
+    draw_pool(pool_ax, f)
+    legend(fig, ["pool"])
+    lines: list[str] = []
+    for i, turn in list(enumerate(chat.get("turns", []), 1))[-3:]:
+        lines += textwrap.wrap(f"turn {i}, you: {turn['prompt']}", 80, max_lines=2)
+        for j, answer in enumerate(turn["answers"], 1):
+            who = "model" if len(turn["answers"]) == 1 else f"answer {j}"
+            lines += textwrap.wrap(f"{who}: {answer}", 80, max_lines=4, initial_indent="  ", subsequent_indent="  ")
+        lines += textwrap.wrap(turn["status"], 80, initial_indent="  ", subsequent_indent="  ")
+    for j, table in enumerate(chat.get("tables", []), 1):
+        lines += textwrap.wrap(f"block table {j}: {' '.join(map(str, table))}", 80)
+    text_ax.text(0, 1, "\n".join(lines) or "no question yet", va="top", ha="left", fontsize=9, wrap=True)
+    text_ax.set_axis_off()
+    return fig
