@@ -128,6 +128,12 @@ def test_chapter_2_2_6_prints_its_conclusions(printed):
             if re.match(r"^\S+ \(.*\)\s+(supported|NOT)\s+(supported|NOT)$", line)}
     assert list(rows.values()) == [["supported", "supported"], ["supported", "NOT"], ["supported", "NOT"],
                                    ["supported", "supported"], ["supported", "NOT"], ["NOT", "NOT"]]
+    # The real model (SmolLM2-135M, wall clock) beside metadata mode: the same block accounting, the same TTFT order.
+    assert "| clock: wall" in out
+    assert "block accounting identical in both modes (steps, blocks, prefix hits, preemptions): True" in out
+    assert re.search(r"(\d+) of (\d+) requests run at once in both modes; every request gets its first token in the "
+                     r"same step, so TTFTs rank alike in both clocks: True", out)
+    assert re.search(r"request\(s\) \[\d+(, \d+)*\] waited longest for the first token \(\d+ steps\)", out)
 
 
 # ---------------------------------------------------------------------------------------------- checkers
