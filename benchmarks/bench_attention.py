@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvlab import KVSpec, KVStorage
+from kvlab import KVSpec, KVStorage, torch_threads
 from kvlab.attention import AttentionWorkspace, paged_attention
 from kvlab.bench import ns_per_item_together
 
@@ -158,13 +158,9 @@ def _warm_rows(padded, paged, kv: torch.Tensor, where: str, reps: int) -> list[d
 def run(quick: bool = False) -> list[dict]:
     reps = 10 if quick else 50
     rows = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             rows += [row for b in (16, 64, 256) for row in bench(b, torch.device("cpu"), reps)]
-    finally:
-        torch.set_num_threads(threads)
     if torch.cuda.is_available():
         rows += [row for b in (16, 64, 256) for row in bench(b, torch.device("cuda"), reps)]
     return rows

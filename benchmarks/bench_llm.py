@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvlab import Engine, EngineConfig, FastBlockPool, Llama, Request, load_model, load_trace
+from kvlab import Engine, EngineConfig, FastBlockPool, Llama, Request, load_model, load_trace, torch_threads
 from kvlab.loader import model_path
 from kvlab.perf import FastSequenceManager
 
@@ -100,16 +100,6 @@ def load_reference() -> Any:
     finally:
         hf_logging.set_verbosity(verbosity)
     return hf.eval()
-
-
-@contextlib.contextmanager
-def threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def threads_now() -> str:
@@ -333,7 +323,7 @@ def run(quick: bool = False) -> list[dict]:
     bar = tqdm(total=5 * len(THREADS), desc="bench_llm", unit="part", leave=False, disable=None)
     with quiet_transformers(), bar:
         for n in THREADS:
-            with threads(n):
+            with torch_threads(n):
                 bar.set_postfix_str(f"batch-1 decode, {threads_now()}")
                 decode_row(model, hf, chat, 2, 1, quick)  # warm-up: first calls allocate and pick kernels
                 rows.append(decode_row(model, hf, chat, sizes.decode_tokens, sizes.rounds, quick))

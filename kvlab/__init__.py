@@ -11,7 +11,7 @@ from .block import BlockStatus, KVBlock
 from .baseline import ContiguousAllocator, ContiguousMemory
 from .claims import BASELINES, Claim, claims_report, measure_claims, prefetch_effect, prefix_hit_share, verdicts
 from .clock import LogicalClock, WallClock
-from .device import default_device
+from .device import default_device, torch_threads
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
                      ModelFileError, OutOfBlocksError, RefcountUnderflowError, TraceFormatError, UnknownBlockError)
 from .events import (Allocated, Cached, EngineEvent, Event, EventBus, EventRecorder, Evicted, Freed, Merged,
@@ -66,7 +66,7 @@ __all__ = [
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",
-    "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy",
+    "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy", "torch_threads",
     "ClockPolicy", "FutureUses", "OPTPolicy",
 ]
 

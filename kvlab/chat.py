@@ -37,10 +37,9 @@ from collections.abc import Callable, Generator, Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from .checks import check_positive, is_int
+from .checks import check_positive, is_int, is_number
 from .errors import ConfigError, OutOfBlocksError
 from .events import Event
 from .model import Llama, check_tokens
@@ -52,20 +51,16 @@ from .sequence import CopiedOnWrite, Sequence, SequenceManager
 OnToken = Callable[[int, int, str], object]
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
 def check_temperature(t: Any, what: str = "temperature") -> float:
     """A finite number >= 0 (0: greedy), else :class:`ConfigError` naming it."""
-    if not _number(t) or not 0 <= t < math.inf:
+    if not is_number(t) or not 0 <= t < math.inf:
         raise ConfigError(f"{what} must be a finite number >= 0 (0: greedy), got {t!r}")
     return float(t)
 
 
 def check_top_p(p: Any, what: str = "top_p") -> float:
     """A number in (0, 1] (1: no nucleus cut), else :class:`ConfigError` naming it."""
-    if not _number(p) or not 0 < p <= 1:
+    if not is_number(p) or not 0 < p <= 1:
         raise ConfigError(f"{what} must be a number in (0, 1], got {p!r}")
     return float(p)
 

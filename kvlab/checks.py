@@ -16,6 +16,12 @@ def is_int(x: Any) -> TypeGuard[int]:
     return type(x) is int or isinstance(x, np.integer)
 
 
+def is_number(x: Any) -> bool:
+    """A real number: a Python or numpy int or float, never a bool (NaN and infinities are numbers here; callers
+    bound them)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_count(n: Any, what: str) -> int:
     """A count >= 0 (not a bool), else :class:`ConfigError`."""
     if not is_int(n) or n < 0:

@@ -82,7 +82,7 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         from gguf import GGUFReader
-        self.path = path
+        self.path, self.values = path, dict[str, Any]()
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
@@ -102,10 +102,12 @@ class GGUFFile:
             if default is ModelFileError:
                 raise ModelFileError(f"{self.path} has no {key!r}")
             return default
-        try:
-            return f.contents()
-        except Exception as e:
-            raise ModelFileError(f"{self.path}: field {key!r} cannot be read ({type(e).__name__}: {e})") from None
+        if key not in self.values:  # read once: the vocabulary is wanted by the config and the tokenizer
+            try:
+                self.values[key] = f.contents()
+            except Exception as e:
+                raise ModelFileError(f"{self.path}: field {key!r} cannot be read ({type(e).__name__}: {e})") from None
+        return self.values[key]
 
     def number(self, key: str, kind: type, default: Any = ModelFileError) -> Any:
         v = self.field(key, default)

@@ -15,8 +15,8 @@ from .checks import is_int
 from .errors import ConfigError, ModelFileError
 
 #: How a GGUF's ``tokenizer.ggml.pre`` splits text before BPE. ``smollm``: every digit is its own piece, then the
-#: GPT-2 split (llama.cpp's ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``, SmolLM2's own ``tokenizer.json``); the GPT-2 ones:
-#: the GPT-2 split alone.
+#: GPT-2 split (as llama.cpp's ``src/llama-vocab.cpp`` splits for ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``); the GPT-2
+#: ones: the GPT-2 split alone.
 PRE_TOKENIZERS = ("smollm", "gpt-2", "gpt2", "default")
 CONTROL = 3  # llama.cpp's token type of a control token (USER_DEFINED is 4: also matched whole)
 

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 
 import kvlab
 import kvlab.attention as attention
-from kvlab import BlockPool, ConfigError, KVDataError, KVLabError, KVSpec
+from kvlab import BlockPool, ConfigError, KVDataError, KVLabError, KVSpec, torch_threads
 from kvlab.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
 from kvlab.sequence import SequenceManager
 
@@ -268,16 +267,6 @@ def test_cuda_matches_reference(dtype):
 # --- The compiled decode kernel (a speed trick: the torch path above is the reference) ----------------------------
 
 needs_kernel = pytest.mark.skipif(not DECODE_KERNEL_COMPILED, reason="kvlab/_paged_attention.c is not compiled")
-
-
-@contextmanager
-def torch_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def float64_reference(q, keys, values, scale=None):

@@ -46,10 +46,8 @@ def user(text: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Both models on one thread (a second one only contends with whatever else the machine runs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with kvlab.torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

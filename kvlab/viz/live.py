@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..block import BlockStatus
-from ..checks import check_positive, is_int
+from ..checks import check_positive, is_int, is_number
 from ..errors import ConfigError, OutOfBlocksError
 from ..pool import BlockPool
 from .frames import ALLOCATED, FREE, FrameBuilder
@@ -31,8 +31,7 @@ from .frames import ALLOCATED, FREE, FrameBuilder
 
 def check_rate(value: Any, what: str) -> float:
     """``value`` as a finite number > 0 (frames or steps a second), else :class:`ConfigError` naming it."""
-    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)) \
-            or not 0 < value < math.inf:
+    if not is_number(value) or not 0 < value < math.inf:
         raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
     return float(value)
 

@@ -75,6 +75,20 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         super().end_headers()
 
 
+@pytest.fixture
+def open_offline(browser):
+    """Opens an exported page from its file; returns the page and what it did beyond that file: each request to
+    anywhere else and each script error (an offline replay must do neither)."""
+    def open_(path: Path):
+        page = browser.new_page()
+        outside: list[str] = []
+        page.on("request", lambda r: None if r.url.startswith("file:") else outside.append(r.url))
+        page.on("pageerror", lambda e: outside.append(f"script error: {e}"))
+        page.goto(path.as_uri())
+        return page, outside
+    return open_
+
+
 @pytest.fixture(scope="session")
 def harness_url(tmp_path_factory):
     """A local site with the harness page and one ES module per view, exactly as anywidget receives them."""

@@ -80,22 +80,17 @@ def test_the_chat_module_draws_the_answer_tables_and_marks_hits_sharing_and_copi
     assert len(harness.locator(".kv-answer").nth(1).inner_text().split()) == 2 + 2  # "answer 1:" and two tokens
 
 
-def test_an_exported_chat_replays_offline(browser, tmp_path):
+def test_an_exported_chat_replays_offline(open_offline, tmp_path):
     v = recorded_chat()
     path = v.export_html(tmp_path / "chat.html")
-    page = browser.new_page()
-    requests: list[str] = []
-    page.on("request", lambda r: requests.append(r.url))
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(path.as_uri())
+    page, outside = open_offline(path)
     page.wait_for_selector(f".kv-root[data-index='{len(v.recording) - 1}']")  # opens on the end of the chat
     assert page.locator(".kv-turn").count() == 2 and page.locator(".kv-answer").count() == 3
     assert "1 block copied on write" in page.locator(".kv-status").nth(1).inner_text()
     assert not page.locator(".kv-chat-form").is_visible()  # no kernel to ask
     page.locator(".kv-slider").fill("2")  # the first token of the first answer
     assert page.locator(".kv-turn").count() == 1 and len(page.locator(".kv-answer").inner_text().split()) == 2
-    assert [u for u in requests if not u.startswith("file:")] == [] and not errors, errors
+    assert outside == [], outside
     page.close()
 
 

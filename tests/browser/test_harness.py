@@ -377,16 +377,11 @@ def test_the_same_state_has_the_same_colour_in_every_view(harness):
         assert all(c == list(STATE_RGB[k]) for c in colours), (k, colours)
 
 
-def test_exported_html_replays_offline(browser, tmp_path):
+def test_exported_html_replays_offline(open_offline, tmp_path):
     p = BlockPool(64, with_storage=False)
     rec = record(p, RandomWorkload(p, seed=3, steps=120), 120, every=10)
     path = export_html(rec, tmp_path / "replay.html", view="dashboard")
-    page = browser.new_page()
-    requests: list[str] = []
-    page.on("request", lambda r: requests.append(r.url))
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(path.as_uri())
+    page, outside = open_offline(path)
     page.wait_for_selector(f".kv-root[data-index='{len(rec) - 1}']")  # opens on the end of the run
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.length") == len(rec)
     assert page.locator(".kv-label").inner_text() == "step 120 of 120 · replay"
@@ -397,7 +392,7 @@ def test_exported_html_replays_offline(browser, tmp_path):
     page.click("[data-act=toggle]")  # play: the recorded pictures, in the browser, to the last
     page.wait_for_selector(f".kv-root[data-index='{len(rec) - 1}'][data-playing='0']")
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.at(-1).seq") == first + len(rec) - 1
-    assert [u for u in requests if not u.startswith("file:")] == [] and not errors
+    assert outside == []
     page.close()
 
 
