@@ -136,6 +136,18 @@ def test_chapter_2_2_6_prints_its_conclusions(printed):
     assert re.search(r"request\(s\) \[\d+(, \d+)*\] waited longest for the first token \(\d+ steps\)", out)
 
 
+# ---------------------------------------------------------------------------------------------- 2.2.7
+@pytest.mark.notebooks
+@pytest.mark.timeout(300)
+def test_chapter_2_2_7_measures_transfer_against_recomputing_the_real_model(printed):
+    out = _out(printed, "2_2_7_beyond_one_machine.ipynb")
+    assert "smollm2-135m: 46,080 bytes of K/V per token (float32), 512 for TinyConfig" in out
+    assert ("on the real model, moving the KV beats recomputing it at every length measured (256-1,024 tokens): "
+            "True") in out
+    assert re.search(r"recomputing takes at least \d+x as long as moving the KV over loopback; a link faster than "
+                     r"\d+ MB/s", out)
+
+
 # ---------------------------------------------------------------------------------------------- checkers
 def _reference_fragmentation(free, top_order):
     total = int(free.sum())

@@ -323,6 +323,8 @@ def test_the_disagg_command_refuses_a_bad_decode_block_size():
     (lambda: demo_batches(prompts=-1), "prompts .*got -1"), (lambda: demo_batches(prompt_len=True), "got True"),
     (lambda: kd.prefill_seconds(64, chunk=0), "chunk .*got 0"), (lambda: kd.prefill_seconds(64, chunk=-1), "got -1"),
     (lambda: kd.prefill_seconds(True), "prompt_len .*got True"), (lambda: transfer_bytes("8", 0), "got '8'"),
+    (lambda: kd.prefill_seconds(64, model=CFG), "model must be a kvlab Llama"),
+    (lambda: kd.prefill_seconds(64, CFG, model=TinyLlama(CFG)), "a model or a cfg, not both"),
     (lambda: head_split(CFG, 2, True), "rank .*got True"), (lambda: head_split(None, 2, 0), "LlamaConfig, got None"),
     (lambda: kd.TransferCase(block_size=0), "block_size .*got 0"),
     (lambda: kd.TransferCase(dtype="nope"), "got 'nope'"), (lambda: kd.TransferCase(tokens=1.5), "got 1.5"),
@@ -415,6 +417,14 @@ def test_the_measurement_moves_the_same_bytes_as_the_plain_send():
         kd.measure_transfer(16, 100, dtype="float99")
     with pytest.raises(ConfigError, match="prompt_len"):
         kd.prefill_seconds(0)
+
+
+def test_prefill_seconds_runs_the_model_it_is_given(monkeypatch):
+    model, seen = TinyLlama(TinyConfig(num_layers=1)), []
+    step = model.step
+    monkeypatch.setattr(model, "step", lambda m, seqs, new: seen.append([len(t) for t in new]) or step(m, seqs, new))
+    assert kd.prefill_seconds(100, model=model, chunk=40, rounds=2) > 0
+    assert seen == [[64], [40], [40], [20], [40], [40], [20]]  # the warm-up, then two rounds of 40-token chunks
 
 
 def test_the_chapter_exercises_judge_by_running_kvlab():

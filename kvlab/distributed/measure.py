@@ -5,8 +5,8 @@
   allocate on the receiver, one gathered message per layer, scatter into the receiver's blocks) and (b) one
   plain ``send`` of a contiguous tensor of exactly the same bytes: the physical limit of the transport. Each
   variant's figure is its best round, timed on the receiver from the moment it tells the sender to go.
-* :func:`prefill_seconds` times recomputing a prompt's KV with the tiny decoder instead (chunked prefill, as
-  engines do for long prompts, so the causal mask stays small).
+* :func:`prefill_seconds` times recomputing a prompt's KV instead, with the real model or the tiny decoder
+  (chunked prefill, as engines do for long prompts, so the causal mask stays small).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from ..checks import check_positive
 from ..errors import ConfigError
-from ..model import TinyConfig, TinyLlama
+from ..model import Llama, TinyConfig, TinyLlama
 from ..pool import BlockPool
 from ..sequence import SequenceManager
 from ..spec import KVSpec
@@ -193,19 +193,24 @@ def measure_transfer(block_size: int = 16, tokens: int = 4096, requests: int = 4
 
 @torch.no_grad()
 def prefill_seconds(prompt_len: int, cfg: TinyConfig | None = None, block_size: int = 16, chunk: int = 2048,
-                    rounds: int = 1) -> float:
-    """Best of ``rounds`` wall times of computing a ``prompt_len``-token prompt's KV with the tiny decoder,
-    ``chunk`` tokens per step."""
-    cfg = cfg or TinyConfig()
+                    rounds: int = 1, *, model: Llama | None = None) -> float:
+    """Best of ``rounds`` wall times of computing a ``prompt_len``-token prompt's KV, ``chunk`` tokens per step,
+    with ``model`` (e.g. the real one of :func:`kvlab.load_model`; ``cfg`` must then be None) or else the tiny
+    decoder of ``cfg``. The thread count is the caller's (:func:`kvlab.torch_threads`)."""
     for name, value in (("prompt_len", prompt_len), ("chunk", chunk), ("rounds", rounds)):
         check_positive(value, name)
-    model = TinyLlama(cfg)
-    prompt = [(7 * i) % cfg.vocab_size for i in range(prompt_len)]
-    warm = SequenceManager(BlockPool(8, spec=cfg.kv_spec(block_size)))
+    if model is not None and not isinstance(model, Llama):
+        raise ConfigError(f"model must be a kvlab Llama (kvlab.load_model, TinyLlama), got {model!r:.80}")
+    if model is not None and cfg is not None:
+        raise ConfigError(f"give a model or a cfg, not both (cfg {cfg!r:.80})")
+    model = model or TinyLlama(cfg or TinyConfig())
+    spec, vocab = model.cfg.kv_spec(block_size, model.dtype, model.device), model.cfg.vocab_size
+    prompt = [(7 * i) % vocab for i in range(prompt_len)]
+    warm = SequenceManager(BlockPool(8, spec=spec))
     model.step(warm, [warm.create(prompt[:64])], [prompt[:64]])  # first-use costs stay out of the timing
     best = float("inf")
     for _ in range(rounds):
-        manager = SequenceManager(BlockPool(-(-prompt_len // block_size) + 1, spec=cfg.kv_spec(block_size)))
+        manager = SequenceManager(BlockPool(-(-prompt_len // block_size) + 1, spec=spec))
         seq = manager.create(prompt)
         t0 = time.perf_counter()
         for at in range(0, prompt_len, chunk):
