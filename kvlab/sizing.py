@@ -52,6 +52,9 @@ each block size, every request resident at its final length (the moment a batch 
   that visit the sizes in turn, with the fastest and slowest round. On a CPU shared with other work the spread
   between rounds is larger than the differences between sizes, which is why timings do not drive the choice.
 
+:func:`measure_decode_ms` times what those milliseconds are a part of: one decode step of a whole model
+(:class:`kvlab.model.Llama`, e.g. SmolLM2-135M) on the same sample of sequences, and that step's attention alone.
+
 Cost model (lower is better), each term in [0, 1]::
 
     cost(B) = a * waste(B) + b * prefix_loss(B)
@@ -68,7 +71,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -79,6 +82,9 @@ from .checks import is_int
 from .pool import INT32_MAX, BlockPool
 from .spec import KVSpec, check_device
 from .workloads import Workload
+
+if TYPE_CHECKING:
+    from .model import Llama
 
 GOALS = ("memory_efficient", "performance_optimal", "balanced")
 BALANCED_SIZES = (64, 128, 256, 512, 1024)
@@ -92,6 +98,7 @@ WEIGHTS: dict[str, tuple[float, float, float, float]] = {
 #: the settings of :func:`measure_attention_ms` that :func:`sweep` passes on, with their defaults
 TIMING: dict[str, Any] = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim": 64, "rounds": 5, "device": None,
                           "seed": 0}
+T = TypeVar("T")
 
 
 def _check_goal(goal: str) -> str:
@@ -242,18 +249,83 @@ def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batc
     sizes = _check_sizes(block_sizes)
     kw = _check_timing(dict(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim, rounds=rounds,
                             device=device, seed=seed))
-    if on_step is not None and not callable(on_step):
-        raise ConfigError(f"on_step must be callable or None, got {on_step!r:.80}")
+    _check_on_step(on_step)
+    lens = _sample_lengths(workload, kw["batch"], kw["max_len"])
+    times = _interleaved(sizes, kw["rounds"], on_step, lambda bs: _decode_step_ms(
+        lens, bs, kw["num_heads"], kw["head_dim"], device, kw["seed"]))
+    return {bs: _spread(t) for bs, t in times.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiming:
+    """:func:`measure_decode_ms` at one block size. ``step`` and ``attention`` are (median, fastest, slowest)
+    milliseconds over the rounds."""
+
+    step: tuple[float, float, float]  # one whole-model decode step
+    attention: tuple[float, float, float]  # that step's paged_attention calls (one per layer), timed again alone
+    attention_share: float  # median over rounds of attention / step, both from the same round
+
+
+def measure_decode_ms(model: Llama, workload: Workload, block_sizes: Sequence[int], *, batch: int = 8,
+                      max_len: int = 4096, rounds: int = 3, seed: int = 0,
+                      on_step: Callable[[], Any] | None = None) -> dict[int, DecodeTiming]:
+    """Time one decode step of a whole :class:`kvlab.model.Llama` (``model.step``: every layer's matmuls, the K/V
+    writes, paged attention and the output layer) at each block size, over the same ``batch`` sequences as
+    :func:`measure_attention_ms` (evenly spaced quantiles of the workload's lengths, clipped to ``max_len``),
+    one new token each (the timed step's is their second: the warm-up step fed the first). Rounds visit the
+    sizes in turn, as there.
+
+    Each timing starts from a fresh pool (``model.cfg.kv_spec``, the model's dtype and device) whose blocks are
+    handed out in a seeded random order (scattered, as a long-running pool's are). The sequences' tokens are
+    appended without computing them (no prefill: on a CPU it would cost far more than the steps), so their K/V
+    stay the pool's zeros: that does not change the work the kernels do. One warm-up step, then the timed step;
+    then the step's attention alone: one :func:`~kvlab.attention.paged_attention` call per layer on the same
+    block tables and lengths, with the model's head counts and workspace (timed outside the step, so its caches
+    may be warmer than between the step's matmuls). The thread count is the caller's (e.g. inside
+    :func:`kvlab.torch_threads`). Every argument is checked before any work."""
+    from .model import Llama  # imported here: counting needs no model
+
+    if not isinstance(model, Llama):
+        raise ConfigError(f"model must be a kvlab.model.Llama (TinyLlama, or kvlab.load_model's), got {model!r:.80}")
+    _check_workload(workload)
+    sizes = _check_sizes(block_sizes)
+    kw = _check_timing(dict(batch=batch, max_len=max_len, rounds=rounds, seed=seed))
+    _check_on_step(on_step)
+    lens = _sample_lengths(workload, kw["batch"], kw["max_len"])
+    runs = _interleaved(sizes, kw["rounds"], on_step, lambda bs: _model_step_ms(model, lens, bs, kw["seed"]))
+    return {bs: DecodeTiming(_spread([s for s, _ in r]), _spread([a for _, a in r]),
+                             float(np.median([a / s for s, a in r]))) for bs, r in runs.items()}
+
+
+def _sample_lengths(workload: Workload, batch: int, max_len: int) -> list[int]:
+    """``batch`` evenly spaced quantiles of the workload's sequence lengths (all of them if fewer), each clipped to
+    ``max_len``: the timed batch, short to long."""
     lens = np.sort(workload.sequence_lengths())
-    lens = np.minimum(lens[np.linspace(0, lens.size - 1, min(kw["batch"], lens.size)).round().astype(int)],
-                      kw["max_len"])
-    times: dict[int, list[float]] = {bs: [] for bs in sizes}
-    for _ in range(kw["rounds"]):
-        for bs, seen in times.items():
-            seen.append(_decode_step_ms(lens.tolist(), bs, kw["num_heads"], kw["head_dim"], device, kw["seed"]))
+    return np.minimum(lens[np.linspace(0, lens.size - 1, min(batch, lens.size)).round().astype(int)],
+                      max_len).tolist()
+
+
+def _interleaved(sizes: list[int], rounds: int, on_step: Callable[[], Any] | None,
+                 measure: Callable[[int], T]) -> dict[int, list[T]]:
+    """``measure(size)`` for every size, ``rounds`` times, each round visiting every size in turn (a burst of load
+    elsewhere slows all sizes alike instead of one); ``on_step()`` after each."""
+    seen: dict[int, list[T]] = {bs: [] for bs in sizes}
+    for _ in range(rounds):
+        for bs, got in seen.items():
+            got.append(measure(bs))
             if on_step is not None:
                 on_step()
-    return {bs: (float(np.median(t)), min(t), max(t)) for bs, t in times.items()}
+    return seen
+
+
+def _spread(ms: list[float]) -> tuple[float, float, float]:
+    """(median, fastest, slowest)."""
+    return float(np.median(ms)), min(ms), max(ms)
+
+
+def _check_on_step(on_step: Any) -> None:
+    if on_step is not None and not callable(on_step):
+        raise ConfigError(f"on_step must be callable or None, got {on_step!r:.80}")
 
 
 def _check_workload(workload: Workload) -> None:
@@ -297,27 +369,61 @@ def _check_timing(settings: dict[str, Any]) -> dict[str, Any]:
 def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, device: Any, seed: int) -> float:
     """One timed decode step after one warm-up, on a fresh pool. The K/V values stay the pool's zeros: they do
     not change the work the kernels do."""
-    import torch
-
     from .attention import AttentionWorkspace, paged_attention  # imported here: counting needs no attention
 
     spec = KVSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, block_size=block_size, dtype=torch.float32,
                   **({} if device is None else {"device": device}))
     counts = [-(-n // block_size) for n in lens]
-    pool = BlockPool(sum(counts), spec=spec)
-    ids = np.random.default_rng(seed).permutation(pool.allocate(sum(counts)))
-    tables = [t.tolist() for t in np.split(ids, np.cumsum(counts)[:-1])]
+    pool = _scattered_pool(sum(counts), spec, seed)
+    ids = pool.allocate(sum(counts))
+    tables = [ids[a - c:a] for a, c in zip(np.cumsum(counts).tolist(), counts)]
     gen = torch.Generator(device=spec.device).manual_seed(seed)
     q = torch.randn(len(lens), heads, dim, generator=gen, device=spec.device)
     ws = AttentionWorkspace()
-    cuda = spec.device.type == "cuda"
     paged_attention(q, pool, 0, tables, lens, workspace=ws)  # warm-up: workspace, caches, lazy kernels
-    if cuda:
-        torch.cuda.synchronize(spec.device)
+    return _timed(spec.device, lambda: paged_attention(q, pool, 0, tables, lens, workspace=ws))
+
+
+def _model_step_ms(model: Llama, lens: list[int], block_size: int, seed: int) -> tuple[float, float]:
+    """(ms of one ``model.step``, ms of its attention calls alone): see :func:`measure_decode_ms`."""
+    from .attention import paged_attention
+    from .sequence import SequenceManager
+
+    c = model.cfg
+    # each sequence gains two tokens (warm-up and timed step): room for their blocks, no more
+    pool = _scattered_pool(sum(-(-(n + 2) // block_size) for n in lens),
+                           c.kv_spec(block_size, model.dtype, model.device), seed)
+    manager = SequenceManager(pool)
+    seqs = [manager.create() for _ in lens]
+    manager.append_tokens(seqs, lens)  # blocks and token counts only: no K/V computed
+    feed = [[0] for _ in seqs]  # which token makes no difference to the work
+    model.step(manager, seqs, feed)  # warm-up: workspace, caches, lazy kernels
+    step = _timed(model.device, lambda: model.step(manager, seqs, feed))
+    tables, seq_lens = manager.block_tables(seqs).to(model.device), [s.num_tokens for s in seqs]
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    q = torch.randn(len(lens), c.num_heads, c.head_dim, generator=gen, device=model.device, dtype=model.dtype)
+
+    def attend() -> None:
+        for layer in range(c.num_layers):
+            paged_attention(q, pool, layer, tables, seq_lens, workspace=model.workspace)
+    return step, _timed(model.device, attend)
+
+
+def _scattered_pool(n: int, spec: KVSpec, seed: int) -> BlockPool:
+    """A pool of ``n`` blocks whose free stack hands them out in a seeded random order: scattered, as in a pool
+    that has served for a while (``free`` pushes so that the first id freed comes out first)."""
+    pool = BlockPool(n, spec=spec)
+    pool.free(np.random.default_rng(seed).permutation(pool.allocate(n)).tolist())
+    return pool
+
+
+def _timed(device: torch.device, run: Callable[[], Any]) -> float:
+    """Milliseconds of ``run()``, waiting for a CUDA device's queued work before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
     t0 = time.perf_counter()
-    paged_attention(q, pool, 0, tables, lens, workspace=ws)
-    if cuda:
-        torch.cuda.synchronize(spec.device)
+    run()
+    sync(device)
     return 1e3 * (time.perf_counter() - t0)
 
 

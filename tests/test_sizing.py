@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import (ChunkSizeOptimizer, ConfigError, Request, Workload, make_workload, measure_block_size,
-                   plot_sweep, sweep)
-from kvlab.sizing import GOALS, SweepResult, SweepRow, measure_attention_ms
+import kvlab
+from kvlab import (ChunkSizeOptimizer, ConfigError, KVSpec, Request, TinyConfig, TinyLlama, Workload, make_workload,
+                   measure_block_size, plot_sweep, sweep)
+from kvlab import sizing
+from kvlab.sizing import GOALS, SweepResult, SweepRow, measure_attention_ms, measure_decode_ms
 
 
 def optimizer_with_p95(p95: float) -> ChunkSizeOptimizer:
@@ -272,3 +274,44 @@ def test_a_refused_sweep_leaves_the_optimizer_as_it_was():
     with pytest.raises(ConfigError, match="block sizes"):
         opt.sweep(make_workload("chat", 3), [0], attention=False)
     assert (opt.sequence_length_stats, opt.performance_metrics) == before
+
+
+# ---------------------------------------------------------------------------------------------- a model's decode step
+@pytest.mark.parametrize("model, sizes, kw, what", [
+    (None, [16], {}, "model"), ("smollm2-135m", [16], {}, "model"), (TinyConfig(), [16], {}, "model"),
+    ("tiny", [], {}, "block sizes"), ("tiny", [16, 16], {}, "block sizes"), ("tiny", [0], {}, "block sizes"),
+    ("tiny", [16], {"rounds": 0}, "rounds"), ("tiny", [16], {"batch": 0}, "batch"),
+    ("tiny", [16], {"max_len": 2.5}, "max_len"), ("tiny", [16], {"seed": -1}, "seed"),
+    ("tiny", [16], {"on_step": "tick"}, "on_step"), ("tiny", [16], {"workload": Workload("empty", [])}, "no requests"),
+])
+def test_measure_decode_refuses_bad_input_before_any_work(monkeypatch, model, sizes, kw, what):
+    monkeypatch.setattr(sizing, "_model_step_ms", lambda *a: pytest.fail("a refused call timed a step"))
+    model = TinyLlama(TinyConfig()) if model == "tiny" else model
+    workload = kw.pop("workload", TINY)
+    with pytest.raises(ConfigError, match=what):
+        measure_decode_ms(model, workload, sizes, **kw)
+
+
+def test_measure_decode_times_every_size_of_a_tiny_model():
+    steps = []
+    ms = measure_decode_ms(TinyLlama(TinyConfig()), make_workload("chat", 40, 0), [64, 16], batch=3, max_len=256,
+                           rounds=2, on_step=lambda: steps.append(1))
+    assert list(ms) == [16, 64] and len(steps) == 4  # ascending sizes; rounds x sizes timings
+    for t in ms.values():
+        for med, lo, hi in (t.step, t.attention):
+            assert 0 < lo <= med <= hi < math.inf
+        assert 0 < t.attention_share < math.inf
+
+
+def test_timing_pools_hand_out_their_blocks_scattered():
+    ids = sizing._scattered_pool(64, KVSpec(block_size=4, device="cpu"), seed=0).allocate(64)
+    assert sorted(ids) == list(range(64)) and ids != sorted(ids) and ids != sorted(ids, reverse=True)
+
+
+@pytest.mark.llm
+def test_measure_decode_times_the_real_model():
+    model = kvlab.load_model("smollm2-135m", progress=False)
+    with kvlab.torch_threads(1):  # a second thread mostly waits for a core on a shared machine (3 s steps, not 0.1)
+        ms = measure_decode_ms(model, make_workload("chat", 40, 0), [16, 64], batch=2, max_len=256, rounds=1)
+    assert list(ms) == [16, 64] and all(0 < t.attention[1] <= t.attention[0] and 0 < t.step[1] <= t.step[0]
+                                        for t in ms.values())
