@@ -18,20 +18,23 @@ template around a repeated paragraph (:data:`PARAGRAPH`) encoded by the model's 
    ``model.step`` of the whole prompt on a fresh sequence; transformers: one forward with ``use_cache=True``
    and ``logits_to_keep=1`` (what ``generate`` asks of its prefill: logits of the last position only). The two
    sides' logits are checked to agree first (same weights, same model). Goal >= 1.0x.
-3. **16 chat requests of mixed lengths** (quick: 3): prompt and output lengths of a seeded sample of the bundled
-   Azure 2023 conversation trace, prompts clipped to :data:`PROMPT_CLIP` tokens (the trace's median is about 1,000;
-   clipped so that each side's run stays within a few minutes on 2 cores) and outputs to :data:`OUTPUT_CLIP` (the
-   seed's sample: prompts 96-1838 tokens, 9 of 16 clipped to 512; outputs 60-589, 15 of 16 clipped to 64); every
-   request arrives at time 0, and neither side stops at an end-of-turn token. Throughput is the requests' output
-   tokens (the sum of their clipped output lengths) over the wall time of the whole run. kvlab: :class:`kvlab.Engine`
-   with the real model (continuous batching, chunked prefill of up to ``max_batched_tokens=512`` tokens a step mixed
-   with the decodes, 16-token blocks, prefix caching off so that both sides compute every prompt token, a pool
-   holding every request at once so nothing is preempted; building the engine and its pool is not timed). Baselines:
-   transformers ``generate`` one request at a time, each for exactly its output length (goal: kvlab >= 3x), and
-   ``generate`` on the padded batch of all of them (left padding, attention mask, ``min_new_tokens = max_new_tokens``
-   = the longest output, so every row generates that many: the same or more work); its throughput counts the same
-   useful tokens as kvlab's (goal: kvlab >= 1.5x); the extra ratio counts every token the padded batch generated
-   instead. Each side runs once per thread count (minutes each), in turn.
+3. **16 chat requests of mixed lengths** (quick: 3), two workloads: prompt and output lengths of one seeded sample of
+   the bundled Azure 2023 conversation trace (the seed's sample: prompts 96-1838 tokens, outputs 60-589), prompts
+   clipped to :data:`PROMPT_CLIP` tokens (the trace's median is about 1,000; clipped so that each side's run stays
+   within minutes on 2 cores; 9 of 16 are clipped to 512). The outputs are (a) clipped to 64 tokens (15 of 16 are:
+   every request decodes about as long, batching's best case against one request at a time and the padded batch's
+   best case too, its rows padded only in the prompt), and (b) as the trace has them, bounded only by the model's
+   context (1,020 and 3,435 output tokens). Every request arrives at time 0, and neither side stops at an
+   end-of-turn token. Throughput is the requests' output tokens over the wall time of the whole run. kvlab:
+   :class:`kvlab.Engine` with the real model (continuous batching, chunked prefill of up to
+   ``max_batched_tokens=512`` tokens a step mixed with the decodes, 16-token blocks, prefix caching off so that
+   both sides compute every prompt token, a pool holding every request at once so nothing is preempted; building
+   the engine and its pool is not timed). Baselines: transformers ``generate`` one request at a time, each for
+   exactly its output length (goal: kvlab >= 3x), and ``generate`` on the padded batch of all of them (left
+   padding, attention mask, ``min_new_tokens = max_new_tokens`` = the longest output, so every row generates that
+   many: the same or more work); its throughput counts the same useful tokens as kvlab's (goal: kvlab >= 1.5x);
+   the extra ratio counts every token the padded batch generated instead. Each side runs once per thread count
+   and workload (minutes each), in turn.
 4. **K/V bytes held** on that workload: kvlab's pool blocks held at the peak (read after each step's blocks were
    allocated, before finished requests release theirs) x bytes per block, against the bytes of transformers'
    ``DynamicCache`` at the end of the padded batch's ``generate`` (summed over the returned tensors and checked
@@ -61,7 +64,7 @@ from kvlab.perf import FastSequenceManager
 MODEL = "smollm2-135m"
 THREADS = (1, 2)
 BLOCK = 16
-PROMPT_CLIP, OUTPUT_CLIP = 512, 64
+PROMPT_CLIP = 512
 PARAGRAPH = ("A paged KV cache stores the keys and values of every token in fixed-size blocks drawn from one pool, "
              "so that a request holds only the blocks its tokens fill. When a request finishes its blocks go back "
              "to the pool at once, and the next request takes them without moving anything. The scheduler can "
@@ -73,13 +76,13 @@ class Sizes(NamedTuple):  # not a dataclass: kvlab.bench.load runs this file out
     prefill_tokens: int
     requests: int
     prompt_clip: int
-    output_clip: int
+    output_clips: tuple[int | None, ...]  # one chat workload each; None: the trace's outputs, bounded by the context
     rounds: int
 
 
-FULL = Sizes(decode_tokens=128, prefill_tokens=2000, requests=16, prompt_clip=PROMPT_CLIP, output_clip=OUTPUT_CLIP,
+FULL = Sizes(decode_tokens=128, prefill_tokens=2000, requests=16, prompt_clip=PROMPT_CLIP, output_clips=(64, None),
              rounds=3)
-QUICK = Sizes(decode_tokens=8, prefill_tokens=64, requests=3, prompt_clip=48, output_clip=8, rounds=1)
+QUICK = Sizes(decode_tokens=8, prefill_tokens=64, requests=3, prompt_clip=48, output_clips=(8, 16), rounds=1)
 
 
 # ---------------------------------------------------------------- the two models
@@ -212,16 +215,18 @@ def prefill_row(model: Llama, hf: Any, prompt: list[int], rounds: int, quick: bo
 
 
 # ---------------------------------------------------------------- 3 and 4. mixed chat requests
-def chat_requests(stream: list[int], sizes: Sizes, seed: int = 0) -> list[tuple[list[int], int]]:
+def chat_requests(stream: list[int], sizes: Sizes, output_clip: int | None, context: int,
+                  seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt ids, output length) of ``sizes.requests`` requests: lengths from a seeded sample of the Azure 2023
-    conversation trace, clipped; each prompt a window of ``stream`` at a seeded offset."""
+    conversation trace, prompts clipped to ``sizes.prompt_clip``, outputs to ``output_clip`` (None: only to what
+    the ``context`` leaves after the prompt); each prompt a window of ``stream`` at a seeded offset."""
     rng = random.Random(seed)
     picked = rng.sample(load_trace("azure-conv-2023").requests, sizes.requests)
     out = []
     for r in picked:
         n = min(r.prompt_len, sizes.prompt_clip)
         start = rng.randrange(len(stream) - n + 1)
-        out.append((stream[start:start + n], min(r.output_len, sizes.output_clip)))
+        out.append((stream[start:start + n], min(r.output_len, context - n if output_clip is None else output_clip)))
     return out
 
 
@@ -277,8 +282,9 @@ def run_hf_padded(hf: Any, reqs: list[tuple[list[int], int]], pad: int) -> tuple
     return t, held, expected
 
 
-def chat_rows(model: Llama, hf: Any, reqs: list[tuple[list[int], int]], sizes: Sizes, quick: bool,
+def chat_rows(model: Llama, hf: Any, reqs: list[tuple[list[int], int]], outputs: str, sizes: Sizes, quick: bool,
               bar: Any) -> list[dict]:
+    """The three chat rows of one workload (``outputs`` says how its output lengths were chosen)."""
     pad = model.tokenizer.eos_id
     useful = sum(o for _, o in reqs)
     bar.set_postfix_str("chat: kvlab engine")
@@ -294,8 +300,10 @@ def chat_rows(model: Llama, hf: Any, reqs: list[tuple[list[int], int]], sizes: S
     kv, one, padded = useful / t_kv, useful / t_one, useful / t_pad
     all_padded = len(reqs) * max(o for _, o in reqs) / t_pad
     lens = sorted(len(p) for p, _ in reqs)
+    outs = sorted(o for _, o in reqs)
     where = (f"{len(reqs)} Azure-conv chat requests (prompts {lens[0]}-{lens[-1]} tokens, clipped to "
-             f"{sizes.prompt_clip}; {useful} output tokens), {threads_now()}")
+             f"{sizes.prompt_clip}; outputs {outs[0]}-{outs[-1]} tokens, {outputs}; {useful} output tokens), "
+             f"{threads_now()}")
     per_block = model.cfg.kv_spec(BLOCK, model.dtype).bytes_per_block
     rows = [{"name": f"{where}: engine vs generate one request at a time", "value": kv, "unit": "tok/s",
              "baseline": one, "ratio": kv / one, "goal": _goal(">= 3.0x", kv >= 3 * one, quick)},
@@ -317,10 +325,12 @@ def run(quick: bool = False) -> list[dict]:
     model = load_model(MODEL, dtype=torch.float32, device="cpu", progress=False)
     stream = token_stream(model, max(sizes.prefill_tokens, 4 * sizes.prompt_clip))
     chat = model.tokenizer.chat([{"role": "user", "content": "What is a paged KV cache, in two sentences?"}])
-    reqs = chat_requests(stream, sizes)
+    workloads = {"clipped to " + str(clip) if clip else "as in the trace":
+                 chat_requests(stream, sizes, clip, model.cfg.context_len) for clip in sizes.output_clips}
     rows: list[dict] = []
-    # The full run takes minutes, most of them in the chat rows: a bar naming the part running (off in a log).
-    bar = tqdm(total=5 * len(THREADS), desc="bench_llm", unit="part", leave=False, disable=None)
+    # The full run takes many minutes, most of them in the chat rows: a bar naming the part running (off in a log).
+    bar = tqdm(total=(2 + 3 * len(workloads)) * len(THREADS), desc="bench_llm", unit="part", leave=False,
+               disable=None)
     with quiet_transformers(), bar:
         for n in THREADS:
             with torch_threads(n):
@@ -331,8 +341,9 @@ def run(quick: bool = False) -> list[dict]:
                 bar.set_postfix_str(f"prefill, {threads_now()}")
                 rows.append(prefill_row(model, hf, stream[:sizes.prefill_tokens], sizes.rounds, quick))
                 bar.update()
-                chat_out = chat_rows(model, hf, reqs, sizes, quick, bar)
-                rows += chat_out[:2] if n != THREADS[-1] else chat_out  # the bytes do not depend on threads
+                for outputs, reqs in workloads.items():
+                    chat_out = chat_rows(model, hf, reqs, outputs, sizes, quick, bar)
+                    rows += chat_out[:2] if n != THREADS[-1] else chat_out  # the bytes do not depend on threads
     return rows
 
 
