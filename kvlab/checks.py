@@ -4,6 +4,7 @@ numpy or torch, a bool read as 0 or 1). It imports nothing of kvlab but its erro
 (storage, spec, eviction) use it too."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -34,3 +35,9 @@ def check_positive(n: Any, what: str) -> int:
     if not is_int(n) or n < 1:
         raise ConfigError(f"{what} must be a positive int, got {n!r}")
     return int(n)
+
+
+def check_list(x: Any, what: str) -> None:
+    """:class:`ConfigError` (``what``, then ``x``) unless ``x`` is a sequence other than a string."""
+    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
+        raise ConfigError(f"{what}, got {x!r:.80}")

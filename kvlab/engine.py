@@ -255,8 +255,8 @@ class PagedMemory:
         policy: str | OPTPolicy = cfg.policy
         if cfg.policy == "opt":  # Belady's: the whole workload's prompts, hashed as the cache will look them up
             reqs = list(requests)
-            self.future = FutureUses.of_prompts([r.prompt_token_ids(self.vocab) for r in reqs], cfg.block_size,
-                                                [r.tenant for r in reqs])
+            self.future = PrefixCache.future_uses([r.prompt_token_ids(self.vocab) for r in reqs], cfg.block_size,
+                                                  [r.tenant for r in reqs])
             self.arrival_index = {r.id: i for i, r in enumerate(reqs)}
             policy = OPTPolicy(self._next_use)
         self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=policy,

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from .checks import is_int
+from .checks import check_list, is_int
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -417,25 +417,26 @@ class OPTPolicy(_HeapPolicy):
 class FutureUses:
     """Every future use of every content key, the oracle behind :class:`OPTPolicy`. ``keys_per_request[i]`` are
     the keys request ``i`` will look up, requests in arrival order (for prefix caching: its chained block hashes,
-    see :meth:`of_prompts`). Time runs over the uses one by one (request 0's keys, then request 1's, ...), so
-    that within a request the earlier blocks of a prompt are needed sooner. ``advance(i)`` says request ``i`` is
-    being admitted: now = its first use. ``next_use(key)`` = the time of the first use of ``key`` at or after
-    now, ``math.inf`` if none; it changes only once now passes it, as :class:`OPTPolicy` requires.
+    see :meth:`kvlab.PrefixCache.future_uses`). Time runs over the uses one by one (request 0's keys, then
+    request 1's, ...), so that within a request the earlier blocks of a prompt are needed sooner.
+    ``advance(i)`` says request ``i`` is being admitted: now = its first use. ``next_use(key)`` = the time of
+    the first use of ``key`` at or after now, ``math.inf`` if none; it changes only once now passes it, as
+    :class:`OPTPolicy` requires.
 
     Example, given ``key_of(block_id)`` (the engine's map from a cached block to its hash)::
 
-        future = FutureUses.of_prompts(prompts, block_size)
+        future = PrefixCache.future_uses(prompts, block_size)
         policy = OPTPolicy(lambda b: future.next_use(key_of(b)))
         ...  # future.advance(i) before admitting request i
     """
 
     def __init__(self, keys_per_request: Sequence[Sequence[Hashable]]) -> None:
-        _check_list(keys_per_request, "keys_per_request must be a list of key lists, one per request")
+        check_list(keys_per_request, "keys_per_request must be a list of key lists, one per request")
         uses: dict[Hashable, list[int]] = {}  # key -> its use times, ascending
         starts = [0]  # starts[i]: the time of request i's first use; the last entry: the end of time
         t = 0
         for i, keys in enumerate(keys_per_request):
-            _check_list(keys, f"request {i}: its keys must be a list")
+            check_list(keys, f"request {i}: its keys must be a list")
             for key in keys:
                 if not isinstance(key, Hashable):
                     raise ConfigError(f"request {i}: key {key!r:.80} is not hashable")
@@ -449,31 +450,6 @@ class FutureUses:
     def __len__(self) -> int:
         """The number of requests."""
         return len(self._starts) - 1
-
-    @classmethod
-    def of_prompts(cls, prompts: Sequence[Sequence[int]], block_size: int,
-                   tenants: Sequence[str | None] | None = None) -> "FutureUses":
-        """The uses a :class:`~kvlab.PrefixCache` will look up: for each prompt, the chained hashes
-        (:meth:`PrefixCache.block_hash`, salted by its tenant) of its first ``(len - 1) // block_size`` full
-        blocks, as a sequence looks its prompt up (the last token is always computed)."""
-        from .prefix import PrefixCache, check_tenant, token_bytes
-        if not is_int(block_size) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
-        _check_list(prompts, "prompts must be a list of token id lists")
-        if tenants is not None:
-            _check_list(tenants, "tenants must be a list of tenants, one per prompt, or None")
-            if len(tenants) != len(prompts):
-                raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
-        keys = []
-        for i, tokens in enumerate(prompts):
-            token_bytes(tokens, f"FutureUses.of_prompts: prompt {i}")  # all of it, not only the blocks hashed
-            tenant = None if tenants is None else check_tenant(tenants[i])
-            chain, parent = [], None
-            for j in range(max(0, (len(tokens) - 1) // block_size)):
-                parent = PrefixCache.block_hash(parent, tokens[j * block_size:(j + 1) * block_size], tenant)
-                chain.append(parent)
-            keys.append(chain)
-        return cls(keys)
 
     def advance(self, request: int) -> None:
         """Request ``request`` is being admitted: now = its first use. Time only moves forward; ``len(self)``
@@ -495,12 +471,6 @@ class FutureUses:
         return float(times[i]) if i < len(times) else math.inf
 
 
-def _check_list(x: object, what: str) -> None:
-    """ConfigError (``what``, then ``x``) unless ``x`` is a sequence other than a string."""
-    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
-        raise ConfigError(f"{what}, got {x!r:.80}")
-
-
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy, "random": RandomPolicy, "clock": ClockPolicy,
 }
@@ -520,7 +490,7 @@ def make_policy(policy: "str | EvictionPolicy", seed: int = 0,
             raise ConfigError("the 'opt' policy (Belady) must know the future: pass OPTPolicy(next_use) as the "
                               "policy, where next_use(block_id) is the time the block is needed next (inf if "
                               "never), e.g. lambda b: future.next_use(key_of(b)) with future = "
-                              "FutureUses(keys_per_request) or FutureUses.of_prompts(prompts, block_size)")
+                              "FutureUses(keys_per_request) or PrefixCache.future_uses(prompts, block_size)")
         return OPTPolicy(next_use)
     try:
         return POLICIES[policy]()

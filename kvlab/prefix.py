@@ -44,7 +44,8 @@ import torch
 from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .checks import is_int
+from .checks import check_list, is_int
+from .eviction import FutureUses
 from .pool import BlockPool
 
 TOKEN_MAX = 2**63 - 1  # token ids are hashed as int64
@@ -226,6 +227,31 @@ class PrefixCache:
     def block_hash(parent: bytes | None, token_ids: TokenIds, tenant: str | None = None) -> bytes:
         """16-byte blake2b of the parent hash and the block's token ids (int64), salted per tenant."""
         return _hash(_check_parent(parent), token_bytes(token_ids, "block_hash"), _salted(check_tenant(tenant)))
+
+    @staticmethod
+    def future_uses(prompts: Sequence[Sequence[int]], block_size: int,
+                    tenants: Sequence[str | None] | None = None) -> FutureUses:
+        """The uses this cache will look up, the oracle of Belady's :class:`~kvlab.eviction.OPTPolicy`: for each
+        prompt, the chained hashes (:meth:`block_hash`, salted by its tenant) of its first
+        ``(len - 1) // block_size`` full blocks, as a sequence looks its prompt up (the last token is always
+        computed)."""
+        if not is_int(block_size) or block_size < 1:
+            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_list(prompts, "prompts must be a list of token id lists")
+        if tenants is not None:
+            check_list(tenants, "tenants must be a list of tenants, one per prompt, or None")
+            if len(tenants) != len(prompts):
+                raise ConfigError(f"{len(tenants)} tenants for {len(prompts)} prompts: give one per prompt, or None")
+        keys = []
+        for i, tokens in enumerate(prompts):
+            token_bytes(tokens, f"future_uses: prompt {i}")  # all of it, not only the blocks hashed
+            tenant = None if tenants is None else check_tenant(tenants[i])
+            chain, parent = [], None
+            for j in range(max(0, (len(tokens) - 1) // block_size)):
+                parent = PrefixCache.block_hash(parent, tokens[j * block_size:(j + 1) * block_size], tenant)
+                chain.append(parent)
+            keys.append(chain)
+        return FutureUses(keys)
 
     def holds(self, block_id: int) -> bool:
         """True if ``block_id`` is registered (and still the registered allocation)."""

@@ -562,7 +562,7 @@ def test_opt_re_asks_next_uses_the_future_has_passed():
 
 def test_opt_evicts_dead_chains_tail_first_under_the_prefix_guard():
     a, b = list(range(13)), list(range(100, 109))  # 3 and 2 full blocks looked up ((len - 1) // 4)
-    future = FutureUses.of_prompts([a, b, b], SPEC.block_size)  # a is never asked for again, b once more
+    future = PrefixCache.future_uses([a, b, b], SPEC.block_size)  # a is never asked for again, b once more
     digest: dict[int, bytes] = {}
     pool = BlockPool(8, spec=SPEC, eviction_policy=OPTPolicy(lambda blk: future.next_use(digest[blk])))
     cache = PrefixCache(pool)
@@ -666,16 +666,16 @@ def test_future_uses_rejects_what_is_not_keys_per_request(bad, what):
         FutureUses(bad)
 
 
-def test_future_uses_of_prompts_are_the_chains_the_cache_looks_up():
+def test_the_future_uses_of_prompts_are_the_chains_the_cache_looks_up():
     h0 = PrefixCache.block_hash(None, [0, 1, 2, 3])
     h1 = PrefixCache.block_hash(h0, [4, 5, 6, 7])
     t0 = PrefixCache.block_hash(None, [0, 1, 2, 3], "t")
-    future = FutureUses.of_prompts([list(range(8)), list(range(9)), list(range(9))], 4, tenants=[None, None, "t"])
+    future = PrefixCache.future_uses([list(range(8)), list(range(9)), list(range(9))], 4, tenants=[None, None, "t"])
     assert [future.next_use(h) for h in (h0, h1, t0)] == [0.0, 2.0, 3.0]  # 8 tokens: one block looked up
     with pytest.raises(ConfigError, match="tenants"):
-        FutureUses.of_prompts([[1, 2]], 4, tenants=[])
+        PrefixCache.future_uses([[1, 2]], 4, tenants=[])
     with pytest.raises(ConfigError, match="block_size"):
-        FutureUses.of_prompts([[1, 2]], 0)
+        PrefixCache.future_uses([[1, 2]], 0)
 
 
 def test_opt_needs_its_oracle():

@@ -5,6 +5,7 @@ import pytest
 
 from kvlab import ConfigError
 from kvlab import exercises as ex
+from kvlab.exercises.framework import EXERCISES, PREDICTIONS
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,7 @@ def test_tuple_answers_are_judged_item_by_item_without_giving_away_the_wrong_one
 
 def test_a_prediction_is_compared_with_the_measurement_that_follows():
     key = ex.list_predictions("2.2.1")[0]
-    p = ex.PREDICTIONS[key]
+    p = PREDICTIONS[key]
     options = p.choices or (1.0,)
     assert "还没有" in ex.predict(key, ...)
     missed = ex.reveal(key, options[0])
@@ -59,8 +60,8 @@ def test_a_prediction_is_compared_with_the_measurement_that_follows():
 
 
 def test_bad_predictions_are_refused_and_leave_the_record_as_it_was():
-    key = next(k for k in ex.list_predictions() if ex.PREDICTIONS[k].choices)
-    first = ex.PREDICTIONS[key].choices[0]
+    key = next(k for k in ex.list_predictions() if PREDICTIONS[k].choices)
+    first = PREDICTIONS[key].choices[0]
     ex.predict(key, first)
     with pytest.raises(ConfigError, match="not one of the choices"):
         ex.predict(key, "certainly not a choice")
@@ -69,7 +70,7 @@ def test_bad_predictions_are_refused_and_leave_the_record_as_it_was():
     with pytest.raises(ConfigError, match="unknown prediction 'nope'"):
         ex.predict("nope", 1)
     assert ex.reveal(key, first).ok  # the refused calls changed nothing
-    numeric = next(k for k in ex.list_predictions() if not ex.PREDICTIONS[k].choices)
+    numeric = next(k for k in ex.list_predictions() if not PREDICTIONS[k].choices)
     with pytest.raises(ConfigError, match="expected a number"):
         ex.predict(numeric, "lots")
 
@@ -89,7 +90,7 @@ def test_summary_counts_right_answers_and_matched_predictions():
     ex.check("2.2.2-refcount", (1, "ALLOCATED"))
     keys = ex.list_predictions("2.2.2")
     for k in keys:
-        p = ex.PREDICTIONS[k]
+        p = PREDICTIONS[k]
         ex.predict(k, p.choices[0] if p.choices else 0)
     s = ex.summary("2.2.2")
     assert (s.right, s.attempted, s.predicted) == (1, 2, len(keys))
@@ -112,6 +113,6 @@ def test_registration_refuses_duplicates_and_incomplete_hints():
         ex.register("2.2.9-new", "x", ("a", "b", "c"), kind="essay")(lambda a: (True, ""))
     with pytest.raises(ConfigError, match="rel_tol"):
         ex.register_prediction("2.2.9-p", "x", rel_tol=-1)
-    assert "2.2.9-new" not in ex.EXERCISES and "2.2.9-p" not in ex.PREDICTIONS
+    assert "2.2.9-new" not in EXERCISES and "2.2.9-p" not in PREDICTIONS
     with pytest.raises(ConfigError):
         ex.hint("2.2.2-lru", 4)

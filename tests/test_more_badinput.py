@@ -19,6 +19,7 @@ from kvlab import (Claim, ConfigError, ContiguousAllocator, Engine, EngineConfig
 from kvlab.claims import check_baselines
 from kvlab.events import EventBus
 from kvlab.eviction import FutureUses, RandomPolicy
+from kvlab.prefix import PrefixCache
 from kvlab.metrics import GAUGES, MetricsLog, distribution
 from kvlab.sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_attention_ms
 
@@ -135,8 +136,8 @@ def test_next_use_refuses_an_unhashable_key(key):
     ([list(range(9))], [5], 5, ConfigError), ([None], None, None, KVLabError), ([[1.5, 2]], None, 1.5, KVLabError),
     ([list(range(9)), "abc"], None, "abc", KVLabError),
 ])
-def test_of_prompts_refuses_what_is_no_prompt_list(prompts, tenants, value, error):
-    refuses(lambda: FutureUses.of_prompts(prompts, 4, tenants=tenants), value, error)
+def test_future_uses_refuses_what_is_no_prompt_list(prompts, tenants, value, error):
+    refuses(lambda: PrefixCache.future_uses(prompts, 4, tenants=tenants), value, error)
 
 
 @pytest.mark.parametrize("policy", ["random", "lru", "clock"])

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
+from .framework import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
 
 
 def pool_utilisation(lengths: list[int], block_size: int) -> float:

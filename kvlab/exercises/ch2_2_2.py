@@ -10,7 +10,7 @@ from ..block import BlockStatus
 from ..errors import ConfigError, KVLabError
 from ..pool import BlockPool
 from ..spec import KVSpec
-from . import Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
+from .framework import Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
 
 
 def legal_transitions() -> set[tuple[BlockStatus, BlockStatus]]:

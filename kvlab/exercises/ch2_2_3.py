@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from . import Verdict, metadata_pool, register, register_prediction, same
+from .framework import Verdict, metadata_pool, register, register_prediction, same
 
 
 def sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 2) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..block import BlockStatus
 from ..errors import KVLabError
-from . import Unreadable, Verdict, agrees, canon, metadata_pool, register, register_prediction, returned, same
+from .framework import Unreadable, Verdict, agrees, canon, metadata_pool, register, register_prediction, returned, same
 
 
 # Hand-made layouts first (num_blocks, top order, FREE base blocks): free runs long enough for a largest block but

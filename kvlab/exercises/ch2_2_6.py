@@ -11,7 +11,7 @@ from ..pool import BlockPool
 from ..spec import KVSpec
 from ..traces import load_trace
 from ..workloads import Workload
-from . import Unreadable, Verdict, canon, register, register_prediction, same
+from .framework import Unreadable, Verdict, canon, register, register_prediction, same
 
 LONG_SPEC = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)  # a Llama-3-8B-like KV shape
 
