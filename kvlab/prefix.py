@@ -44,7 +44,7 @@ import torch
 from .block import BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .checks import check_list, is_int
+from .checks import check_list, check_positive, is_int
 from .eviction import FutureUses
 from .pool import BlockPool
 
@@ -235,8 +235,7 @@ class PrefixCache:
         prompt, the chained hashes (:meth:`block_hash`, salted by its tenant) of its first
         ``(len - 1) // block_size`` full blocks, as a sequence looks its prompt up (the last token is always
         computed)."""
-        if not is_int(block_size) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_positive(block_size, "block_size")
         check_list(prompts, "prompts must be a list of token id lists")
         if tenants is not None:
             check_list(tenants, "tenants must be a list of tenants, one per prompt, or None")
