@@ -7,7 +7,7 @@ imports Jupyter packages; the widgets live in :mod:`kvlab.viz` and load only whe
 from .allocator import (AllocationAbandoned, AllocationQueued, AllocationRecord, AllocationServed,
                         DynamicAllocator, Ticket, TicketState)
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
-from .block import BlockStatus, KVBlock
+from .block import BlockStatus
 from .baseline import ContiguousAllocator, ContiguousMemory
 from .claims import BASELINES, Claim, claims_report, measure_claims, prefetch_effect, prefix_hit_share, verdicts
 from .clock import LogicalClock, WallClock
@@ -37,6 +37,7 @@ from .preallocation import Preallocator
 from .refs import ReferenceManager
 from .sequence import CopiedOnWrite, PagedBatch, Sequence, SequenceManager, Swapped
 from .spec import KVSpec
+from .textbook import KVBlock, TextbookPool
 from .sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_block_size, plot_sweep, sweep
 from .storage import KVStorage
 from .traces import load_trace, prefix_hit_bound, prefix_hits, trace_names
@@ -67,7 +68,7 @@ __all__ = [
     "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",
     "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy", "torch_threads",
-    "ClockPolicy", "FutureUses", "OPTPolicy",
+    "ClockPolicy", "FutureUses", "OPTPolicy", "TextbookPool",
 ]
 
 

@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from . import events as ev
-from .block import BlockStatus, KVBlock
+from .block import FREE, BlockStatus
+from .checks import check_kv_data
 from .errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
 from .checks import is_int
 from .pool import BlockPool, check_owner
-from .textbook import check_kv_data
+from .textbook import KVBlock
 
-FREE = int(BlockStatus.FREE)
 STRATEGIES = ("exact", "split", "merge", "evict")
 
 
@@ -194,7 +194,7 @@ class DynamicAllocator:
         if (kv_data is not None) + (tokens is not None) + (size_class is not None) > 1:
             raise ConfigError("give at most one of kv_data, tokens or size_class")
         if kv_data is not None:
-            check_kv_data(self.pool, kv_data, self.pool.block_sizes[-1])
+            check_kv_data(self.pool.spec, self.pool.storage_of().kv.device, kv_data, self.pool.block_sizes[-1])
             return self.size_class_for(kv_data.shape[2])
         if tokens is not None:
             return self.size_class_for(tokens)
@@ -206,10 +206,10 @@ class DynamicAllocator:
         b = pool.allocate(1, size_class=ticket.size_class, owner=ticket.owner)[0]
         if ticket.kv_data is not None:
             t = ticket.kv_data.shape[2]
-            pool.block(b).kv_data[:, :, :t].copy_(ticket.kv_data)
+            KVBlock(pool, b).kv_data[:, :, :t].copy_(ticket.kv_data)
             pool.set_token_count(b, t)
         now = pool.clock.now()
-        ticket.state, ticket.block, ticket.strategy, ticket.served_at = TicketState.SERVED, pool.block(b), how, now
+        ticket.state, ticket.block, ticket.strategy, ticket.served_at = TicketState.SERVED, KVBlock(pool, b), how, now
         ticket.kv_data = None  # written: the ticket no longer pins the caller's tensor
         self.stats[how] += 1
         self.allocation_history.append(AllocationRecord(now, ticket.size_class, ticket.owner, how,
@@ -235,7 +235,7 @@ class DynamicAllocator:
                     self._split_down(size_class)
                 return "merge"
             if not pool.max_order:  # uniform pool: any victim frees a whole block, so the policy's first will do
-                return "evict" if pool.evict_block("allocation pressure") is not None else None
+                return "evict" if pool.evict("allocation pressure") is not None else None
             victims = self._plan_eviction(size_class)
             if victims is None:
                 return None
@@ -317,7 +317,7 @@ class DynamicAllocator:
         pool.evict_guard = chosen.__contains__  # the real guard approved every victim while planning
         try:
             for _ in victims:
-                pool.evict_block("allocation pressure")
+                pool.evict("allocation pressure")
         finally:
             pool.evict_guard = guard
 
@@ -360,5 +360,5 @@ class DynamicAllocator:
     def deallocate_block(self, block_id: int) -> list[Ticket]:
         """Drop one reference to ``block_id`` (the pool frees or caches it), then serve waiters; returns them."""
         with self.pool.lock:
-            self.pool.release_block(block_id)
+            self.pool.free([block_id])
             return self.handle_wait_queue()

@@ -5,11 +5,15 @@ numpy or torch, a bool read as 0 or 1). It imports nothing of kvlab but its erro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
+import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, KVDataError
+
+if TYPE_CHECKING:
+    from .spec import KVSpec
 
 
 def is_int(x: Any) -> TypeGuard[int]:
@@ -41,3 +45,19 @@ def check_list(x: Any, what: str) -> None:
     """:class:`ConfigError` (``what``, then ``x``) unless ``x`` is a sequence other than a string."""
     if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
         raise ConfigError(f"{what}, got {x!r:.80}")
+
+
+def check_kv_data(spec: "KVSpec", device: torch.device, kv: Any, capacity_tokens: int | None = None) -> int:
+    """The token count of ``kv`` ``[2, layers, tokens, kv_heads, head_dim]`` if a pool of ``spec`` on ``device``
+    can store it (right shape, dtype and device; at most ``capacity_tokens``), else :class:`KVDataError`."""
+    if not isinstance(kv, torch.Tensor):
+        raise KVDataError(f"kv_data must be a torch.Tensor, got {type(kv).__name__}")
+    want = (2, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+        raise KVDataError(f"kv_data has shape {list(kv.shape)}, expected [2, {spec.num_layers}, tokens, "
+                          f"{spec.num_kv_heads}, {spec.head_dim}]")
+    if kv.dtype != spec.dtype or kv.device != device:
+        raise KVDataError(f"kv_data is {kv.dtype} on {kv.device}; the pool stores {spec.dtype} on {device}")
+    if capacity_tokens is not None and kv.shape[2] > capacity_tokens:
+        raise KVDataError(f"kv_data holds {kv.shape[2]} tokens; the block holds {capacity_tokens}")
+    return int(kv.shape[2])

@@ -61,6 +61,7 @@ from .chat import check_seed, check_temperature, check_top_p, sample
 from .checks import is_int
 from .errors import ConfigError
 from .events import EngineEvent, Event
+from .fragmentation import unusable_free_percent
 from .eviction import POLICIES, FutureUses, OPTPolicy
 from .metrics import BlockLifetimes, MetricsLog, RequestRecord, StepMetrics, distribution, format_table
 from .model import Llama
@@ -409,7 +410,7 @@ class PagedMemory:
         tokens as held. No pass over the pool: a cached block is registered, hence full."""
         pool = self.pool
         reserved = (pool.num_blocks - pool.num_free_blocks) * self.bs
-        frag = pool.calculate_fragmentation() / 100 if pool.max_order else 0.0  # one size: none, by construction
+        frag = unusable_free_percent(pool) / 100 if pool.max_order else 0.0  # one size: none, by construction
         return reserved, self.usage()[1] + pool.num_cached_blocks * self.bs, frag
 
     def usage(self) -> tuple[int, int]:

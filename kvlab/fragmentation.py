@@ -2,7 +2,7 @@
 
 Three different wastes, kept apart because they have different cures:
 
-* **unusable free memory** (``fragmentation_percent``, the text's key, from :meth:`BlockPool.calculate_fragmentation`):
+* **unusable free memory** (``fragmentation_percent``, the text's key, from :func:`unusable_free_percent`):
   the share of FREE memory that cannot form a block of the largest size class. This is what hurts a pool with
   several size classes. On a uniform pool every FREE block serves every request, so it is 0 whatever the layout.
 * **external fragmentation** (``external_fragmentation``, a fraction): ``1 - largest free run / total free``,
@@ -37,12 +37,37 @@ from typing import Any
 import numpy as np
 
 from . import events as ev
-from .block import BlockStatus
+from .block import ALLOCATED, FREE
 from .errors import ConfigError
 from .checks import check_count, is_int
 from .pool import BlockPool
 
-FREE, ALLOCATED = int(BlockStatus.FREE), int(BlockStatus.ALLOCATED)
+
+
+def unusable_free_percent(pool: BlockPool) -> int:
+    """Unusable free memory in percent: the share of FREE memory that the largest request cannot use. A request
+    asks for one block of at most the largest class, so only free space that forms whole aligned blocks of that
+    class counts as usable. With one size class every free block serves every request: 0 by construction,
+    whatever the layout. (The text's ``calculate_fragmentation``.)"""
+    with pool.lock:
+        total = pool.num_free_blocks
+        if not total or not pool.max_order:  # one class: every free block is usable, no scan needed
+            return 0
+        top = 1 << pool.max_order
+        aligned = pool.arrays.status[:pool.num_blocks // top * top].reshape(-1, top)
+        usable = top * int((aligned == FREE).all(axis=1).sum())
+        return int(round(100 * (1 - usable / total)))
+
+
+def memory_usage(pool: BlockPool) -> dict[str, int]:
+    """Bytes: ``total``, ``used`` (PENDING/ALLOCATED/EVICTING), ``free``, ``cached`` (inside ``used``) and
+    ``token_bytes`` (bytes holding real tokens)."""
+    with pool.lock:
+        c, size = pool.status_counts(), pool.bytes_per_block
+        cached = sum(1 << pool.fields.size_class[b] for b, _ in pool.policy.order())
+        return {"total": pool.num_blocks * size, "used": (pool.num_blocks - c["FREE"]) * size,
+                "free": c["FREE"] * size, "cached": cached * size,
+                "token_bytes": int(pool.arrays.tokens.sum()) * pool.spec.bytes_per_token}
 
 
 def _check_pool(pool: object, who: str) -> BlockPool:
@@ -80,7 +105,7 @@ class FragmentationDetector:
     def trigger_percent(self) -> float:
         """The number ``should_defragment`` compares with the threshold (see the class docstring)."""
         if self.pool.max_order:
-            return float(self.pool.calculate_fragmentation())
+            return float(unusable_free_percent(self.pool))
         return 100.0 * self.external_fragmentation()
 
     def detect_fragmentation(self) -> dict[str, Any]:
@@ -99,9 +124,9 @@ class FragmentationDetector:
             lengths, counts = np.unique(runs, return_counts=True)
             trigger = self.trigger_percent()
             return {
-                "fragmentation_percent": pool.calculate_fragmentation(),
+                "fragmentation_percent": unusable_free_percent(pool),
                 "should_defragment": trigger > self.threshold,
-                "memory_info": pool.get_memory_usage(),
+                "memory_info": {**memory_usage(pool), "fragmentation": unusable_free_percent(pool)},
                 "free_blocks": {size: pool.free_lists.count(o) for o, size in enumerate(pool.block_sizes)},
                 "external_fragmentation": self.external_fragmentation(),
                 "largest_free_run": int(runs.max()) if runs.size else 0,
@@ -162,7 +187,7 @@ class DefragmentationStrategy:
 
     def _measure(self) -> dict[str, float]:
         d = self.detector
-        return {"fragmentation_percent": float(self.pool.calculate_fragmentation()),
+        return {"fragmentation_percent": float(unusable_free_percent(self.pool)),
                 "external_fragmentation": d.external_fragmentation()}
 
     def defragment(self, *, force: bool = False, max_moves: int | None = None) -> DefragReport:

@@ -1,7 +1,7 @@
 """Per-block metadata: one flat array per field, indexed by base-block id (text §2.2.2, "块结构设计").
 
 The text's ``KVBlock`` is an object with fields. A pool of a million blocks would then be a million objects;
-here each field is one array, and a block is an index into all of them (:class:`kvlab.block.KVBlock` is just a
+here each field is one array, and a block is an index into all of them (:class:`kvlab.textbook.KVBlock` is just a
 view). Each field has one name, used everywhere — here, in :meth:`BlockPool.snapshot`, in the views:
 
 ===============  =====  =====================================================================
@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from .block import FREE
+
 FIELDS: dict[str, str] = {"status": "B", "size_class": "B", "refcount": "i", "tokens": "i", "last_access": "q",
                           "created": "q", "hits": "q", "owner": "i", "reusable": "B"}
 _NP = {"B": np.uint8, "i": np.int32, "q": np.int64}
 NO_OWNER = -1
-FREE = 0  # BlockStatus.FREE (kvlab.block imports nothing from here, so the value is repeated, and checked there)
 
 Index = int | slice | np.ndarray
 

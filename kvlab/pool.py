@@ -3,7 +3,7 @@
 This is the reference pool, the one to read: one path per operation, each validating everything before it
 changes anything. Speed lives apart, in :class:`kvlab.perf.FastBlockPool` (§2.2.5), which tests hold equal to
 this class. The parts: per-block fields in :mod:`kvlab.meta`, free stacks and buddies in :mod:`kvlab.freelists`,
-victims chosen by :mod:`kvlab.eviction`, the text's method names in :mod:`kvlab.textbook`.
+victims chosen by :mod:`kvlab.eviction`; the text's method names are an adapter around it, in :mod:`kvlab.textbook`.
 
 Lifecycle of a block (the state machine is :class:`kvlab.block.BlockStatus`)::
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from . import events as ev
-from .block import BlockStatus, KVBlock
+from .block import ALLOCATED, EVICTING, FREE, PENDING, STATE_NAMES, BlockStatus
 from .checks import check_count, is_int
 from .clock import Clock, LogicalClock
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, OutOfBlocksError,
@@ -57,10 +57,7 @@ from .freelists import FreeLists
 from .meta import FIELDS, NO_OWNER, BlockMeta
 from .spec import KVSpec
 from .storage import KVStorage
-from .textbook import TextbookNames
 
-FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
-NAMES = [s.name for s in BlockStatus]
 INT32_MAX = 2**31 - 1
 CLOCK_MAX = 2**62  # a clock starting later could tick past int64 (2**63 - 1) and overflow the stamps
 RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
@@ -98,7 +95,7 @@ def notify(hooks: Sequence[Callable[..., None]], *args: Any) -> None:
         raise error
 
 
-class BlockPool(TextbookNames):
+class BlockPool:
     """A pool of ``num_blocks`` fixed-size KV blocks (or of ``total_memory`` bytes) with states, refcounts,
     an eviction policy, batch operations and events.
 
@@ -188,10 +185,6 @@ class BlockPool(TextbookNames):
             return [self.check_id(b) for b in ids.tolist()]
         raise UnknownBlockError(f"block ids must be a list, tuple, range or 1-D int array, got {ids!r}")
 
-    def block(self, block_id: int) -> KVBlock:
-        """A :class:`KVBlock` view of ``block_id``."""
-        return KVBlock(self, self.check_id(block_id))
-
     def storage_of(self) -> KVStorage:
         """The KV tensor's storage; :class:`ConfigError` for a metadata-only pool."""
         if self.storage is None:
@@ -258,8 +251,8 @@ class BlockPool(TextbookNames):
                 b = self.check_id(block_id)
                 BlockStatus.check(b, self.meta.status[b], int(status))
                 if n != 1 or self.meta.status[b] != FREE:
-                    raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]}: only one FREE block "
-                                                 f"can be allocated by id (n={n})")
+                    raise IllegalTransitionError(f"block {b} is {STATE_NAMES[self.meta.status[b]]}: only one FREE "
+                                                 f"block can be allocated by id (n={n})")
                 k = self.meta.size_class[b]
             elif n > (free := self.free_lists.capacity(k)) and n - free > (gone := self._evictable(k, n - free)):
                 raise OutOfBlocksError(
@@ -287,7 +280,7 @@ class BlockPool(TextbookNames):
             self.counts["allocations"] += n
             if self.events and n:  # the strategy reported is the one that served most of the blocks
                 how = max(("free", "split", "evict"), key=served.count)
-                self.events.publish(ev.Allocated(t, tuple(out), k, owner, NAMES[status], how))
+                self.events.publish(ev.Allocated(t, tuple(out), k, owner, STATE_NAMES[status], how))
             return out
 
     def reserve(self, n: int = 1, *, size_class: int = 0, owner: int = -1) -> list[int]:
@@ -349,11 +342,12 @@ class BlockPool(TextbookNames):
             for b, c in want.items():
                 s, r = m.status[b], m.refcount[b]
                 if free and not (s == ALLOCATED and r >= c or s == PENDING and c == 1):
-                    what = "cached (refcount 0)" if s == ALLOCATED and not r else NAMES[s]
+                    what = "cached (refcount 0)" if s == ALLOCATED and not r else STATE_NAMES[s]
                     raise DoubleFreeError(f"block {b} is {what} with refcount {r}: it cannot be released {c} "
                                           f"time(s) (double free?)")
                 if not free and s != ALLOCATED:
-                    raise IllegalTransitionError(f"block {b} is {NAMES[s]}: only ALLOCATED blocks hold references")
+                    raise IllegalTransitionError(f"block {b} is {STATE_NAMES[s]}: only ALLOCATED blocks hold "
+                                                 f"references")
                 if not free and r < c:
                     raise RefcountUnderflowError(f"block {b} has refcount {r}; this call drops {c}")
             if not want:
@@ -408,7 +402,7 @@ class BlockPool(TextbookNames):
         want = occurrences(self.check_ids(ids))  # {id: occurrences}, first occurrence first
         for b in want:
             if self.meta.status[b] != ALLOCATED:
-                raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]}: only ALLOCATED blocks "
+                raise IllegalTransitionError(f"block {b} is {STATE_NAMES[self.meta.status[b]]}: only ALLOCATED blocks "
                                              f"{what}")
         return want
 
@@ -437,7 +431,7 @@ class BlockPool(TextbookNames):
             blocks = list(dict.fromkeys(self.check_ids(ids)))
             for b in blocks:
                 if m.status[b] not in (ALLOCATED, PENDING):
-                    raise IllegalTransitionError(f"block {b} is {NAMES[m.status[b]]}: it holds no data to keep")
+                    raise IllegalTransitionError(f"block {b} is {STATE_NAMES[m.status[b]]}: it holds no data to keep")
             if not blocks:
                 return
             t = self._mutation()
@@ -501,8 +495,8 @@ class BlockPool(TextbookNames):
             for b in blocks:
                 BlockStatus.check(b, self.meta.status[b], new)
                 if self.meta.status[b] != old:
-                    raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]}, expected {NAMES[old]} "
-                                                 f"for -> {NAMES[new]}")
+                    raise IllegalTransitionError(f"block {b} is {STATE_NAMES[self.meta.status[b]]}, expected "
+                                                 f"{STATE_NAMES[old]} for -> {STATE_NAMES[new]}")
             if len(set(blocks)) != len(blocks):
                 raise IllegalTransitionError(f"block ids repeat in {blocks}")
             if not blocks:
@@ -519,7 +513,7 @@ class BlockPool(TextbookNames):
             if leaving:
                 notify(self.stale_hooks, leaving)
             if self.events:
-                self.events.publish(ev.StatusChanged(t, tuple(blocks), NAMES[old], NAMES[new]))
+                self.events.publish(ev.StatusChanged(t, tuple(blocks), STATE_NAMES[old], STATE_NAMES[new]))
 
     def _push_free(self, b: int) -> None:
         self.meta.reset(b)
@@ -569,7 +563,7 @@ class BlockPool(TextbookNames):
         with self.lock:
             b = self.check_id(block_id)
             if self.meta.status[b] != ALLOCATED or self.meta.refcount[b]:
-                raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]} with refcount "
+                raise IllegalTransitionError(f"block {b} is {STATE_NAMES[self.meta.status[b]]} with refcount "
                                              f"{self.meta.refcount[b]}: only a cached block can be released")
             t = self._mutation()
             self._uncache(b)
@@ -583,8 +577,8 @@ class BlockPool(TextbookNames):
             b = self.check_id(block_id)
             k = self.meta.size_class[b]
             if self.meta.status[b] != FREE or not k:
-                raise IllegalTransitionError(f"block {b} is {NAMES[self.meta.status[b]]} of size class {k}: only a "
-                                             f"FREE block of class > 0 can be split")
+                raise IllegalTransitionError(f"block {b} is {STATE_NAMES[self.meta.status[b]]} of size class {k}: "
+                                             f"only a FREE block of class > 0 can be split")
             t = self._mutation()
             buddy = self.free_lists.split(b)
             self.counts["splits"] += 1
@@ -628,9 +622,9 @@ class BlockPool(TextbookNames):
                 raise ConfigError(f"reason must be a str, got {reason!r}")
             for a, b in zip(s, d):
                 if m.status[a] != ALLOCATED:
-                    raise IllegalTransitionError(f"block {a} is {NAMES[m.status[a]]}: only ALLOCATED blocks move")
+                    raise IllegalTransitionError(f"block {a} is {STATE_NAMES[m.status[a]]}: only ALLOCATED blocks move")
                 if m.status[b] != FREE:
-                    raise IllegalTransitionError(f"target block {b} is {NAMES[m.status[b]]}, not FREE")
+                    raise IllegalTransitionError(f"target block {b} is {STATE_NAMES[m.status[b]]}, not FREE")
                 if m.size_class[a] != m.size_class[b]:
                     raise ConfigError(f"block {a} (class {m.size_class[a]}) cannot move into block {b} "
                                       f"(class {m.size_class[b]})")
@@ -661,7 +655,14 @@ class BlockPool(TextbookNames):
     def status_counts(self) -> dict[str, int]:
         """Base blocks per state, e.g. ``{"FREE": 10, "PENDING": 0, "ALLOCATED": 6, "EVICTING": 0}``."""
         c = np.bincount(self.arrays.status, minlength=4)
-        return {name: int(c[i]) for i, name in enumerate(NAMES)}
+        return {name: int(c[i]) for i, name in enumerate(STATE_NAMES)}
+
+    def stats(self) -> dict[str, int]:
+        """Counters since creation (allocations, frees, evictions, splits, merges, migrations, how allocations
+        were served), the base blocks per state now, cached blocks and lock acquisitions."""
+        with self.lock:
+            return {**self.counts, **self.status_counts(), "cached": len(self.policy),
+                    "lock_acquisitions": self.lock_acquisitions}
 
     def free_runs(self) -> np.ndarray:
         """Lengths (in base blocks) of the maximal runs of consecutive FREE base blocks, in address order."""

@@ -41,7 +41,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .block import BlockStatus
+from .block import ALLOCATED, BlockStatus
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
 from .checks import check_list, check_positive, is_int
@@ -53,7 +53,6 @@ TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 _NONE = object()  # "no bad token found" (None itself is a bad token)
 _INT = {int}
 _SHORT = 64  # token lists up to this long are converted by array, longer ones by numpy (fixed cost vs per id)
-ALLOCATED = int(BlockStatus.ALLOCATED)
 
 
 def token_bytes(x: object, where: str) -> bytes:

@@ -39,7 +39,7 @@ class ReferenceManager:
 
     def is_safe_to_evict(self, block_id: int) -> bool:
         """True for a cached block: ALLOCATED with no holder (FREE blocks hold nothing to evict)."""
-        return self.pool.block(block_id).is_cached
+        return self.pool.is_cached(block_id)
 
     def get_all_references(self) -> dict[int, int]:
         """``{block_id: refcount}`` for every block with at least one reference."""

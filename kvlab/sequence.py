@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .block import BlockStatus
+from .block import ALLOCATED
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
 from .checks import is_int
@@ -43,7 +43,6 @@ from .pool import BlockPool
 from .prefix import TOKEN_MAX, PrefixCache, check_tenant, check_token_ids
 
 NewTokens = int | Seq[int]
-ALLOCATED = int(BlockStatus.ALLOCATED)
 
 
 def _positions(x: object, what: str) -> list:

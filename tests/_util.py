@@ -30,7 +30,7 @@ def pool_state(pool: BlockPool) -> tuple:
     snap = pool.snapshot()
     kv = pool.storage.kv.clone() if pool.storage is not None else None
     return ({k: v.copy() for k, v in snap.items()}, [pool.free_ids(k) for k in range(pool.max_order + 1)],
-            list(pool.policy.order()), {**pool.get_stats(), "clock": pool.clock.now()}, kv)
+            list(pool.policy.order()), {**pool.stats(), "clock": pool.clock.now()}, kv)
 
 
 def same_state(before: tuple, after: tuple) -> bool:

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from _util import small_spec
 from kvlab import BlockPool, BlockStatus, DefragmentationStrategy, DynamicAllocator, TicketState
+from kvlab.textbook import KVBlock
 
 N, SIZES = 16, [4, 8, 16, 32]
 ALLOCATED, FREE = int(BlockStatus.ALLOCATED), int(BlockStatus.FREE)
@@ -35,12 +36,12 @@ class AllocMachine(RuleBasedStateMachine):
         self.data.update({d: moved[s] for s, d in zip(src.tolist(), dst.tolist())})
 
     def _evicted(self, b: int) -> None:
-        assert self.pool.block(b).status is BlockStatus.FREE
+        assert KVBlock(self.pool, b).status is BlockStatus.FREE
         del self.data[b]
 
     def _write(self, b: int) -> None:
         self.stamp += 1
-        view = self.pool.block(b).kv_data
+        view = KVBlock(self.pool, b).kv_data
         pattern = (self.stamp * 2048 + torch.arange(view.numel(), dtype=view.dtype)).view_as(view)
         view.copy_(pattern)
         self.data[b] = pattern
@@ -93,7 +94,7 @@ class AllocMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self) -> None:
-        self.pool.evict_block()
+        self.pool.evict()
         self._record(self.alloc.handle_wait_queue())
 
     @rule(data=st.data())
@@ -169,7 +170,7 @@ class AllocMachine(RuleBasedStateMachine):
         pool.check_invariants()
         for b, pattern in self.data.items():
             assert pool.fields.status[b] in (ALLOCATED, int(BlockStatus.EVICTING)), b
-            assert torch.equal(pool.block(b).kv_data, pattern), f"block {b} lost its data"
+            assert torch.equal(KVBlock(pool, b).kv_data, pattern), f"block {b} lost its data"
         live = {b for b in range(N)
                 if pool.fields.status[b] == ALLOCATED and b % (1 << pool.fields.size_class[b]) == 0} - self.pending
         assert live == self.data.keys() - self.evicting

@@ -109,7 +109,7 @@ def test_allocate_by_evicting(cls):
     assert check(pool, rec, lambda: pool.allocate(2), lambda t: [
         Evicted(t, 3, "lru", "allocation pressure", ((3, float(t3)),)),
         Allocated(t, (0, 3), 0, -1, "ALLOCATED", "free")]) == [0, 3]
-    assert pool.get_stats()["served_evict"] == 3
+    assert pool.stats()["served_evict"] == 3
     pool.check_invariants()
 
 

@@ -18,6 +18,7 @@ from kvlab import (BlockPool, ConfigError, EventRecorder, Evicted, FastBlockPool
                    perf)
 from kvlab.eviction import ClockPolicy, FutureUses, OPTPolicy, make_policy
 from kvlab.sequence import SequenceManager
+from kvlab.textbook import TextbookPool
 
 SPEC = small_spec()
 POOLS = {"reference": BlockPool, "fast": FastBlockPool}
@@ -195,7 +196,7 @@ def test_random_replays_with_its_seed(seed):
     assert random_victims(seed, lambda p: EventRecorder(p.events)) == RANDOM_VICTIMS[seed]  # nor does listening
 
 
-@pytest.mark.parametrize("look", [lambda p: p.policy.rank(16), lambda p: p.get_memory_usage(),
+@pytest.mark.parametrize("look", [lambda p: p.policy.rank(16), lambda p: TextbookPool(p).get_memory_usage(),
                                   lambda p: p.check_invariants()], ids=["rank", "memory_usage", "invariants"])
 def test_random_victims_do_not_depend_on_who_looked(look):
     assert random_victims(0, look) == RANDOM_VICTIMS[0]
@@ -742,7 +743,7 @@ def churn(policy: str, look=None, seed: int = 0) -> list[int | None]:
 
 
 @pytest.mark.parametrize("policy", ALL)
-@pytest.mark.parametrize("look", [lambda p: p.policy.rank(12), lambda p: p.get_memory_usage(),
+@pytest.mark.parametrize("look", [lambda p: p.policy.rank(12), lambda p: TextbookPool(p).get_memory_usage(),
                                   lambda p: p.check_invariants(), lambda p: p.events.subscribe(lambda e: None)],
                          ids=["rank", "memory_usage", "invariants", "listening"])
 def test_looking_never_changes_a_victim(policy, look):

@@ -119,7 +119,7 @@ def test_a_crashing_answer_is_wrong_not_an_error():
 def test_unknown_exercise_names_the_known_ones():
     with pytest.raises(ConfigError, match="2.2.2-lru"):
         ex.check("2.2.9-nope", 1)
-    assert "evict_block" in ex.prompt("2.2.2-lru")
+    assert "pool.evict()" in ex.prompt("2.2.2-lru")
 
 
 def test_long_sequence_truth_matches_the_spec():

@@ -9,6 +9,7 @@ import torch
 from _util import assert_same_state, pool_state, small_spec
 from kvlab import BlockPool, BlockStatus, DefragmentationStrategy, FragmentationDetector
 from kvlab.attention import paged_attention
+from kvlab.textbook import KVBlock
 
 FREE, ALLOCATED = BlockStatus.FREE, BlockStatus.ALLOCATED
 
@@ -26,11 +27,11 @@ def _reference(pool: BlockPool) -> dict:
     used = [i for i, s in enumerate(st) if s != FREE]
     heads = [b for b in range(pool.num_blocks) if b % (1 << pool.fields.size_class[b]) == 0]
     alloc = [b for b in heads if st[b] == ALLOCATED]
-    slots = sum(pool.block(b).capacity_tokens for b in alloc)
+    slots = sum(KVBlock(pool, b).capacity_tokens for b in alloc)
     return {"external_fragmentation": 1 - max(runs) / sum(runs) if runs else 0.0,
             "largest_free_run": max(runs, default=0),
             "free_run_histogram": {k: runs.count(k) for k in sorted(set(runs))},
-            "internal_waste": 1 - sum(pool.block(b).token_count for b in alloc) / slots if slots else 0.0,
+            "internal_waste": 1 - sum(KVBlock(pool, b).token_count for b in alloc) / slots if slots else 0.0,
             "scatter": (used[-1] + 1) / len(used) if used else 1.0}
 
 
@@ -40,7 +41,7 @@ def _checkerboard(pool: BlockPool) -> list[int]:
     pool.free(ids[::2])
     for b in ids[1::2]:
         pool.set_token_count(b, 1 + b % pool.block_size)
-        pool.block(b).kv_data.copy_(torch.randn_like(pool.block(b).kv_data))
+        KVBlock(pool, b).kv_data.copy_(torch.randn_like(KVBlock(pool, b).kv_data))
     return ids[1::2]
 
 
@@ -81,8 +82,8 @@ def test_empty_and_full_pools():
 def test_compaction_moves_data_bitwise_and_rewrites_tables(sizes):
     pool = BlockPool(32, spec=small_spec(), block_sizes=sizes)
     kept = _checkerboard(pool)
-    data = {b: pool.block(b).kv_data.clone() for b in kept}
-    tokens = {b: pool.block(b).token_count for b in kept}
+    data = {b: KVBlock(pool, b).kv_data.clone() for b in kept}
+    tokens = {b: KVBlock(pool, b).token_count for b in kept}
     table = {b: b for b in kept}  # logical id -> physical block, rewritten by the hook
     pool.relocation_hooks.append(lambda s, d: table.update(
         {k: dict(zip(s.tolist(), d.tolist())).get(v, v) for k, v in table.items()}))
@@ -92,7 +93,8 @@ def test_compaction_moves_data_bitwise_and_rewrites_tables(sizes):
     assert all(s > d for s, d in report.moves)  # always downward
     assert sorted(table.values()) == list(range(16))  # packed at the bottom
     for b in kept:
-        assert torch.equal(pool.block(table[b]).kv_data, data[b]) and pool.block(table[b]).token_count == tokens[b]
+        moved = KVBlock(pool, table[b])
+        assert torch.equal(moved.kv_data, data[b]) and moved.token_count == tokens[b]
     assert report.fragmentation_after == {"fragmentation_percent": 0.0, "external_fragmentation": 0.0}
     assert report.fragmentation_before["external_fragmentation"] > 0.4
     assert FragmentationDetector(pool).detect_fragmentation()["scatter"] == 1.0
@@ -105,12 +107,12 @@ def test_multi_class_compaction_splits_a_low_hole_to_the_movers_class():
     high = pool.allocate(1, size_class=1)  # block 4 (class 2 at 4 split)
     top = pool.allocate(1, size_class=0)  # block 6
     pool.free(low)
-    pool.block(high[0]).kv_data.fill_(3.0)
-    pool.block(top[0]).kv_data.fill_(5.0)
+    KVBlock(pool, high[0]).kv_data.fill_(3.0)
+    KVBlock(pool, top[0]).kv_data.fill_(5.0)
     report = DefragmentationStrategy(pool).defragment(force=True)
     pool.check_invariants()
     assert report.moves == ((6, 0), (4, 2))
-    assert (pool.block(2).kv_data == 3.0).all() and (pool.block(0).kv_data == 5.0).all()
+    assert (KVBlock(pool, 2).kv_data == 3.0).all() and (KVBlock(pool, 0).kv_data == 5.0).all()
     # Three used base blocks leave one of the first four unusable for a class-2 request: 1 of 13 free, the least
     # possible; the free space is now one run above them.
     assert report.fragmentation_after == {"fragmentation_percent": 8.0, "external_fragmentation": 1 - 12 / 13}
@@ -140,7 +142,7 @@ def test_cached_blocks_move_and_stay_evictable():
     pool.free([7])
     DefragmentationStrategy(pool).defragment(force=True)
     pool.check_invariants()
-    assert [b for b, _ in pool.policy.order()] == [0] and pool.evict_block().block_id == 0
+    assert [b for b, _ in pool.policy.order()] == [0] and pool.evict() == 0
 
 
 def test_incremental_cap_and_threshold():

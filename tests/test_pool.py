@@ -14,6 +14,7 @@ import kvlab
 from kvlab import (BlockPool, BlockStatus, ConfigError, DoubleFreeError, EventRecorder, IllegalTransitionError,
                    KVDataError, KVSpec, OutOfBlocksError, RefcountUnderflowError, ReferenceManager,
                    UnknownBlockError)
+from kvlab.textbook import KVBlock, TextbookPool
 
 from _util import assert_same_state, pool_state, small_spec
 
@@ -132,7 +133,7 @@ def test_state_machine_edges(old, new, ok):
 
 
 def test_kvblock_is_a_view(pool, spec):
-    blk = pool.block(3)
+    blk = KVBlock(pool, 3)
     assert blk.status is BlockStatus.FREE and blk.memory_usage == spec.bytes_per_block  # capacity is fixed
     assert blk.is_compatible(spec.bytes_per_block) and not blk.is_compatible(spec.bytes_per_block + 1)
     data = kv_for(pool, 3)
@@ -143,7 +144,7 @@ def test_kvblock_is_a_view(pool, spec):
     blk.kv_data[0, 0, 3] = 7.0  # writes go to the one tensor
     assert torch.all(pool.storage.kv[0, 0, 3, 3] == 7.0)
     blk.increment_reference()
-    assert blk.reference_count == 2 and pool.block(3).reference_count == 2
+    assert blk.reference_count == 2 and KVBlock(pool, 3).reference_count == 2
     blk.decrement_reference()
     blk.decrement_reference()
     assert blk.is_cached and blk.status is BlockStatus.ALLOCATED
@@ -154,7 +155,7 @@ def test_kvblock_is_a_view(pool, spec):
 
 
 def test_kvblock_allocate_rejects_bad_data(pool):
-    blk = pool.block(0)
+    blk = KVBlock(pool, 0)
     before = pool_state(pool)
     for bad in (torch.zeros(2, 2, 5, 2, 4), torch.zeros(2, 2, 1, 3, 4), torch.zeros(2, 2, 1, 2, 4, dtype=torch.half),
                 "not a tensor"):
@@ -162,7 +163,7 @@ def test_kvblock_allocate_rejects_bad_data(pool):
             blk.allocate(bad)
         assert_same_state(before, pool_state(pool))
     with pytest.raises(UnknownBlockError, match="block 16 is not in this pool"):
-        pool.block(16)
+        KVBlock(pool, 16)
 
 
 # ---------------------------------------------------------------- allocation and release
@@ -230,9 +231,9 @@ def test_reusable_blocks_become_cached_then_evicted_lru(pool):
     assert [b for b, _ in pool.policy.rank()] == [ids[2], ids[0], ids[3]]
     pool.incref([ids[0]])  # a cache hit takes it out of the evictable set
     assert ids[0] not in pool.policy
-    assert pool.evict_block().block_id == ids[2]
-    assert pool.evict_block().block_id == ids[3]
-    assert pool.evict_block() is None  # ids[0] and ids[1] are referenced: never candidates
+    assert pool.evict() == ids[2]
+    assert pool.evict() == ids[3]
+    assert pool.evict() is None  # ids[0] and ids[1] are referenced: never candidates
     pool.check_invariants()
 
 
@@ -243,7 +244,7 @@ def test_allocation_evicts_when_free_runs_out(pool):
     rec = EventRecorder(pool.events)
     got = pool.allocate(3)
     assert sorted(got) == sorted(ids[:3])  # LRU order: the first three decref'd together, ties by block order
-    assert pool.get_stats()["served_evict"] == 3
+    assert pool.stats()["served_evict"] == 3
     evs = rec.of(kvlab.Evicted)
     assert len(evs) == 3 and all(e.reason == "allocation pressure" for e in evs)
     assert evs[0].candidates[0][0] == evs[0].block_id
@@ -254,11 +255,11 @@ def test_evict_guard_vetoes_and_next_candidate_is_taken(pool):
     ids = pool.allocate(3)
     pool.decref(ids)
     pool.evict_guard = lambda b: b != ids[0]
-    assert pool.evict_block().block_id == ids[1]
+    assert pool.evict() == ids[1]
     seen = []
     pool.evict_hooks.append(seen.append)
-    assert pool.evict_block().block_id == ids[2]
-    assert pool.evict_block() is None and seen == [ids[2]]
+    assert pool.evict() == ids[2]
+    assert pool.evict() is None and seen == [ids[2]]
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "random"])
@@ -271,8 +272,8 @@ def test_policies_rank_with_scores_and_never_pick_referenced(spec, policy):
     assert sorted(b for b, _ in ranked) == sorted(ids[:5])
     if policy in ("lru", "fifo", "lfu"):
         assert [s for _, s in ranked] == sorted(s for _, s in ranked)
-    victims = [p.evict_block().block_id for _ in range(5)]
-    assert sorted(victims) == sorted(ids[:5]) and p.evict_block() is None
+    victims = [p.evict() for _ in range(5)]
+    assert sorted(victims) == sorted(ids[:5]) and p.evict() is None
     p.check_invariants()
 
 
@@ -281,14 +282,14 @@ def test_lfu_prefers_rarely_used(spec):
     a, b = p.allocate(2)
     p.touch([a, a, a])
     p.decref([a, b])
-    assert p.evict_block().block_id == b
+    assert p.evict() == b
 
 
 def test_random_policy_is_seeded(spec):
     def victims(seed):
         p = BlockPool(16, spec=spec, eviction_policy="random", seed=seed)
         p.decref(p.allocate(16))
-        return [p.evict_block().block_id for _ in range(8)]
+        return [p.evict() for _ in range(8)]
     assert victims(1) == victims(1) and victims(1) != victims(2)
     with pytest.raises(ConfigError, match="unknown eviction policy 'mru'"):
         BlockPool(4, spec=spec, eviction_policy="mru")
@@ -303,7 +304,7 @@ def test_pending_and_evicting_lifecycle(pool):
     assert_same_state(before, pool_state(pool))
     pool.commit(r)
     pool.begin_eviction([r[0]])
-    assert pool.block(r[0]).status is BlockStatus.EVICTING
+    assert KVBlock(pool, r[0]).status is BlockStatus.EVICTING
     with pytest.raises(DoubleFreeError):
         pool.free([r[0]])
     with pytest.raises(IllegalTransitionError):
@@ -316,15 +317,15 @@ def test_pending_and_evicting_lifecycle(pool):
 
 
 def test_get_best_block_and_allocate_block(pool, spec):
-    assert pool.get_best_block(spec.bytes_per_block).block_id == 0
-    assert pool.get_best_block(spec.bytes_per_block + 1) is None  # nothing that large in a uniform pool
-    blk = pool.allocate_block(5)
+    assert TextbookPool(pool).get_best_block(spec.bytes_per_block).block_id == 0
+    assert TextbookPool(pool).get_best_block(spec.bytes_per_block + 1) is None  # nothing that large in a uniform pool
+    blk = TextbookPool(pool).allocate_block(5)
     assert blk.block_id == 5 and blk.status is BlockStatus.ALLOCATED
     before = pool_state(pool)
     with pytest.raises(IllegalTransitionError, match="ALLOCATED -> ALLOCATED"):
-        pool.allocate_block(5)
+        TextbookPool(pool).allocate_block(5)
     assert_same_state(before, pool_state(pool))
-    pool.release_block(5)
+    TextbookPool(pool).release_block(5)
     pool.check_invariants()
 
 
@@ -332,7 +333,7 @@ def test_reference_manager_is_one_truth(pool):
     rm = ReferenceManager(pool)
     (b,) = pool.allocate(1)
     rm.add_reference(b)
-    assert rm.get_reference_count(b) == 2 == pool.block(b).reference_count
+    assert rm.get_reference_count(b) == 2 == KVBlock(pool, b).reference_count
     pool.free([b])
     assert rm.get_reference_count(b) == 1
     assert rm.get_all_references() == {b: 1}
@@ -382,11 +383,11 @@ def test_snapshot_is_a_consistent_copy(pool):
 def test_memory_usage_and_fragmentation(pool, spec):
     ids = pool.allocate(4)
     pool.set_token_count(ids[0], 3)
-    mu = pool.get_memory_usage()
+    mu = TextbookPool(pool).get_memory_usage()
     assert mu["used"] == 4 * spec.bytes_per_block and mu["free"] == 12 * spec.bytes_per_block
     assert mu["token_bytes"] == 3 * spec.bytes_per_token
     pool.free(ids[::2])
-    assert pool.calculate_fragmentation() == 0  # uniform pool: any free block serves any request
+    assert TextbookPool(pool).calculate_fragmentation() == 0  # uniform pool: any free block serves any request
     with pytest.raises(KVDataError, match="at most 4 tokens"):
         pool.set_token_count(ids[1], 5)
 
@@ -395,18 +396,18 @@ def test_buddy_pool_split_and_merge(spec):
     p = BlockPool(16, spec=spec, block_sizes=[4, 8, 16])
     assert p.block_sizes == [4, 8, 16] and p.max_order == 2
     a, a2 = p.allocate(2, size_class=0)
-    assert p.get_stats()["splits"] == 2 and p.block(a).capacity_tokens == 4
+    assert p.stats()["splits"] == 2 and KVBlock(p, a).capacity_tokens == 4
     big = p.allocate(1, size_class=2)[0]
-    assert p.block(big).memory_usage == 4 * spec.bytes_per_block
+    assert KVBlock(p, big).memory_usage == 4 * spec.bytes_per_block
     p.free([a])
-    frag = p.calculate_fragmentation()
+    frag = TextbookPool(p).calculate_fragmentation()
     assert frag == round(100 * 3 / 11)  # 3 of 11 free base blocks sit in a window that a2 keeps from merging
     assert p.merge_free_buddies() == 0  # a's buddy a2 is allocated
     p.free([a2])
-    assert p.calculate_fragmentation() == 0  # the window is all free: merging can rebuild a largest block
+    assert TextbookPool(p).calculate_fragmentation() == 0  # the window is all free: merging can rebuild a largest block
     assert p.merge_free_buddies() == 2 and p.free_lists.count(2) == 3
     with pytest.raises(UnknownBlockError, match="inside block"):
-        p.block(big + 1)
+        KVBlock(p, big + 1)
     with pytest.raises(ConfigError, match="power-of-two"):
         BlockPool(16, spec=spec, block_sizes=[4, 12])
     p.check_invariants()
@@ -421,8 +422,8 @@ def test_migrate_moves_data_and_calls_hooks(pool):
     pool.relocation_hooks.append(lambda s, d: moved.append((s.tolist(), d.tolist())))
     pool.migrate([ids[1]], [9])
     assert moved == [([ids[1]], [9])]
-    assert torch.equal(pool.block(9).kv_data, data) and pool.block(9).token_count == 4
-    assert pool.block(ids[1]).status is BlockStatus.FREE
+    assert torch.equal(KVBlock(pool, 9).kv_data, data) and KVBlock(pool, 9).token_count == 4
+    assert KVBlock(pool, ids[1]).status is BlockStatus.FREE
     before = pool_state(pool)
     with pytest.raises(IllegalTransitionError, match="not FREE"):
         pool.migrate([ids[0]], [9])
@@ -436,7 +437,7 @@ def test_metadata_only_pool_is_large_and_cheap():
     ids = p.allocate(1000)
     p.free(ids)
     with pytest.raises(ConfigError, match="metadata-only"):
-        p.block(0).kv_data
+        KVBlock(p, 0).kv_data
     p.check_invariants()
 
 
@@ -477,7 +478,7 @@ def test_evicted_event_ranks_runners_up_and_listening_changes_nothing(spec, poli
         ids = p.allocate(16)
         p.touch(ids[::3])
         p.decref(ids)
-        victims = [p.evict_block().block_id for _ in range(6)]
+        victims = [p.evict() for _ in range(6)]
         return victims, rec
     victims, rec = run(True)
     assert victims == run(False)[0]  # observing the ranking never changes the policy's choices
@@ -501,7 +502,7 @@ def test_migrations_are_counted_in_blocks(cls):
     p = cls(6, with_storage=False)
     p.free(p.allocate(4)[:2])
     p.migrate([2, 3], [0, 1])
-    assert p.counts["migrations"] == p.get_stats()["migrations"] == 2
+    assert p.counts["migrations"] == p.stats()["migrations"] == 2
     assert sorted(p.allocate(4)) == [2, 3, 4, 5]
     p.free([2, 3])  # holes below blocks 4 and 5
     report = kvlab.DefragmentationStrategy(p).defragment(force=True)
@@ -580,12 +581,12 @@ def test_only_an_allocated_block_without_references_is_cached(pool):
     pool.begin_eviction([evicting])
     free = pool.free_ids()[0]
     blocks = {"free": free, "pending": pending, "held": held, "evicting": evicting, "cached": cached}
-    assert {name: pool.block(b).status.name for name, b in blocks.items()} == {
+    assert {name: KVBlock(pool, b).status.name for name, b in blocks.items()} == {
         "free": "FREE", "pending": "PENDING", "held": "ALLOCATED", "evicting": "EVICTING", "cached": "ALLOCATED"}
-    refs = {name: pool.block(b).reference_count for name, b in blocks.items()}
+    refs = {name: KVBlock(pool, b).reference_count for name, b in blocks.items()}
     assert refs == {"free": 0, "pending": 1, "held": 1, "evicting": 0, "cached": 0}
     expected = {"free": False, "pending": False, "held": False, "evicting": False, "cached": True}
-    assert {name: pool.block(b).is_cached for name, b in blocks.items()} == expected
+    assert {name: KVBlock(pool, b).is_cached for name, b in blocks.items()} == expected
     assert {name: rm.is_safe_to_evict(b) for name, b in blocks.items()} == expected
     assert {name: pool.is_cached(b) for name, b in blocks.items()} == expected  # the pool's own answer agrees
 
@@ -595,10 +596,10 @@ def test_capacity_tokens_follows_the_size_class(spec):
     with sizes 16, 32 and 64 a class-1 block holds 32 tokens and a class-2 block 64, not the base 16."""
     p = BlockPool(8, spec=spec, block_sizes=[16, 32, 64])
     b0, b1, b2 = (p.allocate(1, size_class=k)[0] for k in (0, 1, 2))
-    assert [p.block(b).size_class for b in (b0, b1, b2)] == [0, 1, 2]
-    assert [p.block(b).capacity_tokens for b in (b0, b1, b2)] == [16, 32, 64]
+    assert [KVBlock(p, b).size_class for b in (b0, b1, b2)] == [0, 1, 2]
+    assert [KVBlock(p, b).capacity_tokens for b in (b0, b1, b2)] == [16, 32, 64]
     bpb = p.bytes_per_block
-    assert [p.block(b).memory_usage for b in (b0, b1, b2)] == [bpb, 2 * bpb, 4 * bpb]
+    assert [KVBlock(p, b).memory_usage for b in (b0, b1, b2)] == [bpb, 2 * bpb, 4 * bpb]
 
 
 def test_a_budget_of_exactly_one_block_makes_a_one_block_pool(spec):

@@ -18,6 +18,7 @@ from _util import small_spec
 from kvlab import (BlockPool, BlockStatus, DoubleFreeError, FastBlockPool, KVLabError, OutOfBlocksError,
                    RefcountUnderflowError, perf)
 from kvlab.eviction import OPTPolicy
+from kvlab.textbook import KVBlock
 from test_eviction import TextbookClock
 
 N = 12
@@ -106,8 +107,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _write(self, b: int) -> None:
         self.pattern += 1
-        pattern = torch.full_like(self.pool.block(b).kv_data, float(self.pattern))
-        self.pool.block(b).kv_data.copy_(pattern)
+        pattern = torch.full_like(KVBlock(self.pool, b).kv_data, float(self.pattern))
+        KVBlock(self.pool, b).kv_data.copy_(pattern)
         self.data[b] = pattern
 
     def _to_free(self, b: int) -> None:
@@ -274,7 +275,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.last[b] = self._tick()
             self.status[b] = "EVICTING"
             self._leave(b)
-            assert torch.equal(self.pool.block(b).kv_data, self.data[b])
+            assert torch.equal(KVBlock(self.pool, b).kv_data, self.data[b])
 
     @rule(data=st.data())
     def finish_eviction(self, data) -> None:
@@ -327,7 +328,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert {b for b, _ in p.policy.order()} == set(self.cached)
         assert (p.policy.rank(1) or [(None, 0)])[0][0] == self._victim(self.clock)
         for b, expect in self.data.items():  # K/V written through kv_data reads back bitwise until freed
-            assert torch.equal(p.block(b).kv_data, expect), b
+            assert torch.equal(KVBlock(p, b).kv_data, expect), b
 
 
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,

@@ -15,6 +15,7 @@ from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError
 import kvlab.prefix as prefix_mod
 from kvlab.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
 from kvlab.sequence import SequenceManager
+from kvlab.textbook import KVBlock
 
 from _util import pool_state, same_state
 
@@ -74,7 +75,7 @@ def test_cached_blocks_survive_refcount_zero_and_serve_hits():
     a = run(mgr, list(range(13)))
     head, partial = a.block_table[:3], a.block_table[3]
     a.free()
-    assert all(pool.block(b).is_cached for b in head) and pool.fields.status[partial] == BlockStatus.FREE
+    assert all(KVBlock(pool, b).is_cached for b in head) and pool.fields.status[partial] == BlockStatus.FREE
     b = mgr.create(list(range(13)))
     assert b.block_table == head
     assert torch.equal(pool.storage.read_slots(0, b.slots())[0][:, 0, 0], torch.arange(12.0))
@@ -160,7 +161,7 @@ def test_guard_vetoes_a_head_whose_child_is_cached():
     pool.policy.discard(child)  # re-queue the child so that LRU would pick the head first ...
     pool.policy.add(child)
     assert [b for b, _ in pool.policy.order()][0] == head
-    assert pool.evict_block().block_id == child  # ... but the guard makes it take the tail
+    assert pool.evict() == child  # ... but the guard makes it take the tail
 
 
 def test_stale_entry_is_not_served():

@@ -23,6 +23,7 @@ from kvlab import (BlockPool, BlockStatus, ConfigError, DefragmentationStrategy,
                    UnknownBlockError)
 from kvlab.perf import FastBlockPool, PyFastBlockPool
 from kvlab.sequence import SequenceManager
+from kvlab.textbook import KVBlock, TextbookPool
 
 LONG = os.environ.get("KVLAB_LONG") == "1"
 SPEC = small_spec(block_size=4)
@@ -150,7 +151,7 @@ class SystemMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self) -> None:
-        self.pool.evict_block()
+        self.pool.evict()
 
     @rule(cap=st.one_of(st.none(), st.integers(1, 4)))
     def defragment(self, cap) -> None:
@@ -168,7 +169,7 @@ class SystemMachine(RuleBasedStateMachine):
                 assert torch.equal(k, want[layer, 0]) and torch.equal(v, want[layer, 1]), seq.seq_id
         for b, value in self.raw.items():
             assert self.pool.fields.status[b] == BlockStatus.ALLOCATED and self.pool.fields.owner[b] == 999
-            assert bool((self.pool.block(b).kv_data == value).all()), b
+            assert bool((KVBlock(self.pool, b).kv_data == value).all()), b
 
 
 TestSystem = SystemMachine.TestCase
@@ -210,7 +211,7 @@ def test_eight_threads_ten_thousand_operations_each(cls, listen):
                     batch = [mine.pop(rng.randrange(len(mine))) for _ in range(min(rng.randint(1, 40), len(mine)))]
                     pool.free(batch)  # repeats drop several of this thread's references in one call
                 elif r < 0.95:
-                    pool.evict_block()
+                    pool.evict()
                 else:
                     pool.snapshot()
             if mine:
@@ -234,7 +235,7 @@ def test_eight_threads_ten_thousand_operations_each(cls, listen):
 def _populated() -> tuple[BlockPool, list[int]]:
     pool = BlockPool(16, spec=SPEC)
     ids = pool.allocate(6)
-    pool.block(ids[0]).kv_data.fill_(3.0)
+    KVBlock(pool, ids[0]).kv_data.fill_(3.0)
     pool.mark_reusable(ids[4:5])
     pool.free(ids[4:])  # ids[4] cached, ids[5] FREE
     return pool, ids
@@ -273,13 +274,15 @@ CATALOGUE = [
     ("token count too large", lambda p, i: p.set_token_count(i[0], 5), KVDataError),
     ("token count on FREE", lambda p, i: p.set_token_count(i[5], 1), IllegalTransitionError),
     ("mark a FREE block reusable", lambda p, i: p.mark_reusable([i[5]]), IllegalTransitionError),
-    ("allocate_block a used block", lambda p, i: p.allocate_block(i[0]), IllegalTransitionError),
-    ("allocate_block wrong shape", lambda p, i: p.allocate_block(10, torch.zeros(2, 2, 2, 3, 4)), KVDataError),
-    ("allocate_block wrong dtype", lambda p, i: p.allocate_block(10, GOOD_KV.double()), KVDataError),
-    ("allocate_block too many tokens", lambda p, i: p.allocate_block(10, torch.zeros(2, 2, 5, 2, 4)), KVDataError),
-    ("allocate_block not a tensor", lambda p, i: p.allocate_block(10, [[0.0]]), KVDataError),
-    ("get_best_block negative", lambda p, i: p.get_best_block(-5), ConfigError),
-    ("KVBlock of an inner id", lambda p, i: p.block(99), UnknownBlockError),
+    ("allocate_block a used block", lambda p, i: TextbookPool(p).allocate_block(i[0]), IllegalTransitionError),
+    ("allocate_block wrong shape", lambda p, i: TextbookPool(p).allocate_block(10, torch.zeros(2, 2, 2, 3, 4)),
+     KVDataError),
+    ("allocate_block wrong dtype", lambda p, i: TextbookPool(p).allocate_block(10, GOOD_KV.double()), KVDataError),
+    ("allocate_block too many tokens", lambda p, i: TextbookPool(p).allocate_block(10, torch.zeros(2, 2, 5, 2, 4)),
+     KVDataError),
+    ("allocate_block not a tensor", lambda p, i: TextbookPool(p).allocate_block(10, [[0.0]]), KVDataError),
+    ("get_best_block negative", lambda p, i: TextbookPool(p).get_best_block(-5), ConfigError),
+    ("KVBlock of an inner id", lambda p, i: KVBlock(p, 99), UnknownBlockError),
     ("write_slots mismatched k/v", lambda p, i: p.storage.write_slots(0, [0, 1], torch.zeros(2, 2, 4),
                                                                        torch.zeros(3, 2, 4)), KVDataError),
     ("write_slots wrong heads", lambda p, i: p.storage.write_slots(0, [0], torch.zeros(1, 1, 4),

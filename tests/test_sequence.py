@@ -119,7 +119,7 @@ def test_full_shared_blocks_are_never_copied():
     a.append(8)
     b = a.fork()
     b.append(1)
-    assert b.block_table[:2] == a.block_table and pool.get_stats()["allocations"] == 3
+    assert b.block_table[:2] == a.block_table and pool.stats()["allocations"] == 3
 
 
 def test_two_sharers_in_one_batch_copy_once():

@@ -19,12 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import BlockPool, ConfigError, DoubleFreeError
+from kvlab.block import ALLOCATED, EVICTING, FREE
 from kvlab.viz import (PRESETS, FrameBuilder, LiveRun, Pacer, RandomWorkload, Recording, build_frame, decode_frame,
                        export_html, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool, record)
 from kvlab.viz import frames as fr
 from kvlab.viz import palette
 from kvlab.viz.palette import STATE_RGB
 from kvlab.viz.static import Picture, figure_png, map_colors, pool_colors
+from kvlab.textbook import TextbookPool
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,7 +57,7 @@ def test_frames_match_the_pool(seed, preset, multi, steps):
         assert np.array_equal(getattr(f, key), want), key
     assert f.num_blocks == 128 and f.block_size == p.block_size and f.step == p.clock.now()
     assert f.utilisation == pytest.approx(np.count_nonzero(p.arrays.status) / 128)
-    assert f.external == pytest.approx(p.calculate_fragmentation() / 100)
+    assert f.external == pytest.approx(TextbookPool(p).calculate_fragmentation() / 100)
     runs = p.free_runs()
     assert f.scatter == pytest.approx(1 - runs.max() / runs.sum() if runs.size else 0.0)
     used = p.arrays.status != 0
@@ -82,7 +84,7 @@ def test_flashes_evictions_and_moves_come_from_events_and_are_consumed():
         assert e["victim"] == 3 and e["policy"] == "lru" and e["candidates"][0][0] == 3
         assert [c[0] for c in e["candidates"]] == [3, 2, 1, 0]
         assert f.tail["evictions_total"] == 1 and f.moves == [[7, 5]]
-        p.evict_block()
+        p.evict()
         f = decode_frame(b.build())
         assert f.flash.tolist().count(fr.FLASH_EVICTED) == 1 and f.evictions[0]["victim"] == 2
         assert f.moves == [] and decode_frame(b.build()).evictions == []
@@ -112,9 +114,9 @@ def test_frames_are_independent_bytes_and_token_sums_exact():
         for i in p.allocate(4) + list(range(4, 16)):
             p.set_token_count(i, 2**27)  # every block full
         second = b.build()
-    assert first == kept and decode_frame(first).state.tolist() == [fr.FREE] * 4 + [fr.ALLOCATED] * 12
+    assert first == kept and decode_frame(first).state.tolist() == [FREE] * 4 + [ALLOCATED] * 12
     f = decode_frame(second)
-    assert f.state.tolist() == [fr.ALLOCATED] * 16 and f.internal_waste == 0.0
+    assert f.state.tolist() == [ALLOCATED] * 16 and f.internal_waste == 0.0
 
 def test_decode_rejects_what_is_not_a_frame():
     data = build_frame(BlockPool(16, with_storage=False))
@@ -769,11 +771,11 @@ def test_a_block_swapped_out_flashes_freed():
         b.build()
         p.begin_eviction([ids[1]])
         f = decode_frame(b.build())
-        assert f.flash.tolist() == [fr.FLASH_NONE] * 4 and f.state[ids[1]] == fr.EVICTING
+        assert f.flash.tolist() == [fr.FLASH_NONE] * 4 and f.state[ids[1]] == EVICTING
         p.finish_eviction([ids[1]])
         f = decode_frame(b.build())
         assert f.flash.tolist() == [fr.FLASH_NONE, fr.FLASH_FREED, fr.FLASH_NONE, fr.FLASH_NONE]
-        assert f.state[ids[1]] == fr.FREE
+        assert f.state[ids[1]] == FREE
 
 
 def test_a_long_history_goes_in_chunks_and_only_the_first_resets(monkeypatch):

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fragmentation import memory_usage
 from .framework import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
 
 
@@ -17,7 +18,7 @@ def pool_utilisation(lengths: list[int], block_size: int) -> float:
         blocks = pool.allocate(-(-n // block_size))
         for i, b in enumerate(blocks):
             pool.set_token_count(b, min(block_size, n - i * block_size))
-    mem = pool.get_memory_usage()
+    mem = memory_usage(pool)
     return mem["token_bytes"] / mem["used"] if mem["used"] else 1.0
 
 
@@ -27,7 +28,7 @@ def pool_waste(tokens: int, block_size: int) -> int:
     blocks = pool.allocate(-(-tokens // block_size))
     for i, b in enumerate(blocks):
         pool.set_token_count(b, min(block_size, tokens - i * block_size))
-    mem = pool.get_memory_usage()
+    mem = memory_usage(pool)
     return (mem["used"] - mem["token_bytes"]) // pool.spec.bytes_per_token
 
 

@@ -10,6 +10,7 @@ from ..block import BlockStatus
 from ..errors import ConfigError, KVLabError
 from ..pool import BlockPool
 from ..spec import KVSpec
+from ..textbook import KVBlock, TextbookPool
 from .framework import Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
 
 
@@ -78,17 +79,17 @@ def lru_scenario() -> list[int]:
     pool.free([0])
     order = []
     for _ in range(4):
-        victim = pool.evict_block()
+        victim = pool.evict()
         if victim is None:
             raise ConfigError("2.2.2-lru scenario: the pool found nothing to evict")  # a scenario bug, not an answer
-        order.append(victim.block_id)
+        order.append(victim)
     return order
 
 
 @register("2.2.2-lru",
           "一个 4 块的池（eviction_policy='lru'）：allocate(4) 得到块 0,1,2,3，全部 mark_reusable；"
           "按 2, 0, 3, 1 的顺序 free（它们变成 cached）；然后 incref([0]) 再 free([0])。"
-          "接下来连续调用 4 次 evict_block()，依次淘汰哪些块？答案写成列表。",
+          "接下来连续调用 4 次 pool.evict()，依次淘汰哪些块？答案写成列表。",
           ("LRU 淘汰的是最久没有被用过的块，不是最先分配的块。",
            "按时间写下每个块最后一次被访问的时刻（free 和 incref 都算访问），从最早的开始淘汰。",
            "最后访问顺序是 2, 3, 1, 0（块 0 在最后被 incref/free 过），淘汰顺序就是这个顺序。"))
@@ -103,7 +104,8 @@ def refcount_scenario() -> tuple[int, str]:
     pool.incref([b, b])
     pool.decref([b])
     pool.free([b])
-    return pool.block(b).reference_count, pool.block(b).status.name
+    block = KVBlock(pool, b)
+    return block.reference_count, block.status.name
 
 
 @register("2.2.2-refcount",
@@ -254,13 +256,14 @@ def text_fragmentation_story() -> tuple[int, int]:
     pool = metadata_pool(8, 16)
     held = pool.allocate(8)
     pool.free(held[::2])  # four FREE blocks, every other one
-    return ns["fragmentation"]([4096] * 4), pool.calculate_fragmentation()
+    return ns["fragmentation"]([4096] * 4), TextbookPool(pool).calculate_fragmentation()
 
 
 @register("2.2.2-errata-fragmentation",
           "找错 (find the bug)：\n" + TEXT_FRAGMENTATION +
           "四个一样大的空闲块 fragmentation([4096] * 4) 返回多少？一个 8 块、每隔一块空闲的一级池 "
-          "(block_sizes 只有一种) 的 pool.calculate_fragmentation() 又是多少？答案写成 (文本公式, kvlab)。",
+          "(block_sizes 只有一种) 的 TextbookPool(pool).calculate_fragmentation() 又是多少？"
+          "答案写成 (文本公式, kvlab)。",
           ("在一个所有块一样大的池里，任何一个空闲块都能满足任何请求。",
            "文本公式只看“最大的空闲块占全部空闲的多少”；kvlab 问的是空闲内存里有多少拼不成一个最大的块。",
            "文本：(4 × 4096 − 4096) / (4 × 4096) = 75%；kvlab：每个空闲块都是一个完整的块，不可用的空闲 = 0%。"),

@@ -16,7 +16,7 @@ def sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 2
     pool.incref(np.repeat(prefix, users - 1))
     for _ in range(users):
         pool.allocate(own_blocks)
-    return pool.block(prefix[0]).reference_count, pool.num_blocks - pool.num_free_blocks
+    return pool.fields.refcount[prefix[0]], pool.num_blocks - pool.num_free_blocks
 
 
 @register("2.2.3-sharing",

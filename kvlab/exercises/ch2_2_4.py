@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from ..block import BlockStatus
+from ..block import ALLOCATED, FREE
 from ..errors import KVLabError
+from ..fragmentation import DefragmentationStrategy, unusable_free_percent
 from .framework import Unreadable, Verdict, agrees, canon, metadata_pool, register, register_prediction, returned, same
 
 
@@ -27,7 +28,7 @@ def layout_case(num_blocks: int, top: int, free: tuple[int, ...]) -> tuple[np.nd
     if free:
         pool.free(list(free))
     pool.merge_free_buddies()
-    return pool.snapshot()["status"] == int(BlockStatus.FREE), top, pool.calculate_fragmentation()
+    return pool.snapshot()["status"] == FREE, top, unusable_free_percent(pool)
 
 
 def fragmentation_case(seed: int) -> tuple[np.ndarray, int, int]:
@@ -45,7 +46,7 @@ def fragmentation_case(seed: int) -> tuple[np.ndarray, int, int]:
             except KVLabError:
                 pass
     pool.merge_free_buddies()
-    return pool.snapshot()["status"] == int(BlockStatus.FREE), top, pool.calculate_fragmentation()
+    return pool.snapshot()["status"] == FREE, top, unusable_free_percent(pool)
 
 
 @register("2.2.4-fragmentation",
@@ -64,8 +65,8 @@ def _judge_fragmentation(fn: Any) -> Verdict:
         case = f"free={free.astype(int).tolist()}, top_order={top}"
         got = returned(fn, (free, top), f"fragmentation({case})")
         if not agrees(want, got, close=False):
-            return False, f"{case}: 你的函数返回 {got!r}, pool.calculate_fragmentation() = {want!r}"
-    return True, (f"与 BlockPool.calculate_fragmentation 在 {len(cases)} 个池上一致 "
+            return False, f"{case}: 你的函数返回 {got!r}, TextbookPool(pool).calculate_fragmentation() = {want!r}"
+    return True, (f"与 TextbookPool.calculate_fragmentation 在 {len(cases)} 个池上一致 "
                   f"(agrees on {len(LAYOUTS)} hand-made and 40 random pools)")
 
 
@@ -75,8 +76,8 @@ def compaction_moves(layout: str) -> int:
     ids = pool.allocate(len(layout))
     pool.free([b for b, c in zip(ids, layout) if c == "."])
     used = pool.num_blocks - pool.num_free_blocks
-    src = [b for b in range(used, pool.num_blocks) if pool.block(b).status is BlockStatus.ALLOCATED]
-    dst = [b for b in range(used) if pool.block(b).status is BlockStatus.FREE]
+    src = [b for b in range(used, pool.num_blocks) if pool.fields.status[b] == ALLOCATED]
+    dst = [b for b in range(used) if pool.fields.status[b] == FREE]
     pool.migrate(src, dst)
     assert pool.free_runs().tolist() == ([pool.num_free_blocks] if pool.num_free_blocks else [])
     return len(src)
@@ -156,7 +157,6 @@ def compaction_experiment(frac: float, n: int = 128, block_sizes: tuple[int, ...
                           seed: int = 1) -> tuple[int, int, int, int]:
     """``n`` one-block sequences, a seeded ``frac`` of them freed, then one full defragmentation. Returns
     (blocks moved, fragmentation_percent before, 64-token windows free before, after)."""
-    from ..fragmentation import DefragmentationStrategy
 
     pool = metadata_pool(n, 16, block_sizes=list(block_sizes))
     held = [pool.allocate(1) for _ in range(n)]
@@ -165,9 +165,9 @@ def compaction_experiment(frac: float, n: int = 128, block_sizes: tuple[int, ...
 
     def windows() -> int:
         status = pool.snapshot()["status"]
-        return sum(bool((status[s:s + 4] == int(BlockStatus.FREE)).all()) for s in range(0, n, 4))
+        return sum(bool((status[s:s + 4] == FREE).all()) for s in range(0, n, 4))
 
-    before, percent = windows(), pool.calculate_fragmentation()
+    before, percent = windows(), unusable_free_percent(pool)
     report = DefragmentationStrategy(pool).defragment(force=True)
     return len(report.moves), percent, before, windows()
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, EngineConfig
+from ..fragmentation import memory_usage
 from ..pool import BlockPool
 from ..spec import KVSpec
 from ..traces import load_trace
@@ -32,7 +33,7 @@ def long_sequence_cost(tokens: int = 100_000, dtype_bytes: int = 2) -> tuple[int
     pool = BlockPool(total_memory=spec.bytes_per_block * (-(-tokens // spec.block_size)), spec=spec,
                      with_storage=False)
     blocks = pool.allocate(-(-tokens // spec.block_size))
-    return len(blocks), pool.get_memory_usage()["used"]
+    return len(blocks), memory_usage(pool)["used"]
 
 
 @register("2.2.6-long",

@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 
 from .. import events as ev
-from ..block import BlockStatus
+from ..block import ALLOCATED, STATE_NAMES as POOL_STATES
 from ..errors import ConfigError
+from ..fragmentation import unusable_free_percent
 from ..pool import BlockPool
 
-FREE, PENDING, ALLOCATED, EVICTING = (int(s) for s in BlockStatus)
-CACHED = 4
-STATE_NAMES = ("FREE", "PENDING", "ALLOCATED", "EVICTING", "CACHED")
+CACHED = len(POOL_STATES)  # a frame's fifth state: ALLOCATED with refcount 0
+STATE_NAMES = (*POOL_STATES, "CACHED")
 FLASH_NONE, FLASH_ALLOCATED, FLASH_FREED, FLASH_EVICTED, FLASH_MOVED_IN, FLASH_MOVED_OUT = range(6)
 FLASH_NAMES = ("", "allocated", "freed", "evicted", "moved in", "moved out")
 
@@ -200,7 +200,7 @@ class FrameBuilder:
             free = int(runs.sum())  # the runs cover every FREE base block
             tokens = int(p.arrays.tokens.sum(dtype=self._tokens_sum))
             step = float(p.clock.now())
-            external = p.calculate_fragmentation() / 100
+            external = unusable_free_percent(p) / 100
             details = b""
             if self.details:
                 details = b"".join((a if head is None else a[head]).astype(t).tobytes() for a, t in (

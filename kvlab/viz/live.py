@@ -22,11 +22,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..block import BlockStatus
+from ..block import ALLOCATED, FREE, BlockStatus
 from ..checks import check_positive, is_int, is_number
 from ..errors import ConfigError, OutOfBlocksError
 from ..pool import BlockPool
-from .frames import ALLOCATED, FREE, FrameBuilder
+from .frames import FrameBuilder
 
 
 def check_rate(value: Any, what: str) -> float:
@@ -452,7 +452,7 @@ class RandomWorkload:
             self.pool.free([self.shared.pop(self.rng.randrange(len(self.shared)))])
 
     def _evict(self) -> None:
-        self.pool.evict_block("the workload trims the cache")
+        self.pool.evict("the workload trims the cache")
 
     def _swap(self) -> None:
         cand = self.pool.policy.rank(1)

@@ -350,7 +350,7 @@ def test_the_same_state_has_the_same_colour_in_every_view(harness):
         p.mark_reusable([4, 5, 6])
         p.free([4, 5, 6])  # cached
         p.free([1] + list(range(12, 16)))  # free: block 1 alone, 12..15 the largest run
-        p.evict_block("test")  # evicts cached block 4: the candidates' bars are the cached ones
+        p.evict("test")  # evicts cached block 4: the candidates' bars are the cached ones
         frames = [b.build()] + [b.build() for _ in range(4)]  # four quiet frames: every flash has faded
     want = {"CACHED": 5, "FREE": 1, "ALLOC1": 0}
     seen: dict[str, list[list[int]]] = {k: [] for k in want}
