@@ -41,7 +41,8 @@ from .block import FREE, BlockStatus
 from .checks import check_kv_data
 from .errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
 from .checks import is_int
-from .pool import BlockPool, check_owner
+from .checks import check_owner
+from .pool import BlockPool
 from .textbook import KVBlock
 
 STRATEGIES = ("exact", "split", "merge", "evict")

@@ -10,7 +10,7 @@ frozen dataclass sets each field through ``object.__setattr__`` and costs three 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -113,6 +113,20 @@ class Migrated(Event):
 
 
 Subscriber = Callable[[Event], None]
+
+
+def notify(hooks: Sequence[Callable[..., None]], *args: Any) -> None:
+    """Call every hook with ``args``, in order, even when one raises; then raise the first error. Each hook keeps
+    its own picture of the pool (block tables, the prefix index, a view), so one that fails must not leave the
+    ones after it stale: a table still naming a block that went FREE would read someone else's K/V."""
+    error: BaseException | None = None
+    for hook in hooks:
+        try:
+            hook(*args)
+        except BaseException as e:  # re-raised below, once every hook has run
+            error = error or e
+    if error is not None:
+        raise error
 
 
 class EventBus(list):

@@ -37,7 +37,10 @@ from .clock import LogicalClock
 from .compiled import load_extension
 from .errors import OutOfBlocksError
 from .eviction import LRUPolicy
-from .pool import ALLOCATED, FREE, INT32_MAX, PENDING, RANKED, BlockPool, Ids, notify
+from .block import ALLOCATED, FREE, PENDING
+from .checks import INT32_MAX
+from .events import notify
+from .pool import RANKED, BlockPool, Ids
 from .prefix import TOKEN_MAX, ChainGuard, PrefixCache, token_bytes
 from .sequence import NewTokens, Sequence, SequenceManager
 

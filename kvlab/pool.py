@@ -1,44 +1,30 @@
-"""BlockPool: fixed-size blocks carved from one KV tensor (text §2.2.2 "块池管理").
+"""BlockPool: fixed-size blocks carved from one KV tensor (text §2.2.2 "块池管理"), the reference to read.
 
-This is the reference pool, the one to read: one path per operation, each validating everything before it
-changes anything. Speed lives apart, in :class:`kvlab.perf.FastBlockPool` (§2.2.5), which tests hold equal to
-this class. The parts: per-block fields in :mod:`kvlab.meta`, free stacks and buddies in :mod:`kvlab.freelists`,
-victims chosen by :mod:`kvlab.eviction`; the text's method names are an adapter around it, in :mod:`kvlab.textbook`.
+The idea: one tensor is cut into ``num_blocks`` blocks of ``block_size`` token slots. A sequence holds a list of
+block ids (its block table), so its K/V need not be contiguous, and a block is shared by counting references::
 
-Lifecycle of a block (the state machine is :class:`kvlab.block.BlockStatus`)::
+    FREE --allocate--> ALLOCATED (refcount 1) --incref / decref--> ALLOCATED (refcount >= 1)
+    ALLOCATED --free, refcount -> 0--> FREE, or *cached* if its data is reusable (ALLOCATED, refcount 0)
+    cached --incref (a prefix-cache hit)--> ALLOCATED;   cached --evict (the policy's victim)--> FREE
+    FREE --reserve--> PENDING --commit--> ALLOCATED;     ALLOCATED --begin_eviction--> EVICTING --> FREE
 
-    FREE --allocate--> ALLOCATED(refcount 1) --incref / decref--> ALLOCATED(refcount >= 1)
-    ALLOCATED --free, refcount -> 0, not reusable--> FREE                 (the data is gone)
-    ALLOCATED --free / decref, refcount -> 0, reusable--> *cached*        (ALLOCATED, refcount 0, evictable)
-    cached --incref (a prefix-cache hit)--> ALLOCATED(refcount 1)         (data reused, nothing recomputed)
-    cached --evict (the policy's victim) / release_cached--> FREE
-    FREE --reserve--> PENDING --commit--> ALLOCATED;    PENDING --free--> FREE (aborted)
-    ALLOCATED --begin_eviction--> EVICTING --finish_eviction--> FREE      (swap-out: the data is leaving)
+Invariants (:meth:`BlockPool.check_invariants`, asserted after every step of the property tests):
 
-Invariants (:meth:`BlockPool.check_invariants` asserts them after every step of the property tests):
-
-* the blocks tile the pool: each is aligned to its size, and FREE + PENDING + ALLOCATED + EVICTING base blocks
-  == ``num_blocks``;
+* the blocks tile the pool, each aligned to its size; FREE + PENDING + ALLOCATED + EVICTING == ``num_blocks``;
 * a block is on a free stack iff it is FREE, and in the eviction policy iff it is cached;
-* refcount >= 0; a FREE block has refcount 0, no tokens, no owner and no reusable data.
-* a block counts at most its capacity in tokens (``SequenceManager.check_invariants`` adds: exactly what the
-  block tables put in it).
+* refcount >= 0; a FREE block has refcount 0, no tokens, no owner and no reusable data;
+* a block counts at most its capacity in tokens.
 
-An ``evict_guard`` may veto victims (the prefix cache's keeps chain heads until their tails are gone). An
-allocation counts only what the guard lets go before it evicts anything, so a refused one changes nothing: a
-plain callable is taken to keep its verdicts for the allocation, and a guard whose verdicts change as blocks go
-says with ``held_back(min_order)`` which cached blocks it keeps however many others are evicted.
-
-Every public mutation takes the lock once, ticks the clock once (only once it has validated its input: a
-rejected call changes nothing, not even the clock) and publishes one typed event per effect, stamped with the
-pool clock (:mod:`kvlab.events`). Ids are ints or numpy integers (never bools or floats); a list may repeat an
-id where the method says what a repeat means.
+Every public mutation validates all of its input first (a rejected call changes nothing, not even the clock),
+then takes the lock once, ticks the clock once and publishes one event per effect (:mod:`kvlab.events`). The
+parts: per-block fields in :mod:`kvlab.meta`, free stacks and buddies in :mod:`kvlab.freelists`, victims from
+:mod:`kvlab.eviction`, input rules in :mod:`kvlab.checks`. Speed lives apart (:mod:`kvlab.perf`, held equal to
+this class by tests); the text's own method names are an adapter around it (:mod:`kvlab.textbook`).
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
 from typing import Any
@@ -48,102 +34,45 @@ import torch
 
 from . import events as ev
 from .block import ALLOCATED, EVICTING, FREE, PENDING, STATE_NAMES, BlockStatus
-from .checks import check_count, is_int
+from .checks import INT32_MAX, check_block_sizes, check_clock, check_count, check_flag, check_owner, is_int, \
+    occurrences
 from .clock import Clock, LogicalClock
 from .errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, OutOfBlocksError,
                      RefcountUnderflowError, UnknownBlockError)
+from .events import notify
 from .eviction import EvictionPolicy, make_policy
 from .freelists import FreeLists
 from .meta import FIELDS, NO_OWNER, BlockMeta
 from .spec import KVSpec
 from .storage import KVStorage
 
-INT32_MAX = 2**31 - 1
-CLOCK_MAX = 2**62  # a clock starting later could tick past int64 (2**63 - 1) and overflow the stamps
 RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
-
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def check_owner(owner: Any) -> int:
-    """``owner`` as the int32 owner field stores it (-1 = no one), else :class:`ConfigError`."""
-    if not is_int(owner) or not -1 <= owner <= INT32_MAX:
-        raise ConfigError(f"owner must be an int in -1..{INT32_MAX} (-1 = no one), got {owner!r}")
-    return int(owner)
-
-
-def occurrences(ids: list[int]) -> dict[int, int]:
-    """``{id: how often it occurs}`` in first-occurrence order: what ``Counter`` gives, at a fifth of its cost
-    for the one- and few-block calls that dominate."""
-    want: dict[int, int] = {}
-    for b in ids:
-        want[b] = want.get(b, 0) + 1
-    return want
-
-
-def notify(hooks: Sequence[Callable[..., None]], *args: Any) -> None:
-    """Call every hook with ``args``, in order, even when one raises; then raise the first error. Each hook keeps
-    its own picture of the pool (block tables, the prefix index, a view), so one that fails must not leave the
-    ones after it stale: a table still naming a block that went FREE would read someone else's K/V."""
-    error: BaseException | None = None
-    for hook in hooks:
-        try:
-            hook(*args)
-        except BaseException as e:  # re-raised below, once every hook has run
-            error = error or e
-    if error is not None:
-        raise error
-
-
 class BlockPool:
-    """A pool of ``num_blocks`` fixed-size KV blocks (or of ``total_memory`` bytes) with states, refcounts,
-    an eviction policy, batch operations and events.
-
-    Args:
-        num_blocks: number of base blocks; or give ``total_memory`` (bytes) instead.
-        spec: the :class:`KVSpec` (model shape, block size, dtype, device). Default: a small spec.
-        total_memory: the text's budget in bytes; ``num_blocks = total_memory // spec.bytes_per_block``.
-        block_sizes: the text's size classes in tokens, each a power-of-two multiple of the smallest (which
-            becomes ``spec.block_size``). Default: one size, ``spec.block_size``.
-        eviction_policy: ``"lru"``, ``"fifo"``, ``"lfu"``, ``"random"`` or an :class:`EvictionPolicy`.
-        clock: default a :class:`LogicalClock` ticking once per public mutation.
-        with_storage: False builds a metadata-only pool (no tensor), for large simulations.
-        seed: seeds the random policy.
-    """
+    """``num_blocks`` KV blocks (or as many as ``total_memory`` bytes hold) of ``spec``'s shape, with states,
+    refcounts, an ``eviction_policy`` (``"lru"``, ``"fifo"``, ``"lfu"``, ``"random"`` or an
+    :class:`EvictionPolicy`, ``seed`` for the random one), batch operations and events. ``block_sizes``: the
+    text's size classes in tokens, power-of-two multiples of the smallest (buddy blocks). ``clock`` ticks once
+    per public mutation; ``with_storage=False`` builds a metadata-only pool (no tensor) for large simulations."""
 
     def __init__(self, num_blocks: int | None = None, *, spec: KVSpec | None = None,
                  total_memory: int | None = None, block_sizes: Sequence[int] | None = None,
                  eviction_policy: str | EvictionPolicy = "lru", clock: Clock | None = None,
                  with_storage: bool = True, seed: int = 0) -> None:
-        spec = spec or KVSpec()
-        self.max_order = 0
-        if block_sizes is not None:
-            if not isinstance(block_sizes, (list, tuple)) or not block_sizes or \
-                    not all(is_int(s) and s >= 1 for s in block_sizes):
-                raise ConfigError(f"block_sizes must be a list of positive ints, got {block_sizes!r}")
-            sizes = sorted({int(s) for s in block_sizes})
-            bad = [s for s in sizes if s % sizes[0] or (s // sizes[0]) & (s // sizes[0] - 1)]
-            if bad:
-                raise ConfigError(f"block sizes {bad} are not power-of-two multiples of the smallest, {sizes[0]}")
-            spec = replace(spec, block_size=sizes[0])
-            self.max_order = (sizes[-1] // sizes[0]).bit_length() - 1
+        spec, self.max_order = check_block_sizes(spec or KVSpec(), block_sizes)
         if (num_blocks is None) == (total_memory is None):
             raise ConfigError("give exactly one of num_blocks or total_memory")
-        if total_memory is not None:
-            num_blocks = spec.blocks_for_budget(total_memory)
-        if not is_int(num_blocks) or num_blocks < 1 or num_blocks > INT32_MAX:
+        num_blocks = spec.blocks_for_budget(total_memory) if total_memory is not None else num_blocks
+        if not is_int(num_blocks) or not 1 <= num_blocks <= INT32_MAX:
             raise ConfigError(f"num_blocks must be an int in 1..{INT32_MAX}, got {num_blocks!r}")
-        self.clock: Clock = clock or LogicalClock()
-        if not isinstance(with_storage, (bool, np.bool_)):
-            raise ConfigError(f"with_storage must be True or False, got {with_storage!r}")
-        if type(now := self.clock.now()) is not int or not 0 <= now <= CLOCK_MAX:
-            raise ConfigError(f"the clock must count in ints from 0 to {CLOCK_MAX} (stamps are int64, with room to "
-                              f"tick), but now() gave {now!r}")
+        self.clock: Clock = check_clock(clock or LogicalClock())
         self.spec, self.num_blocks, self.block_size = spec, int(num_blocks), spec.block_size
         self.bytes_per_block = spec.bytes_per_block
         self.block_sizes = [spec.block_size << k for k in range(self.max_order + 1)]
-        self.storage = KVStorage(spec, self.num_blocks) if with_storage else None
-        self.meta = BlockMeta(self.num_blocks)
+        self.storage = KVStorage(spec, self.num_blocks) if check_flag(with_storage, "with_storage") else None
+        self.meta = BlockMeta(self.num_blocks)  # the only writable copy of the per-block fields
         self.free_lists = FreeLists(self.meta, self.max_order)
         self.lock = threading.RLock()
         self.events = ev.EventBus()
@@ -161,85 +90,13 @@ class BlockPool:
         self.fields = SimpleNamespace(**{k: memoryview(getattr(self.meta, k)).toreadonly() for k in FIELDS})
         self.arrays = self.meta.readonly()
 
-    # ------------------------------------------------------------------ ids and views
-    def check_id(self, block_id: Any) -> int:
-        """``block_id`` as an int naming the first base block of a block, else :class:`UnknownBlockError`."""
-        if not is_int(block_id):
-            raise UnknownBlockError(f"a block id is an int, not {block_id!r}")
-        b = int(block_id)
-        if not 0 <= b < self.num_blocks:
-            raise UnknownBlockError(f"block {b} is not in this pool (ids 0..{self.num_blocks - 1})")
-        if self.max_order and (head := b & ~(self.meta.span(b) - 1)) != b:
-            raise UnknownBlockError(f"block {b} is inside block {head} of size class {self.meta.size_class[b]}, "
-                                    f"not the start of a block")
-        return b
-
-    def check_ids(self, ids: Any) -> list[int]:
-        """A sequence of block ids (list, tuple, range, 1-D integer array or tensor) as validated ints."""
-        if isinstance(ids, (list, tuple, range)):
-            return [self.check_id(b) for b in ids]
-        if isinstance(ids, (torch.Tensor, np.ndarray)):
-            if ids.ndim != 1 or (len(ids) and (ids.dtype in (torch.bool, np.bool_) or ids.is_floating_point()
-                                               if isinstance(ids, torch.Tensor) else ids.dtype.kind not in "iu")):
-                raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
-            return [self.check_id(b) for b in ids.tolist()]
-        raise UnknownBlockError(f"block ids must be a list, tuple, range or 1-D int array, got {ids!r}")
-
-    def storage_of(self) -> KVStorage:
-        """The KV tensor's storage; :class:`ConfigError` for a metadata-only pool."""
-        if self.storage is None:
-            raise ConfigError("this pool is metadata-only (with_storage=False): it has no KV tensor")
-        return self.storage
-
-    def span(self, block_id: int) -> int:
-        """Number of base blocks in ``block_id``."""
-        return self.meta.span(self.check_id(block_id))
-
-    def is_cached(self, block_id: int) -> bool:
-        """ALLOCATED with refcount 0: the block keeps reusable data and may be evicted."""
-        b = self.check_id(block_id)
-        return self.meta.status[b] == ALLOCATED and not self.meta.refcount[b]
-
-    @property
-    def num_free_blocks(self) -> int:
-        """FREE base blocks."""
-        return len(self.free_lists)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks with refcount 0 that keep reusable data (evictable)."""
-        return len(self.policy)
-
-    def free_ids(self, size_class: int = 0) -> list[int]:
-        """FREE blocks of ``size_class``, the next to be handed out first."""
-        return self.free_lists.stacks[self._check_class(size_class)][::-1].tolist()
-
-    def __len__(self) -> int:
-        return self.num_blocks
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.num_blocks} blocks x {self.block_size} tokens, "
-                f"free={self.num_free_blocks}, cached={len(self.policy)}, policy={self.policy.name}, "
-                f"device={self.spec.device})")
-
-    def _check_class(self, size_class: Any) -> int:
-        if not is_int(size_class) or not 0 <= size_class <= self.max_order:
-            raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{self.max_order} "
-                              f"(block sizes {self.block_sizes})")
-        return int(size_class)
-
-    def _mutation(self) -> int:
-        """Count a public mutation that passed validation and tick the clock: the step its events carry."""
-        self.lock_acquisitions += 1
-        return self.clock.tick()
-
     # ------------------------------------------------------------------ allocate
     def allocate(self, n: int = 1, *, size_class: int = 0, owner: int = -1,
                  status: BlockStatus = BlockStatus.ALLOCATED, block_id: int | None = None) -> list[int]:
         """Allocate ``n`` blocks of ``size_class`` (refcount 1 each): from the free stack, else by splitting a
         larger free block, else by evicting the policy's victim. All or nothing: :class:`OutOfBlocksError`, with
         nothing changed, if the pool cannot supply ``n``, counting as evictable only what the ``evict_guard``
-        lets go (see the module docstring). ``status=PENDING`` reserves blocks whose data is still to arrive;
+        lets go (see :meth:`_evictable`). ``status=PENDING`` reserves blocks whose data is still to arrive;
         ``block_id`` takes that one FREE block (``n`` must be 1). An evict hook that raises reaches the caller
         with every block taken back on the free stack (the victims evicted so far stay FREE); a listener that
         raises stops nothing (:class:`~kvlab.events.EventBus`)."""
@@ -425,9 +282,7 @@ class BlockPool:
         """Mark blocks whose data is worth keeping at refcount 0 (full prefix-cache blocks); repeats are
         harmless. Unmarking a cached block releases it to FREE at once (its data is no longer wanted)."""
         with self.lock:
-            if not isinstance(reusable, (bool, np.bool_)):
-                raise ConfigError(f"reusable must be True or False, got {reusable!r}")
-            m = self.meta
+            reusable, m = check_flag(reusable, "reusable"), self.meta
             blocks = list(dict.fromkeys(self.check_ids(ids)))
             for b in blocks:
                 if m.status[b] not in (ALLOCATED, PENDING):
@@ -643,6 +498,78 @@ class BlockPool:
             notify(self.relocation_hooks, np.array(s), np.array(d))
             if self.events:
                 self.events.publish(ev.Migrated(t, tuple(s), tuple(d), reason))
+
+    # ------------------------------------------------------------------ ids and views
+    def check_id(self, block_id: Any) -> int:
+        """``block_id`` as an int naming the first base block of a block, else :class:`UnknownBlockError`."""
+        if not is_int(block_id):
+            raise UnknownBlockError(f"a block id is an int, not {block_id!r}")
+        b = int(block_id)
+        if not 0 <= b < self.num_blocks:
+            raise UnknownBlockError(f"block {b} is not in this pool (ids 0..{self.num_blocks - 1})")
+        if self.max_order and (head := b & ~(self.meta.span(b) - 1)) != b:
+            raise UnknownBlockError(f"block {b} is inside block {head} of size class {self.meta.size_class[b]}, "
+                                    f"not the start of a block")
+        return b
+
+    def check_ids(self, ids: Any) -> list[int]:
+        """A sequence of block ids (list, tuple, range, 1-D integer array or tensor) as validated ints."""
+        if isinstance(ids, (list, tuple, range)):
+            return [self.check_id(b) for b in ids]
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            if ids.ndim != 1 or (len(ids) and (ids.dtype in (torch.bool, np.bool_) or ids.is_floating_point()
+                                               if isinstance(ids, torch.Tensor) else ids.dtype.kind not in "iu")):
+                raise UnknownBlockError(f"block ids must be a 1-D sequence of ints, got {ids!r}")
+            return [self.check_id(b) for b in ids.tolist()]
+        raise UnknownBlockError(f"block ids must be a list, tuple, range or 1-D int array, got {ids!r}")
+
+    def storage_of(self) -> KVStorage:
+        """The KV tensor's storage; :class:`ConfigError` for a metadata-only pool."""
+        if self.storage is None:
+            raise ConfigError("this pool is metadata-only (with_storage=False): it has no KV tensor")
+        return self.storage
+
+    def span(self, block_id: int) -> int:
+        """Number of base blocks in ``block_id``."""
+        return self.meta.span(self.check_id(block_id))
+
+    def is_cached(self, block_id: int) -> bool:
+        """ALLOCATED with refcount 0: the block keeps reusable data and may be evicted."""
+        b = self.check_id(block_id)
+        return self.meta.status[b] == ALLOCATED and not self.meta.refcount[b]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """FREE base blocks."""
+        return len(self.free_lists)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with refcount 0 that keep reusable data (evictable)."""
+        return len(self.policy)
+
+    def free_ids(self, size_class: int = 0) -> list[int]:
+        """FREE blocks of ``size_class``, the next to be handed out first."""
+        return self.free_lists.stacks[self._check_class(size_class)][::-1].tolist()
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.num_blocks} blocks x {self.block_size} tokens, "
+                f"free={self.num_free_blocks}, cached={len(self.policy)}, policy={self.policy.name}, "
+                f"device={self.spec.device})")
+
+    def _check_class(self, size_class: Any) -> int:
+        if not is_int(size_class) or not 0 <= size_class <= self.max_order:
+            raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{self.max_order} "
+                              f"(block sizes {self.block_sizes})")
+        return int(size_class)
+
+    def _mutation(self) -> int:
+        """Count a public mutation that passed validation and tick the clock: the step its events carry."""
+        self.lock_acquisitions += 1
+        return self.clock.tick()
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict[str, np.ndarray]:

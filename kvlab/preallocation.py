@@ -25,7 +25,8 @@ import numpy as np
 from .allocator import DynamicAllocator, check_size_class
 from .errors import ConfigError, OutOfBlocksError
 from .checks import check_count, is_int
-from .pool import INT32_MAX, BlockPool, check_owner
+from .checks import INT32_MAX, check_owner
+from .pool import BlockPool
 
 Key = tuple[int, int]  # (owner, size_class)
 

@@ -79,7 +79,8 @@ import torch
 from .device import default_device
 from .errors import ConfigError
 from .checks import is_int
-from .pool import INT32_MAX, BlockPool
+from .checks import INT32_MAX
+from .pool import BlockPool
 from .spec import KVSpec, check_device
 from .workloads import Workload
 

@@ -60,10 +60,10 @@ def test_a_pool_refuses_a_clock_that_cannot_stamp_int64(cls, reading):
 
 @pytest.mark.parametrize("cls", [BlockPool, kvlab.FastBlockPool])
 def test_a_clock_at_the_latest_start_still_ticks_into_int64(cls):
-    pool = cls(4, with_storage=False, clock=kvlab.LogicalClock(kvlab.pool.CLOCK_MAX))
+    pool = cls(4, with_storage=False, clock=kvlab.LogicalClock(kvlab.checks.CLOCK_MAX))
     b = pool.allocate(1)[0]
     pool.free([b])
-    assert pool.arrays.created[b] == kvlab.pool.CLOCK_MAX + 1 and pool.clock.now() == kvlab.pool.CLOCK_MAX + 2
+    assert pool.arrays.created[b] == kvlab.checks.CLOCK_MAX + 1 and pool.clock.now() == kvlab.checks.CLOCK_MAX + 2
     pool.check_invariants()
 
 
