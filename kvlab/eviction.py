@@ -1,8 +1,10 @@
-"""Eviction policies (text §2.2.2, ``BlockPool.evict_block``).
+"""Eviction policies (text §2.2.2, the text's ``evict_block``).
 
 A policy orders the pool's *evictable* blocks: ALLOCATED blocks with refcount 0 that still hold reusable data
-(cached blocks). Referenced blocks are never in the set, so a policy can never pick one; when the pool vetoes a
-candidate (a prefix-cache head whose child is still cached) it simply takes the next one. Every policy can rank
+(cached blocks). Invariant (:meth:`BlockPool.check_invariants`): the policy holds exactly the cached blocks, each
+once. Referenced blocks are never in the set, so a policy can never pick one (the text picked its LRU block first
+and checked the refcount after); when the pool vetoes a candidate (a prefix-cache head whose child is still
+cached) it simply takes the next one. Every policy can rank
 its candidates with scores (lower score = evicted sooner), which is what a widget shows to explain a choice.
 
 Cost per operation: LRU is O(1) (an insertion-ordered dict), CLOCK O(1) amortised (a ring with a hand); FIFO
