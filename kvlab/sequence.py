@@ -1,29 +1,23 @@
 """Sequences and their block tables (text §2.2.3 "块的分配和回收机制", §2.2.6 "智能回收").
 
-A :class:`Sequence` never owns memory directly: it owns a *block table*, the list that maps its logical block
-``i`` (tokens ``i*B .. i*B+B-1``) to a physical block of the pool, and the pool's refcounts say who else holds
-each block. :class:`SequenceManager` does every operation on tables, always through the pool's own methods:
+The idea: a :class:`Sequence` owns no memory, only a *block table* mapping its logical block ``i`` (tokens
+``i*B .. i*B+B-1``) to a physical block of the pool; token ``pos`` lives in slot ``table[pos // B] * B + pos % B``.
+:class:`SequenceManager` changes tables only through the pool's own methods, so refcounts say who holds what:
 
-* **append** takes new blocks only when the last one is full, all blocks of a batch in one ``pool.allocate``
-  (all or nothing), and returns the slot of every new token, computed vectorised as
-  ``table[pos // B] * B + pos % B``; the caller writes K/V there with one ``index_copy_`` per layer.
-* **fork** shares every block with the child (one ``incref``). The first append into a *shared, partly filled*
-  last block copies that block first (copy-on-write, a real tensor copy); full blocks are never written again,
-  so they stay shared for good.
-* **free** releases the table tail first, so under LRU the tail of a cached prefix chain is evicted before its
-  head.
-* **swap out / in** moves the blocks the sequence holds alone (refcount 1, not named by the prefix cache) to host
-  memory (pinned on CUDA) through EVICTING -> FREE, and back into possibly different blocks through
-  PENDING -> ALLOCATED, bitwise identical. Shared and prefix-cached blocks stay resident with the sequence's
-  reference: their memory is not the sequence's alone to give back.
-* **migration** (defragmentation) moves blocks under everybody's feet: the manager registers a
-  ``pool.relocation_hooks`` callback that rewrites every live table.
+* **append** takes blocks only when the last one is full (a batch's in one all-or-nothing ``pool.allocate``) and
+  returns every new token's slot; the caller writes K/V there with one ``index_copy_`` per layer.
+* **fork** shares every block (one ``incref``); the first append into a *shared, partly filled* last block copies
+  it first (copy-on-write). Full blocks are never written again, so they stay shared for good.
+* **free** releases the table tail first, so under LRU a cached chain loses its tail before its head.
+* **swap out / in** moves the blocks the sequence holds alone to host memory (EVICTING -> FREE) and back into
+  possibly other blocks (PENDING -> ALLOCATED), bitwise identical; shared and prefix-cached blocks stay resident.
+* **migration** (defragmentation) moves blocks under everybody's feet: a ``pool.relocation_hooks`` callback
+  rewrites every live table.
 
-Invariants (checked by :meth:`SequenceManager.check_invariants`): a resident table entry is ALLOCATED; the
-refcount of every block equals the number of table entries naming it; a table has ``ceil(num_tokens / B)``
-entries; exactly the swapped-out entries are ``-1`` (their data is on the host).
-Works on metadata-only pools (``with_storage=False``): token counts and tables without any K/V;
-:meth:`SequenceManager.append_tokens` then skips building slot tensors nobody reads.
+Invariants (:meth:`SequenceManager.check_invariants`): a resident table entry is ALLOCATED; each block's refcount
+equals the number of table entries naming it; a table has ``ceil(num_tokens / B)`` entries; exactly the
+swapped-out entries are ``-1``. On a metadata-only pool (``with_storage=False``) tables and token counts work
+without any K/V.
 """
 from __future__ import annotations
 
@@ -45,103 +39,10 @@ from .prefix import TOKEN_MAX, PrefixCache, check_tenant, check_token_ids
 NewTokens = int | Seq[int]
 
 
-def _positions(x: object, what: str) -> list:
-    """``starts``/``stops`` of :meth:`SequenceManager.slot_mapping` as a list (ints are checked per sequence)."""
-    if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
-        return x.tolist()
-    if not isinstance(x, (list, tuple, range)):
-        raise ConfigError(f"slot_mapping: {what} must be a list of positions, got {x!r}")
-    return list(x)
-
-
-@dataclass(slots=True)
-class CopiedOnWrite(Event):
-    """Sequence ``seq_id`` appended into shared block ``src`` and got private copy ``dst`` first."""
-    seq_id: int
-    src: int
-    dst: int
-
-
-@dataclass(slots=True)
-class Swapped(Event):
-    """Sequence ``seq_id`` moved ``block_ids`` to host memory (``direction='out'``) or back (``'in'``)."""
-    seq_id: int
-    direction: str
-    block_ids: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class SwapState:
-    """Host copy of a swapped-out sequence: table ``positions``, their token counts and ``data``
-    ``[2, layers, n, B, heads, dim]`` (None on a metadata-only pool)."""
-    positions: list[int]
-    tokens: list[int]
-    data: torch.Tensor | None
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """A request's view of the cache: ``block_table[i]`` is the physical block of logical block ``i``.
-
-    ``token_ids`` is tracked when the sequence was created with tokens (needed for prefix caching) and None when
-    only counts matter. ``num_cached_tokens`` prompt tokens came from the prefix cache; ``cached_blocks`` leading
-    blocks are registered there (``prefix_hash`` is the last one's hash); ``cacheable`` turns False when
-    registration met a hash collision, and nothing more of the sequence is registered."""
-    seq_id: int
-    manager: SequenceManager = field(repr=False)
-    block_table: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    token_ids: list[int] | None = None
-    tenant: str | None = None
-    num_cached_tokens: int = 0
-    cached_blocks: int = 0
-    prefix_hash: bytes | None = field(default=None, repr=False)
-    cacheable: bool = True
-    swapped: SwapState | None = field(default=None, repr=False)
-    alive: bool = True
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_table)
-
-    def append(self, new: NewTokens) -> torch.Tensor:
-        """Append ``new`` (a token count, or token ids) and return the slots of the new tokens."""
-        return self.manager.append(self, new)
-
-    def fork(self) -> Sequence:
-        return self.manager.fork(self)
-
-    def free(self) -> None:
-        self.manager.free(self)
-
-    def swap_out(self) -> None:
-        self.manager.swap_out(self)
-
-    def swap_in(self) -> None:
-        self.manager.swap_in(self)
-
-    def slots(self) -> torch.Tensor:
-        """Slot of every token of the sequence, in order (for reading its K/V back)."""
-        return self.manager.slot_mapping([self], [0], [self.num_tokens])
-
-
-@dataclass(slots=True)
-class PagedBatch:
-    """What one forward step needs: slots and positions of the new tokens (packed, sequence by sequence), the
-    padded ``block_tables`` ``[batch, max_blocks]``, ``seq_lens`` after the step and ``query_lens`` (new tokens)."""
-    slots: torch.Tensor
-    positions: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: list[int]
-    query_lens: list[int]
-
-
 class SequenceManager:
-    """Registry of live sequences over ``pool``, with an optional :class:`PrefixCache` (``prefix_cache=True``
-    builds one). Registers a relocation hook so ``pool.migrate`` rewrites every table."""
+    """Registry of live sequences (each a :class:`Sequence`, defined below) over ``pool``, with an optional
+    :class:`PrefixCache` (``prefix_cache=True`` builds one). Registers a relocation hook so ``pool.migrate``
+    rewrites every table."""
 
     _cache_class: type[PrefixCache] = PrefixCache  # what prefix_cache=True builds (the fast manager: its fast one)
 
@@ -462,3 +363,97 @@ class SequenceManager:
             assert [tokens[b] for b in resident] == filled, f"sequence {s.seq_id}: block token counts {filled} expected"
             out = s.swapped.positions if s.swapped is not None else []
             assert [i for i, b in enumerate(s.block_table) if b < 0] == out, f"sequence {s.seq_id}: swap state"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's view of the cache: ``block_table[i]`` is the physical block of logical block ``i``.
+
+    ``token_ids`` is tracked when the sequence was created with tokens (needed for prefix caching) and None when
+    only counts matter. ``num_cached_tokens`` prompt tokens came from the prefix cache; ``cached_blocks`` leading
+    blocks are registered there (``prefix_hash`` is the last one's hash); ``cacheable`` turns False when
+    registration met a hash collision, and nothing more of the sequence is registered."""
+    seq_id: int
+    manager: SequenceManager = field(repr=False)
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+    tenant: str | None = None
+    num_cached_tokens: int = 0
+    cached_blocks: int = 0
+    prefix_hash: bytes | None = field(default=None, repr=False)
+    cacheable: bool = True
+    swapped: SwapState | None = field(default=None, repr=False)
+    alive: bool = True
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+    def append(self, new: NewTokens) -> torch.Tensor:
+        """Append ``new`` (a token count, or token ids) and return the slots of the new tokens."""
+        return self.manager.append(self, new)
+
+    def fork(self) -> Sequence:
+        return self.manager.fork(self)
+
+    def free(self) -> None:
+        self.manager.free(self)
+
+    def swap_out(self) -> None:
+        self.manager.swap_out(self)
+
+    def swap_in(self) -> None:
+        self.manager.swap_in(self)
+
+    def slots(self) -> torch.Tensor:
+        """Slot of every token of the sequence, in order (for reading its K/V back)."""
+        return self.manager.slot_mapping([self], [0], [self.num_tokens])
+
+
+@dataclass(slots=True)
+class SwapState:
+    """Host copy of a swapped-out sequence: table ``positions``, their token counts and ``data``
+    ``[2, layers, n, B, heads, dim]`` (None on a metadata-only pool)."""
+    positions: list[int]
+    tokens: list[int]
+    data: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """What one forward step needs: slots and positions of the new tokens (packed, sequence by sequence), the
+    padded ``block_tables`` ``[batch, max_blocks]``, ``seq_lens`` after the step and ``query_lens`` (new tokens)."""
+    slots: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    query_lens: list[int]
+
+
+@dataclass(slots=True)
+class CopiedOnWrite(Event):
+    """Sequence ``seq_id`` appended into shared block ``src`` and got private copy ``dst`` first."""
+    seq_id: int
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class Swapped(Event):
+    """Sequence ``seq_id`` moved ``block_ids`` to host memory (``direction='out'``) or back (``'in'``)."""
+    seq_id: int
+    direction: str
+    block_ids: tuple[int, ...]
+
+
+def _positions(x: object, what: str) -> list:
+    """``starts``/``stops`` of :meth:`SequenceManager.slot_mapping` as a list (ints are checked per sequence)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 1:
+        return x.tolist()
+    if not isinstance(x, (list, tuple, range)):
+        raise ConfigError(f"slot_mapping: {what} must be a list of positions, got {x!r}")
+    return list(x)
