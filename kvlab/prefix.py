@@ -1,34 +1,25 @@
 """Prefix caching by chained block hashes (text §2.2.6 "长序列处理优化": 智能缓存, caching frequent blocks).
 
-A *full* block is named by a content hash chained through its parent: ``h_i = blake2b(h_{i-1}, salt, tokens of
-block i)``, so equal hashes mean an equal *whole prefix*, not just an equal block, and a per-tenant salt keeps
-tenants from ever sharing a block. A new prompt walks its full blocks hash by hash; each hit takes a reference
-on the cached block (``pool.incref``, which also takes it out of the evictable set) instead of recomputing its
-K/V, and the token ids are compared on every hit, so a hash collision can never serve wrong data.
+The idea: a *full* block is named by a hash chained through its parent, ``h_i = blake2b(h_{i-1}, salt, tokens of
+block i)``, so equal hashes mean an equal *whole prefix*; a per-tenant salt keeps tenants from sharing a block.
+A new prompt walks its full blocks hash by hash (:meth:`PrefixCache.match`); each hit takes a reference on the
+cached block (``pool.incref``) instead of recomputing its K/V, and the token ids are compared on every hit, so a
+hash collision never serves wrong data. Registered blocks (:meth:`PrefixCache.store_blocks`) are marked
+reusable: at refcount 0 they stay ALLOCATED with their data ("cached") until the pool's policy evicts them.
 
-Registered blocks are marked reusable: at refcount 0 they stay ALLOCATED with their data ("cached") until the
-pool's policy evicts them. The cache keeps the chains whole:
+Invariants (:meth:`PrefixCache.check_invariants`), which keep the chains whole:
 
 * a block is registered only on top of its registered parent, so whoever holds a cached child holds its parent;
-* ``pool.evict_guard`` (a :class:`ChainGuard`) vetoes a block while blocks are still registered on top of it,
-  so chains lose their tails first and no cached child is ever orphaned (unreachable because its head is gone);
-  it also tells the pool which cached blocks will go once their tails have, so an allocation the chains cannot
-  serve is refused before it evicts anything;
-* ``pool.evict_hooks`` tells the cache which block left, ``pool.relocation_hooks`` where blocks moved;
-* an entry is trusted only while its block is still the same allocation (ALLOCATED, reusable, same creation
-  stamp); anything else (a block unmarked or swapped out behind the cache's back) is a stale entry, dropped
-  on sight. Until then it still counts as a child, so its parent stays unevictable a while longer.
+* a block is never evicted while blocks are registered on top of it (:class:`ChainGuard`, the pool's
+  ``evict_guard``), so chains lose their tails first and no cached child is orphaned; the guard also tells the
+  pool which cached blocks would go, so an allocation the chains cannot serve is refused before any eviction;
+* an entry is trusted only while its block is the same allocation (ALLOCATED, reusable, same creation stamp);
+  anything else is a stale entry, dropped on sight. The pool's hooks say which blocks left or moved.
 
-Token ids travel as int64 bytes: a prompt is validated and converted once (numpy, no Python loop per token),
-and each block's hash input and stored copy are slices of those bytes. Per registered block the cache keeps its
-digest, its parent's digest, its tokens and its creation stamp, indexed by block id (a few hundred bytes a
-block, so a pool of millions of cached blocks fits). :meth:`PrefixCache.store_blocks` registers a whole chain in
-one call (one ``mark_reusable``), which is what :meth:`SequenceManager.cache_full_blocks` uses.
-
-Counters (:meth:`PrefixCache.get_stats`) come in blocks and in tokens: ``query_tokens`` and ``hit_tokens`` are
-vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits`` (prompt tokens looked up, prompt tokens served).
-``reuse_gaps`` holds, for every hit that revived a cached block (refcount 0), the pool clock ticks the block had
-been idle.
+Token ids travel as int64 bytes, validated and converted once per prompt; per registered block the cache keeps its
+digest, its parent's digest, its tokens and its creation stamp. Counters (:meth:`PrefixCache.get_stats`):
+``query_tokens`` and ``hit_tokens`` are vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits``; ``reuse_gaps``
+holds, for every hit that revived a cached block, the clock ticks it had been idle.
 """
 from __future__ import annotations
 
@@ -114,82 +105,6 @@ def _check_parent(parent: object) -> bytes | None:
     return parent
 
 
-@dataclass(slots=True)
-class PrefixHit(Event):
-    """A prompt reused ``block_ids`` (``tokens`` tokens not recomputed)."""
-    block_ids: tuple[int, ...]
-    tokens: int
-    tenant: str | None
-
-
-@dataclass(slots=True)
-class PrefixStored(Event):
-    """Full block ``block_id`` was registered under hash ``digest`` (hex)."""
-    block_id: int
-    digest: str
-
-
-@dataclass(slots=True)
-class PrefixEvicted(Event):
-    """Cached block ``block_id`` (hash ``digest``) left the cache: evicted by the pool, or found stale."""
-    block_id: int
-    digest: str
-
-
-@lru_cache(maxsize=1024)
-def _salted(tenant: str | None) -> hashlib.blake2b:
-    """A tenant's empty hasher: 16-byte blake2b salted with the tenant's own 16-byte hash (no salt without a
-    tenant). Made once per tenant; each block hash starts from a copy (cheaper than building one)."""
-    salt = hashlib.blake2b(tenant.encode(), digest_size=16).digest() if tenant is not None else b""
-    return hashlib.blake2b(digest_size=16, salt=salt)
-
-
-def _hash(parent: bytes | None, chunk: bytes, salted: hashlib.blake2b) -> bytes:
-    """The chained hash of one block: ``chunk`` is its token ids as int64 bytes (the lookups' inner loop)."""
-    h = salted.copy()
-    if parent:
-        h.update(parent)
-    h.update(chunk)
-    return h.digest()
-
-
-class ChainGuard:
-    """The prefix cache's ``pool.evict_guard``: a registered block may be evicted only once no block is
-    registered on top of it (chains lose their tails first), and only if the guard it wraps agrees.
-
-    :meth:`held_back` answers the pool's capacity check: which cached blocks no eviction of other cached blocks
-    will free. Evicting a tail frees its parent, so a cached block is held back only by an entry above it that
-    no eviction removes (a stale entry whose block is not cached) or by a block the wrapped guard keeps."""
-
-    def __init__(self, cache: "PrefixCache", digest: list[bytes | None], parent: list[bytes | None],
-                 block: dict[bytes, int], children: dict[bytes, int], inner: Callable[[int], bool] | None) -> None:
-        self.cache, self.inner = cache, inner
-        # the cache's own, shared: asked once per candidate
-        self._digest, self._parent, self._block, self._children = digest, parent, block, children
-
-    def __call__(self, b: int) -> bool:
-        digest = self._digest[b]
-        return (digest is None or digest not in self._children) and (self.inner is None or self.inner(b))
-
-    def lifted_by(self, b: int) -> int | None:
-        """The block whose veto evicting ``b`` may lift: the one registered under ``b``'s parent hash, which
-        may lose its last child (None for a chain's first block). The wrapped guard, if any, is taken to keep
-        its verdicts."""
-        parent = self._parent[b]
-        return None if parent is None else self._block.get(parent)
-
-    def held_back(self, min_order: int = 0) -> set[int]:
-        """The cached blocks of class >= ``min_order`` that this guard keeps however many others are evicted."""
-        inner, kept = self.inner, []
-        if inner is not None:
-            if (later := getattr(inner, "held_back", None)) is not None:
-                kept = list(later(min_order))
-            else:  # a plain guard keeps its verdicts: ask it about every candidate
-                size = self.cache.pool.fields.size_class
-                kept = [b for b, _ in self.cache.pool.policy.order() if size[b] >= min_order and not inner(b)]
-        return self.cache.held_back(min_order, kept)
-
-
 class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 
@@ -218,6 +133,105 @@ class PrefixCache:
         pool.stale_hooks.append(self._on_stale)
         pool.evict_guard = ChainGuard(self, self._digest, self._parent, self._block, self._children,
                                       pool.evict_guard)
+
+    def match(self, token_ids: TokenIds, tenant: str | None = None,
+              max_blocks: int | None = None) -> tuple[list[int], bytes | None]:
+        """The cached blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks`` full blocks),
+        each with one new reference taken for the caller; and the hash of the last one (None if no hit)."""
+        tokens, salted, n = self._query(token_ids, tenant, max_blocks)
+        ids, parent = self._walk(tokens, salted, n)
+        self.requests += 1
+        self.queries += n
+        self.query_tokens += len(tokens) // 8
+        if ids:
+            pool = self.pool
+            now, refs, last = pool.clock.now(), pool.fields.refcount, pool.fields.last_access
+            self.reuse_gaps.extend([now - last[b] for b in ids if not refs[b]])
+            pool.incref(ids)
+            self.hits += len(ids)
+            self.hit_tokens += len(ids) * self.block_size
+            if pool.events:
+                pool.events.publish(PrefixHit(pool.clock.now(), tuple(ids), len(ids) * self.block_size, tenant))
+        return ids, parent
+
+    def peek(self, token_ids: TokenIds, tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
+        """The blocks :meth:`match` would return now, without taking references or counting a lookup (admission
+        control asks what a prompt would cost before committing to it)."""
+        return self._walk(*self._query(token_ids, tenant, max_blocks))[0]
+
+    def store(self, block_id: int, token_ids: TokenIds, parent: bytes | None,
+              tenant: str | None = None) -> bytes | None:
+        """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
+        it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
+        got = self.store_blocks([self.pool.check_id(block_id)], token_ids, parent, tenant)
+        return got[0] if got else None
+
+    def store_blocks(self, block_ids: Sequence[int], token_ids: TokenIds, parent: bytes | None = None,
+                     tenant: str | None = None) -> list[bytes]:
+        """Register a chain of full, referenced blocks: ``block_ids[i]`` holds ``token_ids[i*B:(i+1)*B]``, the
+        first is chained on ``parent``, each next one on the one before; all are marked reusable in one call.
+        Returns the hashes of the blocks registered, in order: fewer than ``block_ids`` when another live block
+        already caches one of these prefixes (registration stops there). A block already registered under the
+        same hash counts as registered. Everything is checked before anything changes."""
+        pool, B = self.pool, self.block_size
+        blocks = pool.check_ids(block_ids)
+        tokens = self.tokens_of(token_ids, "prefix store")
+        parent, salted = _check_parent(parent), _salted(check_tenant(tenant))
+        status, refs = self._status, self._refs
+        for b in blocks:
+            if status[b] != ALLOCATED or not refs[b]:
+                raise IllegalTransitionError(f"block {b} is {BlockStatus(status[b]).name} with refcount {refs[b]}: "
+                                             f"only a held block can be registered")
+        if len(tokens) != 8 * B * len(blocks):
+            raise KVDataError(f"blocks {blocks}: only full blocks of {B} tokens are cached; {len(blocks)} blocks "
+                              f"hold {B * len(blocks)} token ids, got {len(tokens) // 8}: "
+                              f"{array('q', tokens[:16 * B]).tolist()}")
+        if parent is not None and parent not in self._block:
+            raise IllegalTransitionError(f"block {blocks[0]}: its parent hash {parent.hex()} is not cached")
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
+            twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
+            raise IllegalTransitionError(f"block {twice} appears twice in one chain")
+        # Plan: every hash, before anything changes; a block not yet registered is new, stale entries in the
+        # way are dropped when applying.
+        width, first = B * 8, parent
+        digests: list[bytes] = []
+        new: list[int] = []
+        stale: list[int] = []
+        for at, b in zip(range(0, len(tokens), width), blocks):
+            digest = _hash(parent, tokens[at:at + width], salted)
+            other = self._block.get(digest)
+            if other is not None and other != b and not self._valid(other):
+                stale.append(other)
+                other = None
+            if other is None:
+                known = self._digest[b]
+                if known is not None and self._valid(b):
+                    raise IllegalTransitionError(f"block {b} is already cached under hash {known.hex()}")
+                if known is not None:
+                    stale.append(b)
+                new.append(len(digests))
+            elif other != b:  # another live block caches this exact prefix
+                break
+            digests.append(digest)
+            parent = digest
+        # Apply.
+        for b in dict.fromkeys(stale) if stale else ():
+            self._drop(b)
+        if new:
+            pool.mark_reusable(blocks if len(new) == len(blocks) else [blocks[i] for i in new])
+        kids, created = self._children, self._stamp
+        for i in new:
+            b, digest, up = blocks[i], digests[i], digests[i - 1] if i else first
+            self._digest[b], self._parent[b], self._tokens[b] = digest, up, tokens[i * width:(i + 1) * width]
+            self._created[b] = created[b]
+            self._block[digest] = b
+            if up is not None:
+                kids[up] = kids.get(up, 0) + 1
+        self.stores += len(new)
+        if pool.events:
+            for i in new:
+                pool.events.publish(PrefixStored(pool.clock.now(), blocks[i], digests[i].hex()))
+        return digests
 
     def __len__(self) -> int:
         return len(self._block)
@@ -307,32 +321,6 @@ class PrefixCache:
         return {b: (d, self._parent[b], tuple(np.frombuffer(self._tokens[b] or b"", dtype=np.int64).tolist()))
                 for b, d in enumerate(self._digest) if d is not None}
 
-    # ------------------------------------------------------------------ lookup
-    def match(self, token_ids: TokenIds, tenant: str | None = None,
-              max_blocks: int | None = None) -> tuple[list[int], bytes | None]:
-        """The cached blocks of the longest cached prefix of ``token_ids`` (at most ``max_blocks`` full blocks),
-        each with one new reference taken for the caller; and the hash of the last one (None if no hit)."""
-        tokens, salted, n = self._query(token_ids, tenant, max_blocks)
-        ids, parent = self._walk(tokens, salted, n)
-        self.requests += 1
-        self.queries += n
-        self.query_tokens += len(tokens) // 8
-        if ids:
-            pool = self.pool
-            now, refs, last = pool.clock.now(), pool.fields.refcount, pool.fields.last_access
-            self.reuse_gaps.extend([now - last[b] for b in ids if not refs[b]])
-            pool.incref(ids)
-            self.hits += len(ids)
-            self.hit_tokens += len(ids) * self.block_size
-            if pool.events:
-                pool.events.publish(PrefixHit(pool.clock.now(), tuple(ids), len(ids) * self.block_size, tenant))
-        return ids, parent
-
-    def peek(self, token_ids: TokenIds, tenant: str | None = None, max_blocks: int | None = None) -> list[int]:
-        """The blocks :meth:`match` would return now, without taking references or counting a lookup (admission
-        control asks what a prompt would cost before committing to it)."""
-        return self._walk(*self._query(token_ids, tenant, max_blocks))[0]
-
     def _query(self, token_ids: TokenIds, tenant: str | None,
                max_blocks: int | None) -> tuple[bytes, hashlib.blake2b, int]:
         """The validated arguments of :meth:`match`/:meth:`peek` (tokens, the tenant's hasher, full blocks to
@@ -365,82 +353,6 @@ class PrefixCache:
             parent = digest
         return ids, parent
 
-    # ------------------------------------------------------------------ registration
-    def store(self, block_id: int, token_ids: TokenIds, parent: bytes | None,
-              tenant: str | None = None) -> bytes | None:
-        """Register full, referenced block ``block_id`` holding ``token_ids`` under parent hash ``parent``; marks
-        it reusable. Returns its hash, or None when another live block already caches this exact prefix."""
-        got = self.store_blocks([self.pool.check_id(block_id)], token_ids, parent, tenant)
-        return got[0] if got else None
-
-    def store_blocks(self, block_ids: Sequence[int], token_ids: TokenIds, parent: bytes | None = None,
-                     tenant: str | None = None) -> list[bytes]:
-        """Register a chain of full, referenced blocks: ``block_ids[i]`` holds ``token_ids[i*B:(i+1)*B]``, the
-        first is chained on ``parent``, each next one on the one before; all are marked reusable in one call.
-        Returns the hashes of the blocks registered, in order: fewer than ``block_ids`` when another live block
-        already caches one of these prefixes (registration stops there). A block already registered under the
-        same hash counts as registered. Everything is checked before anything changes."""
-        pool, B = self.pool, self.block_size
-        blocks = pool.check_ids(block_ids)
-        tokens = self.tokens_of(token_ids, "prefix store")
-        parent, salted = _check_parent(parent), _salted(check_tenant(tenant))
-        status, refs = self._status, self._refs
-        for b in blocks:
-            if status[b] != ALLOCATED or not refs[b]:
-                raise IllegalTransitionError(f"block {b} is {BlockStatus(status[b]).name} with refcount {refs[b]}: "
-                                             f"only a held block can be registered")
-        if len(tokens) != 8 * B * len(blocks):
-            raise KVDataError(f"blocks {blocks}: only full blocks of {B} tokens are cached; {len(blocks)} blocks "
-                              f"hold {B * len(blocks)} token ids, got {len(tokens) // 8}: "
-                              f"{array('q', tokens[:16 * B]).tolist()}")
-        if parent is not None and parent not in self._block:
-            raise IllegalTransitionError(f"block {blocks[0]}: its parent hash {parent.hex()} is not cached")
-        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
-            twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
-            raise IllegalTransitionError(f"block {twice} appears twice in one chain")
-        # Plan: every hash, before anything changes; a block not yet registered is new, stale entries in the
-        # way are dropped when applying.
-        width, first = B * 8, parent
-        digests: list[bytes] = []
-        new: list[int] = []
-        stale: list[int] = []
-        for at, b in zip(range(0, len(tokens), width), blocks):
-            digest = _hash(parent, tokens[at:at + width], salted)
-            other = self._block.get(digest)
-            if other is not None and other != b and not self._valid(other):
-                stale.append(other)
-                other = None
-            if other is None:
-                known = self._digest[b]
-                if known is not None and self._valid(b):
-                    raise IllegalTransitionError(f"block {b} is already cached under hash {known.hex()}")
-                if known is not None:
-                    stale.append(b)
-                new.append(len(digests))
-            elif other != b:  # another live block caches this exact prefix
-                break
-            digests.append(digest)
-            parent = digest
-        # Apply.
-        for b in dict.fromkeys(stale) if stale else ():
-            self._drop(b)
-        if new:
-            pool.mark_reusable(blocks if len(new) == len(blocks) else [blocks[i] for i in new])
-        kids, created = self._children, self._stamp
-        for i in new:
-            b, digest, up = blocks[i], digests[i], digests[i - 1] if i else first
-            self._digest[b], self._parent[b], self._tokens[b] = digest, up, tokens[i * width:(i + 1) * width]
-            self._created[b] = created[b]
-            self._block[digest] = b
-            if up is not None:
-                kids[up] = kids.get(up, 0) + 1
-        self.stores += len(new)
-        if pool.events:
-            for i in new:
-                pool.events.publish(PrefixStored(pool.clock.now(), blocks[i], digests[i].hex()))
-        return digests
-
-    # ------------------------------------------------------------------ pool hooks
     def _drop(self, b: int) -> None:
         digest, parent = self._digest[b], self._parent[b]
         assert digest is not None
@@ -478,7 +390,6 @@ class PrefixCache:
                 self._suspects.add(b)
             self._block[digest] = b
 
-    # ------------------------------------------------------------------ reporting
     def get_stats(self) -> dict[str, float]:
         """``requests`` (prompts looked up), ``queries`` (full blocks looked up), ``hits`` (blocks served),
         ``hit_rate`` (hits / queries), ``query_tokens`` and ``hit_tokens`` (prompt tokens looked up and served,
@@ -505,3 +416,79 @@ class PrefixCache:
             if up is not None:
                 kids[up] = kids.get(up, 0) + 1
         assert kids == self._children, "children counts disagree with the registered parents"
+
+
+class ChainGuard:
+    """The prefix cache's ``pool.evict_guard``: a registered block may be evicted only once no block is
+    registered on top of it (chains lose their tails first), and only if the guard it wraps agrees.
+
+    :meth:`held_back` answers the pool's capacity check: which cached blocks no eviction of other cached blocks
+    will free. Evicting a tail frees its parent, so a cached block is held back only by an entry above it that
+    no eviction removes (a stale entry whose block is not cached) or by a block the wrapped guard keeps."""
+
+    def __init__(self, cache: "PrefixCache", digest: list[bytes | None], parent: list[bytes | None],
+                 block: dict[bytes, int], children: dict[bytes, int], inner: Callable[[int], bool] | None) -> None:
+        self.cache, self.inner = cache, inner
+        # the cache's own, shared: asked once per candidate
+        self._digest, self._parent, self._block, self._children = digest, parent, block, children
+
+    def __call__(self, b: int) -> bool:
+        digest = self._digest[b]
+        return (digest is None or digest not in self._children) and (self.inner is None or self.inner(b))
+
+    def lifted_by(self, b: int) -> int | None:
+        """The block whose veto evicting ``b`` may lift: the one registered under ``b``'s parent hash, which
+        may lose its last child (None for a chain's first block). The wrapped guard, if any, is taken to keep
+        its verdicts."""
+        parent = self._parent[b]
+        return None if parent is None else self._block.get(parent)
+
+    def held_back(self, min_order: int = 0) -> set[int]:
+        """The cached blocks of class >= ``min_order`` that this guard keeps however many others are evicted."""
+        inner, kept = self.inner, []
+        if inner is not None:
+            if (later := getattr(inner, "held_back", None)) is not None:
+                kept = list(later(min_order))
+            else:  # a plain guard keeps its verdicts: ask it about every candidate
+                size = self.cache.pool.fields.size_class
+                kept = [b for b, _ in self.cache.pool.policy.order() if size[b] >= min_order and not inner(b)]
+        return self.cache.held_back(min_order, kept)
+
+
+@dataclass(slots=True)
+class PrefixHit(Event):
+    """A prompt reused ``block_ids`` (``tokens`` tokens not recomputed)."""
+    block_ids: tuple[int, ...]
+    tokens: int
+    tenant: str | None
+
+
+@dataclass(slots=True)
+class PrefixStored(Event):
+    """Full block ``block_id`` was registered under hash ``digest`` (hex)."""
+    block_id: int
+    digest: str
+
+
+@dataclass(slots=True)
+class PrefixEvicted(Event):
+    """Cached block ``block_id`` (hash ``digest``) left the cache: evicted by the pool, or found stale."""
+    block_id: int
+    digest: str
+
+
+@lru_cache(maxsize=1024)
+def _salted(tenant: str | None) -> hashlib.blake2b:
+    """A tenant's empty hasher: 16-byte blake2b salted with the tenant's own 16-byte hash (no salt without a
+    tenant). Made once per tenant; each block hash starts from a copy (cheaper than building one)."""
+    salt = hashlib.blake2b(tenant.encode(), digest_size=16).digest() if tenant is not None else b""
+    return hashlib.blake2b(digest_size=16, salt=salt)
+
+
+def _hash(parent: bytes | None, chunk: bytes, salted: hashlib.blake2b) -> bytes:
+    """The chained hash of one block: ``chunk`` is its token ids as int64 bytes (the lookups' inner loop)."""
+    h = salted.copy()
+    if parent:
+        h.update(parent)
+    h.update(chunk)
+    return h.digest()
