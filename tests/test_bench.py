@@ -13,7 +13,7 @@ from array import array
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlab import BlockPool, FastBlockPool, KVLabError, bench
+from kvlab import BlockPool, FastBlockPool, KVLabError, bench, hotpath_compiled
 from kvlab.cli import main
 
 bench_pool = bench.load("bench_pool")  # once: loading executes the benchmark file
@@ -40,25 +40,69 @@ def test_every_benchmark_runs_in_quick_mode_and_writes_json(quick_run):
 
 
 def test_pool_benchmark_reports_every_row_with_a_positive_ratio(quick_run):
+    """Every row is there with a positive ratio to the vLLM baseline: vLLM's own BlockPool where vLLM can be
+    imported (its version named), else the model, named as such (the tests run without vLLM)."""
     result, printed, _ = quick_run
     rows = {r["name"]: r for r in result["rows"] if r["benchmark"] == "bench_pool"}
-    want = ["BlockPool (reference, pure Python), n=1, fresh"]
+    peer = bench_pool.vllm_peer()
+    assert peer.real or peer.label == "vLLM-style pool, a model of vLLM 0.33.0" and peer.why
+    fast = ["FastBlockPool"] + (["PyFastBlockPool"] if hotpath_compiled else [])
+    want = ["BlockPool (reference, pure Python, informational), n=1, fresh"]
     for n in (1, 16, 256):
         for state in ("fresh", "shuffled"):
-            want += [f"vLLM-style pool (baseline), n={n}, {state}", f"nano-vllm-style BlockManager, n={n}, {state}"]
-            want += [f"FastBlockPool, n={n}, {state}, {s}" for s in ("no subscriber", "1 subscriber")]
+            want += [bench_pool.baseline_name(peer, n, state), f"nano-vllm-style BlockManager, n={n}, {state}"]
+            want += [f"{c}, n={n}, {state}, {s}" for c in fast for s in ("no subscriber", "1 subscriber")]
     assert set(want) <= set(rows), sorted(set(want) - set(rows))
+    baselines = [name for name in rows if "(baseline" in name]
+    assert len(baselines) == 6 and all(name.startswith(peer.label) for name in baselines)
+    assert ("vLLM not importable" in baselines[0]) is not peer.real
     for name in want:
         r = rows[name]
         assert r["unit"] == "ns/block" and r["value"] > 0, r
-        if not name.startswith("vLLM-style"):
+        if "(baseline" not in name:
             assert math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["baseline"] > 0, r
-        if name.startswith(("BlockPool", "FastBlockPool")):
-            assert "quick: not judged" in r["goal"] and 0 < r["ratios"]["nano-style"] < math.inf, r
+        if name.startswith(("BlockPool", "FastBlockPool", "PyFastBlockPool")):
+            assert 0 < r["ratios"]["nano-style"] < math.inf, r
+        if name.startswith(("FastBlockPool", "PyFastBlockPool")):
+            assert r["goal"] == "<= 0.5x (quick: not judged)", r
+    assert rows[want[0]]["goal"] is None  # the reference is shown, not judged
     created = [r for r in rows.values() if r["name"].startswith("create ")]
     assert len(created) == 3 and all(r["unit"] == "s" and r["value"] >= 0 for r in created)
     assert [r["ratio"] is None for r in created] == [True, False, False]
+    assert created[0]["name"].startswith(f"create {peer.label}: ")
     assert "nano-style" in printed  # the second ratio is printed beside the first
+
+
+def test_pool_benchmark_falls_back_to_the_model_and_says_so(monkeypatch, capsys):
+    """Without vLLM the baseline is the model of vLLM 0.33.0: its rows say so, and so does a line on stderr."""
+    monkeypatch.setattr(bench_pool, "vllm_peer", lambda: bench_pool.MODEL._replace(why="ModuleNotFoundError: x"))
+    monkeypatch.setattr(bench_pool, "timing_rows", lambda quick, peer: [bench_pool._row(
+        bench_pool.baseline_name(peer, 1, "fresh"), 1.0)])
+    monkeypatch.setattr(bench_pool, "creation_rows", lambda quick, peer: [])
+    monkeypatch.setattr(bench_pool, "copy_bandwidth", lambda quick: [])
+    (row,) = bench_pool.run(quick=True)
+    assert row["name"] == "vLLM-style pool, a model of vLLM 0.33.0 (baseline; vLLM not importable), n=1, fresh"
+    err = capsys.readouterr().err
+    assert "vLLM cannot be imported (ModuleNotFoundError: x)" in err and "requirements-vllm.txt" in err
+
+
+def test_the_real_vllm_pool_is_built_and_called_as_vllm_does():
+    """Where vLLM is installed (benchmarks/requirements-vllm.txt; not in CI): its own BlockPool, prefix caching
+    on, KV events off, no metrics collector, block 0 the null block; one timed call leaves it as it found it."""
+    peer = bench_pool.vllm_peer()
+    if not peer.real:
+        pytest.skip(f"vLLM is not importable here ({peer.why})")
+    assert type(peer.make(8)).__module__ == "vllm.v1.core.block_pool"
+    for shuffled in (False, True):
+        pool = bench_pool.vllm_pool(64, shuffled, peer.make)
+        assert pool.enable_caching and not pool.enable_kv_cache_events and pool.metrics_collector is None
+        assert pool.null_block.block_id == 0 and pool.get_num_free_blocks() == 63
+        before = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        want = [1 + i for i in bench_pool.shuffled_order(63)] if shuffled else list(range(1, 64))
+        assert before == want  # the same permutation as the model's queue
+        for n in (1, 16, 63):
+            pool.free_blocks(pool.get_new_blocks(n))
+            assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == before
 
 
 def test_ns_per_item_measures_per_item():
