@@ -9,8 +9,8 @@ pool and the whole per-call path, not just its queue:
   as the null block, KV events off, no metrics collector (vLLM's defaults); timed as its scheduler calls it,
   ``get_new_blocks(n)`` then ``free_blocks(blocks)``. Its rows name the version (``vllm.__version__``).
 * :class:`VllmStylePool`, a model of vLLM v1's ``BlockPool`` as of vLLM **0.33.0** (calibrated within a few per
-  cent of that release's pool, docs/benchmarks.md, "Calibration"; vLLM 0.34.0's pool is 1.3-2x faster at n=1,
-  2.5-3x at n = 16 and 256).
+  cent of that release's pool, docs/benchmarks.md, "Calibration"; vLLM 0.34.0's pool is 1.4-2x faster at n=1,
+  2-3x at n = 16 and 256).
   It is the baseline when vLLM cannot be imported, and the rows and a line on stderr say so; beside the real pool
   it is an informational row. One object per block (id, refcount, owning pool, hash key behind a property,
   prev/next pointers, null flag) on a doubly linked free queue with a fake head and tail, block 0 held back as the
@@ -807,7 +807,7 @@ def run(quick: bool = False) -> list[dict]:
     peer = vllm_peer()
     if not peer.real:
         print(f"bench_pool: vLLM cannot be imported ({peer.why}); the baseline is the benchmark's model of vLLM "
-              f"{MODELLED_VLLM}'s BlockPool, which vLLM 0.34.0's pool outruns 1.3-2x at n=1, 2.5-3x at n = 16 and "
+              f"{MODELLED_VLLM}'s BlockPool, which vLLM 0.34.0's pool outruns 1.4-2x at n=1, 2-3x at n = 16 and "
               "256. To time vLLM's own: see benchmarks/requirements-vllm.txt", file=sys.stderr)
     return timing_rows(quick, peer) + creation_rows(quick, peer) + copy_bandwidth(quick)
 
