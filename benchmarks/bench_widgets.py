@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlab import BlockPool
+from kvlab.fragmentation import unusable_free_percent
 from kvlab.viz import FrameBuilder, RandomWorkload
 from kvlab.viz.browser import CHROMIUM, CHROMIUM_FLAGS
 from kvlab.viz.frames import HEADER, MAGIC, frame_states
@@ -55,7 +56,7 @@ def snapshot_frame(p: BlockPool) -> bytes:
     n_used = int(np.count_nonzero(s["status"]))
     free = N - n_used
     head = HEADER.pack(MAGIC, 0, N, p.block_size, float(p.clock.now()), n_used / N,
-                       p.calculate_fragmentation() / 100, 1 - s["tokens"].sum() / max(1, n_used * p.block_size),
+                       unusable_free_percent(p) / 100, 1 - s["tokens"].sum() / max(1, n_used * p.block_size),
                        1 - runs.max() / free if free else 0.0, 0, 0)
     return head + state.tobytes() + np.minimum(s["refcount"], 255).astype(np.uint8).tobytes() + \
         (s["size_class"] << 3).astype(np.uint8).tobytes()
