@@ -1,12 +1,34 @@
-"""What kvlab takes as an int, a count and a positive count: one rule for every module, so that ``1.0``, ``True``
-and ``"1"`` are refused everywhere and numpy integers accepted everywhere (a float id would be truncated by
-numpy or torch, a bool read as 0 or 1). It imports nothing of kvlab but its errors, so the lowest modules
-(storage, spec, eviction) use it too."""
+"""What kvlab takes as an int, a number, a flag, a seed, a path...: one rule for every module, so that ``1.0``,
+``True`` and ``"1"`` are refused everywhere and numpy integers accepted everywhere (a float id would be truncated
+by numpy or torch, a bool read as 0 or 1). It imports nothing of kvlab but its errors, so the lowest modules
+(storage, spec, eviction) use it too. A module keeps only its own ranges (the pool's size classes, the storage's
+layers) and calls these for the rest; each raises :class:`~kvlab.ConfigError` naming the value, before anything
+has changed.
+
+The vocabulary, one line a rule:
+
+* :func:`is_int`: a Python or numpy int, never a bool. :func:`check_count`: an int >= 0;
+  :func:`check_positive`: an int >= 1; :func:`check_owner`: an owner id, -1..:data:`INT32_MAX`.
+* :func:`is_number`: a Python or numpy int or float, never a bool (NaN and infinities included);
+  :func:`is_real`: one that is finite. :func:`check_real`: a number in a range (finite unless asked).
+* :func:`check_flag`: True or False (numpy's too), never ``0`` or ``"no"``.
+* :func:`check_seed`: a random seed, an int in 0..:data:`SEED_MAX` (what torch, numpy and ``random`` all take).
+* :func:`check_choice`: one of a few named options (strs, or None).
+* :func:`check_list`: a sequence other than a str. :func:`check_token_ids`: a non-empty list of token ids.
+* :func:`is_path` / :func:`check_path`: a file name, a str or path-like (the OS judges the rest on opening).
+* :func:`check_device`: a torch device this machine has.
+* :func:`check_kv_data`: K/V a pool can store. :func:`check_block_sizes`: size classes. :func:`check_clock`: a
+  clock whose stamps fit int64.
+* :func:`show`: a value as an error message names it (cut short, never failing).
+"""
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeGuard
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar, overload
 
 import numpy as np
 import torch
@@ -17,8 +39,12 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .spec import KVSpec
 
+T = TypeVar("T")
+
 INT32_MAX = 2**31 - 1  # block ids, owners and token counts are int32 fields
 CLOCK_MAX = 2**62  # a clock starting later could tick past int64 (2**63 - 1) and overflow the stamps
+SEED_MAX = 2**64 - 1  # torch's generators take 0..2**64-1; numpy's and random's take those too
+TOKEN_MAX = 2**63 - 1  # token ids are hashed and stored as int64
 
 
 def is_int(x: Any) -> TypeGuard[int]:
@@ -30,6 +56,46 @@ def is_number(x: Any) -> bool:
     """A real number: a Python or numpy int or float, never a bool (NaN and infinities are numbers here; callers
     bound them)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x: Any) -> bool:
+    """A finite real number: :func:`is_number` and neither NaN, infinite nor an int too large for a float."""
+    try:
+        return is_number(x) and math.isfinite(x)
+    except OverflowError:  # an int past the float range
+        return False
+
+
+def show(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters, as an error message names a value: a huge value still makes a
+    readable message, and an int past Python's digit limit (no repr at all) or a broken ``__repr__`` still one."""
+    try:
+        text = repr(v)
+    except Exception:  # a hostile or broken __repr__ must not hide the real problem
+        text = f"an int of {v.bit_length()} bits" if type(v) is int else f"<{type(v).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_real(x: Any, what: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+               hi_open: bool = False, finite: bool = True, unit: str = "", note: str = "") -> float:
+    """``x`` as a float if it is a number (:func:`is_number`), not NaN, finite (``finite=False`` lets the
+    infinities through where the bounds do), ``>= lo`` (``> lo`` if ``lo_open``) and ``<= hi`` (``< hi`` if
+    ``hi_open``); else :class:`ConfigError`: ``"{what} must be a finite number{unit} >= {lo}{note}, got ..."``
+    (a number in [lo, hi] when both bounds are given)."""
+    try:
+        v = float(x) if is_number(x) else math.nan
+    except OverflowError:  # an int past the float range
+        v = math.nan
+    if not (v == v and (math.isfinite(v) or not finite) and (lo is None or (v > lo if lo_open else v >= lo))
+            and (hi is None or (v < hi if hi_open else v <= hi))):
+        if lo is not None and hi is not None:
+            kind = f"a number{unit} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        else:
+            kind = f"a {'finite ' if finite else ''}number{unit}" + (
+                f" {'>' if lo_open else '>='} {lo}" if lo is not None else
+                f" {'<' if hi_open else '<='} {hi}" if hi is not None else "")
+        raise ConfigError(f"{what} must be {kind}{note}, got {show(x)}")
+    return v
 
 
 def check_count(n: Any, what: str) -> int:
@@ -50,6 +116,21 @@ def check_list(x: Any, what: str) -> None:
     """:class:`ConfigError` (``what``, then ``x``) unless ``x`` is a sequence other than a string."""
     if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
         raise ConfigError(f"{what}, got {x!r:.80}")
+
+
+def check_token_ids(tokens: Any, what: str, vocab_size: int | None = None) -> list[int]:
+    """``tokens`` as a list of ids, else :class:`ConfigError` naming the first bad one: a non-empty list (tuple,
+    range) of ints in ``0..vocab_size - 1`` (None: any id an int64 holds, ``0..TOKEN_MAX``). A list of plain
+    ints is checked in C, with no Python step per token."""
+    if not isinstance(tokens, (list, tuple, range)) or not tokens:
+        raise ConfigError(f"{what} must be a non-empty list of token ids, got {show(tokens)}")
+    top = TOKEN_MAX if vocab_size is None else vocab_size - 1
+    if type(tokens) is list and set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) <= top:
+        return list(tokens)
+    for i, t in enumerate(tokens):
+        if not is_int(t) or not 0 <= t <= top:
+            raise ConfigError(f"{what}: token {i} is {show(t)}, not an id in 0..{top}")
+    return [int(t) for t in tokens]
 
 
 def check_kv_data(spec: "KVSpec", device: torch.device, kv: Any, capacity_tokens: int | None = None) -> int:
@@ -73,6 +154,61 @@ def check_flag(x: Any, what: str) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise ConfigError(f"{what} must be True or False, got {x!r}")
     return bool(x)
+
+
+@overload
+def check_seed(seed: Any, what: str = ..., *, optional: Literal[False] = ...) -> int: ...
+@overload
+def check_seed(seed: Any, what: str = ..., *, optional: Literal[True]) -> int | None: ...
+def check_seed(seed: Any, what: str = "seed", *, optional: bool = False) -> int | None:
+    """``seed`` as a plain int in 0..:data:`SEED_MAX` (torch's ``manual_seed`` takes no numpy integer), or None
+    when ``optional`` (None: not seeded); else :class:`ConfigError`. A float or a list would seed ``random`` too
+    (it takes anything hashable), but not the generator the caller meant."""
+    if optional and seed is None:
+        return None
+    if not is_int(seed) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"{what} must be {'None or ' if optional else ''}an int in 0..2**64-1, got {show(seed)}")
+    return int(seed)
+
+
+def check_choice(x: Any, what: str, options: Sequence[T]) -> T:
+    """``x`` if it is one of ``options`` (strs, and None where None is one), else :class:`ConfigError` listing
+    them."""
+    if (x is None or isinstance(x, str)) and x in options:
+        return x  # type: ignore[return-value]  # x is one of the options: of their type
+    names = [str(o) for o in options]
+    listed = f"one of {', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    raise ConfigError(f"{what} must be {listed}, got {show(x)}")
+
+
+def is_path(x: Any) -> bool:
+    """A file name: a str or path-like (``os.PathLike`` giving a str). Whether the OS takes it (a NUL
+    character, a missing folder) is known only when the file is opened: the caller says so then."""
+    try:
+        return isinstance(x, (str, os.PathLike)) and isinstance(os.fspath(x), str)
+    except TypeError:  # a __fspath__ that gives neither str nor bytes
+        return False
+
+
+def check_path(x: Any, what: str) -> Path:
+    """``x`` as a :class:`~pathlib.Path` if :func:`is_path`, else :class:`ConfigError`."""
+    if not is_path(x):
+        raise ConfigError(f"{what} must be a str or Path, got {show(x)}")
+    return Path(x)
+
+
+def check_device(value: Any, what: str) -> torch.device:
+    """``value`` as a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), else :class:`ConfigError`
+    naming ``what``: refused here rather than at the first tensor, long after the mistake."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{what} must be a torch device (e.g. cpu, cuda, cuda:1), got {value!r:.80}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what}: kvlab runs on cpu or cuda devices, got {value!r:.80}")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"{what} {value!r:.80}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def check_owner(owner: Any) -> int:
