@@ -38,10 +38,8 @@ import torch
 
 from . import events as ev
 from .block import FREE, BlockStatus
-from .checks import check_kv_data
+from .checks import check_flag, check_kv_data, check_owner, check_real, is_int
 from .errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
-from .checks import is_int
-from .checks import check_owner
 from .pool import BlockPool
 from .textbook import KVBlock
 
@@ -165,11 +163,9 @@ class DynamicAllocator:
         with pool.lock:
             order = self._order_of(kv_data, tokens, size_class)
             owner = check_owner(owner)
-            if not isinstance(wait, (bool, np.bool_)):
-                raise ConfigError(f"wait must be True or False, got {wait!r}")
-            if timeout is not None and (not (is_int(timeout) or isinstance(timeout, (float, np.floating)))
-                                        or not timeout >= 0):  # also refuses nan
-                raise ConfigError(f"timeout must be a number of clock steps >= 0 or None, got {timeout!r}")
+            check_flag(wait, "wait")
+            if timeout is not None:  # None: wait for ever
+                check_real(timeout, "timeout", lo=0, finite=False, unit=" of clock steps")
             if pool.num_blocks < 1 << order:
                 raise OutOfBlocksError(f"size class {order} ({pool.block_sizes[order]} tokens) needs {1 << order} "
                                        f"base blocks; the pool has only {pool.num_blocks}")

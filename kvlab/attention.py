@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .compiled import load_extension
 from .errors import ConfigError, KVDataError
-from .checks import is_int
+from .checks import check_choice, check_real
 from .pool import BlockPool
 from .storage import KVStorage, int_tensor
 
@@ -89,11 +89,7 @@ def _lengths(x: Sequence[int] | torch.Tensor, name: str) -> list[int]:
 def _scale(scale: float | None) -> float | None:
     """None (``head_dim ** -0.5``) or a finite number > 0 as a float, else :class:`ConfigError` (the kernel and
     SDPA would disagree on what a NaN or infinite scale means)."""
-    if scale is None:
-        return None
-    if not ((is_int(scale) or isinstance(scale, (float, np.floating))) and 0 < scale < math.inf):
-        raise ConfigError(f"scale must be None or a finite number > 0, got {scale!r}")
-    return float(scale)
+    return None if scale is None else check_real(scale, "scale", lo=0, lo_open=True)
 
 
 def _shape(x: object) -> str:
@@ -128,8 +124,7 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
             kernel where it applies, else torch.
     Returns ``[num_tokens, q_heads, dim]`` in ``q``'s dtype.
     """
-    if impl not in ("auto", "torch", "compiled"):
-        raise ConfigError(f"impl must be 'auto', 'torch' or 'compiled', got {impl!r}")
+    check_choice(impl, "impl", ("auto", "torch", "compiled"))
     if workspace is not None and not isinstance(workspace, AttentionWorkspace):
         raise ConfigError(f"workspace must be an AttentionWorkspace or None, got {workspace!r}")
     scale = _scale(scale)

@@ -31,7 +31,6 @@ Bad arguments raise :class:`~kvlab.ConfigError` before anything changes; a pool 
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence as Seq
 from dataclasses import dataclass, field
@@ -39,10 +38,10 @@ from typing import Any
 
 import torch
 
-from .checks import check_positive, is_int, is_number
+from .checks import check_flag, check_positive, check_real, check_seed, check_token_ids
 from .errors import ConfigError, OutOfBlocksError
 from .events import Event
-from .model import Llama, check_tokens
+from .model import Llama
 from .pool import BlockPool
 from .sequence import CopiedOnWrite, Sequence, SequenceManager
 
@@ -53,23 +52,12 @@ OnToken = Callable[[int, int, str], object]
 
 def check_temperature(t: Any, what: str = "temperature") -> float:
     """A finite number >= 0 (0: greedy), else :class:`ConfigError` naming it."""
-    if not is_number(t) or not 0 <= t < math.inf:
-        raise ConfigError(f"{what} must be a finite number >= 0 (0: greedy), got {t!r}")
-    return float(t)
+    return check_real(t, what, lo=0, note=" (0: greedy)")
 
 
 def check_top_p(p: Any, what: str = "top_p") -> float:
     """A number in (0, 1] (1: no nucleus cut), else :class:`ConfigError` naming it."""
-    if not is_number(p) or not 0 < p <= 1:
-        raise ConfigError(f"{what} must be a number in (0, 1], got {p!r}")
-    return float(p)
-
-
-def check_seed(seed: Any) -> int | None:
-    """None or an int in 0..2**64-1 (what torch's generator takes), else :class:`ConfigError`."""
-    if seed is not None and not (is_int(seed) and 0 <= seed < 2 ** 64):
-        raise ConfigError(f"seed must be None or an int in 0..2**64-1, got {seed!r}")
-    return None if seed is None else int(seed)
+    return check_real(p, what, lo=0, hi=1, lo_open=True)
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -211,8 +199,7 @@ class ChatSession:
             raise ConfigError(f"ChatSession needs a kvlab Llama (kvlab.load_model or kvlab.TinyLlama), got {model!r}")
         if system is not None and not isinstance(system, str):
             raise ConfigError(f"system must be a str or None, got {system!r:.80}")
-        if not isinstance(prefix_cache, bool):
-            raise ConfigError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        prefix_cache = check_flag(prefix_cache, "prefix_cache")
         self.model, self.system = model, system
         self.pool = BlockPool(num_blocks, spec=model.cfg.kv_spec(block_size, model.dtype, model.device))
         self.manager = SequenceManager(self.pool, prefix_cache=prefix_cache)
@@ -243,7 +230,7 @@ class ChatSession:
         """What :meth:`ask` does after the chat template: continue the token ids ``prompt_ids`` as they are. Works
         for a model without a tokenizer (:class:`~kvlab.TinyLlama`: no end-of-turn token, its texts are empty)."""
         t0 = time.perf_counter()
-        ids = check_tokens(prompt_ids, self.model.cfg.vocab_size, "prompt_ids")
+        ids = check_token_ids(prompt_ids, "prompt_ids", self.model.cfg.vocab_size)
         args = self._check(max_new_tokens, temperature, top_p, seed, n, on_token)
         return self._stream(ids, t0, False, *args[:-1]).run(on_token)
 
@@ -256,13 +243,12 @@ class ChatSession:
         nothing runs until the stream is iterated."""
         t0 = time.perf_counter()
         if not isinstance(prompt, str):
-            prompt = check_tokens(prompt, self.model.cfg.vocab_size, "prompt")
+            prompt = check_token_ids(prompt, "prompt", self.model.cfg.vocab_size)
         return self._stream(prompt, t0, history, *self._check(max_new_tokens, temperature, top_p, seed, n, None)[:-1])
 
     def _stream(self, prompt: str | list[int], t0: float, history: Any, max_new_tokens: int, temperature: float,
                 top_p: float, seed: int | None, n: int) -> ChatStream:
-        if not isinstance(history, bool):
-            raise ConfigError(f"history must be True or False, got {history!r}")
+        history = check_flag(history, "history")
         if not isinstance(prompt, str):
             self._fits(len(prompt), max_new_tokens)
             return ChatStream(self._steps(prompt, t0, max_new_tokens, temperature, top_p, seed, n), lambda r: None)
@@ -271,8 +257,8 @@ class ChatSession:
             raise ConfigError(f"{self.model.cfg.name} has no tokenizer: give token ids to complete() instead")
         messages = [{"role": "system", "content": self.system}] if self.system is not None else []
         messages += self.turns if history else []
-        ids = check_tokens(tok.chat([*messages, {"role": "user", "content": prompt}]), self.model.cfg.vocab_size,
-                           "prompt")
+        ids = check_token_ids(tok.chat([*messages, {"role": "user", "content": prompt}]), "prompt",
+                              self.model.cfg.vocab_size)
         self._fits(len(ids), max_new_tokens)
 
         def done(reply: ChatReply) -> None:
@@ -284,7 +270,7 @@ class ChatSession:
         if on_token is not None and not callable(on_token):
             raise ConfigError(f"on_token must be None or a function (i, token_id, text_so_far), got {on_token!r}")
         return (check_positive(max_new_tokens, "max_new_tokens"), check_temperature(temperature),
-                check_top_p(top_p), check_seed(seed), check_positive(n, "n"), on_token)
+                check_top_p(top_p), check_seed(seed, optional=True), check_positive(n, "n"), on_token)
 
     def _fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         context = self.model.cfg.context_len

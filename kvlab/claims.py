@@ -29,11 +29,11 @@ figures on every run and machine.
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import is_int, is_number
 from .engine import Engine, EngineConfig
 from .errors import ConfigError
 from .traces import load_trace, prefix_hits
@@ -68,7 +68,7 @@ class Claim:
     def __post_init__(self) -> None:
         for name in ("value", "threshold"):
             x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            if not is_number(x):  # inf counts: a ratio over nothing
                 raise ConfigError(f"Claim.{name} must be a number, got {x!r:.80}")
         object.__setattr__(self, "supported", bool(self.value >= self.threshold))
 
@@ -76,7 +76,7 @@ class Claim:
 def _head(name: str, n: int) -> Workload:
     """The first ``n`` requests of a bundled trace, as a workload."""
     w = load_trace(name)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(w):
+    if not is_int(n) or not 1 <= n <= len(w):
         raise ConfigError(f"{name} has {len(w)} requests: ask for 1..{len(w)}, got {n!r}")
     return Workload(f"{name}[:{n}]", w.requests[:n])
 

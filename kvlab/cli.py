@@ -117,16 +117,12 @@ def _positive_float(text: str) -> float:
 
 def _device(text: str) -> str:
     """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), checked before any work starts."""
-    import torch
+    from .checks import check_device  # imports torch: not for --help
 
     try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: kvlab runs on cpu or cuda devices")
+        check_device(text, "--device")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

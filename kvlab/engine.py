@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from .baseline import ContiguousMemory
-from .chat import check_seed, check_temperature, check_top_p, sample
-from .checks import is_int
+from .chat import check_temperature, check_top_p, sample
+from .checks import check_choice, check_flag, check_positive, check_real, check_seed, is_int
 from .errors import ConfigError
 from .events import EngineEvent, Event
 from .fragmentation import unusable_free_percent
@@ -135,9 +135,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("base_s", "token_s", "context_s", "swap_token_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
-                raise ConfigError(f"CostModel.{name} must be a finite number of seconds >= 0, got {v!r}")
+            object.__setattr__(self, name, check_real(getattr(self, name), f"CostModel.{name}", lo=0,
+                                                      unit=" of seconds"))
 
     def step_s(self, tokens: int, context: int) -> float:
         return self.base_s + self.token_s * tokens + self.context_s * context
@@ -179,25 +178,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"EngineConfig.{name} must be a positive int, got {v!r}")
-        if self.memory not in ("paged", "contiguous", "contiguous-exact"):
-            raise ConfigError(f"EngineConfig.memory must be 'paged', 'contiguous' or 'contiguous-exact', "
-                              f"got {self.memory!r}")
-        if self.preemption not in ("recompute", "swap"):
-            raise ConfigError(f"EngineConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
-        if self.shared_prefill not in ("wait", "duplicate"):
-            raise ConfigError(f"EngineConfig.shared_prefill must be 'wait' or 'duplicate', got {self.shared_prefill!r}")
-        if not isinstance(self.policy, str) or self.policy not in (*POLICIES, "opt"):
-            raise ConfigError(f"EngineConfig.policy must be one of {', '.join((*POLICIES, 'opt'))}, "
-                              f"got {self.policy!r}")
+            setattr(self, name, check_positive(getattr(self, name), f"EngineConfig.{name}"))
+        for name, options in (("memory", ("paged", "contiguous", "contiguous-exact")),
+                              ("preemption", ("recompute", "swap")), ("shared_prefill", ("wait", "duplicate")),
+                              ("policy", (*POLICIES, "opt"))):
+            check_choice(getattr(self, name), f"EngineConfig.{name}", options)
         self.temperature = check_temperature(self.temperature, "EngineConfig.temperature")
         self.top_p = check_top_p(self.top_p, "EngineConfig.top_p")
-        check_seed(self.seed)
+        self.seed = check_seed(self.seed, "EngineConfig.seed", optional=True)
         for name in ("prefix_caching", "prefetch", "stop_at_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+            setattr(self, name, check_flag(getattr(self, name), f"EngineConfig.{name}"))
         if not isinstance(self.cost, CostModel):
             raise ConfigError(f"EngineConfig.cost must be a CostModel, got {self.cost!r}")
         for name in ("quotas", "reservations"):

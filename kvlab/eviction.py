@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 import random
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from .checks import check_list, is_int
+from .checks import check_list, check_real, check_seed, is_int
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -340,14 +339,6 @@ class RandomPolicy(EvictionPolicy):
             self._at[new] = i
 
 
-def check_seed(seed: object) -> int:
-    """``seed`` as an int, else :class:`ConfigError`: a float or a list would seed too (``random`` takes anything
-    hashable, or its repr), but not the generator the caller meant."""
-    if not is_int(seed):
-        raise ConfigError(f"seed must be an int, got {seed!r:.80}")
-    return int(seed)
-
-
 class OPTPolicy(_HeapPolicy):
     """Belady's OPT (MIN), offline: evict the cached block whose next use lies farthest in the future, a block
     never used again first. No online policy gets more hits from the same capacity, which makes it the ceiling
@@ -375,9 +366,9 @@ class OPTPolicy(_HeapPolicy):
     def _ask(self, block_id: int) -> float:
         """The oracle's next use of ``block_id``, checked to be a time (a real number, numpy's too; not NaN)."""
         t = self.next_use(block_id)
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or math.isnan(t):
-            raise ConfigError(f"next_use({block_id}) must be a time (a number, inf if never), got {t!r}")
-        return float(t)
+        if type(t) is float and t == t:  # the usual answer (not NaN), passed without building a message
+            return t
+        return check_real(t, f"next_use({block_id})", finite=False, note=" (a time, inf if never)")
 
     def key(self, block_id: int) -> tuple[float, ...]:
         return (-self._ask(block_id), block_id)

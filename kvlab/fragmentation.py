@@ -39,7 +39,7 @@ import numpy as np
 from . import events as ev
 from .block import ALLOCATED, FREE
 from .errors import ConfigError
-from .checks import check_count, is_int
+from .checks import check_count, check_flag, check_real
 from .pool import BlockPool
 
 
@@ -76,18 +76,6 @@ def _check_pool(pool: object, who: str) -> BlockPool:
     return pool
 
 
-def _check_percent(x: object, what: str) -> float:
-    """A threshold in percent: a number >= 0 (not a bool, not nan)."""
-    if not (is_int(x) or isinstance(x, (float, np.floating))) or not x >= 0:
-        raise ConfigError(f"{what} must be a number of percent >= 0, got {x!r}")
-    return float(x)
-
-
-def _check_cap(cap: object) -> int | None:
-    """A cap on blocks moved: an int >= 0, or None for no cap."""
-    return None if cap is None else check_count(cap, "max_moves")
-
-
 class FragmentationDetector:
     """Reports the fragmentation of ``pool``; ``should_defragment`` compares the text's ``fragmentation_percent``
     (unusable free memory) or, on a uniform pool where that is always 0, the external fragmentation in percent,
@@ -95,7 +83,7 @@ class FragmentationDetector:
 
     def __init__(self, pool: BlockPool, threshold: float = 20) -> None:
         self.pool = _check_pool(pool, "FragmentationDetector")
-        self.threshold = _check_percent(threshold, "threshold")
+        self.threshold = check_real(threshold, "threshold", lo=0, finite=False, unit=" of percent")
 
     def external_fragmentation(self) -> float:
         """``1 - largest free run / total free`` (0.0 when nothing or everything in one run is free)."""
@@ -181,8 +169,9 @@ class DefragmentationStrategy:
 
     def __init__(self, pool: BlockPool, minimum_fragmentation: float = 15, max_moves: int | None = None) -> None:
         self.pool = _check_pool(pool, "DefragmentationStrategy")
-        self.minimum_fragmentation = _check_percent(minimum_fragmentation, "minimum_fragmentation")
-        self.max_moves = _check_cap(max_moves)
+        self.minimum_fragmentation = check_real(minimum_fragmentation, "minimum_fragmentation", lo=0, finite=False,
+                                                unit=" of percent")
+        self.max_moves = None if max_moves is None else check_count(max_moves, "max_moves")  # None: no cap
         self.detector = FragmentationDetector(pool, threshold=minimum_fragmentation)
 
     def _measure(self) -> dict[str, float]:
@@ -193,9 +182,9 @@ class DefragmentationStrategy:
     def defragment(self, *, force: bool = False, max_moves: int | None = None) -> DefragReport:
         """One pass: merge, then move up to ``max_moves`` blocks (default ``self.max_moves``) down into holes."""
         pool = self.pool
-        if not isinstance(force, (bool, np.bool_)):
-            raise ConfigError(f"force must be True or False, got {force!r}")
-        cap = self.max_moves if max_moves is None else _check_cap(max_moves)  # a negative cap would slice from the end
+        check_flag(force, "force")
+        cap = self.max_moves if max_moves is None else check_count(max_moves, "max_moves")  # a negative cap would
+        # slice from the end
         with pool.lock:
             t0 = time.perf_counter()
             before = self._measure()

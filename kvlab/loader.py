@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import is_number, is_path
 from .device import default_device
 from .errors import ConfigError, ModelFileError
 from .model import LAYER_WEIGHTS, Llama, LlamaConfig, weight_shapes
@@ -62,7 +63,7 @@ def model_path(name_or_path: str | os.PathLike[str]) -> Path:
         if path is None or not path.is_file():
             raise ConfigError(f"model {name_or_path!r} is not installed: run `{m.install}`")
         return path
-    if not isinstance(name_or_path, (str, os.PathLike)) or "\0" in os.fspath(name_or_path):
+    if not is_path(name_or_path):
         raise ConfigError(f"a model is a name ({', '.join(MODELS)}) or a path to a .gguf file, got {name_or_path!r}")
     path = Path(name_or_path)
     if not path.is_file():
@@ -111,7 +112,7 @@ class GGUFFile:
 
     def number(self, key: str, kind: type, default: Any = ModelFileError) -> Any:
         v = self.field(key, default)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or (kind is int and not float(v).is_integer()):
+        if not is_number(v) or (kind is int and not float(v).is_integer()):
             raise ModelFileError(f"{self.path}: {key} is {v!r}, not a {kind.__name__}")
         return kind(v)
 

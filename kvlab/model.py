@@ -19,7 +19,6 @@ where K/V live, never what attention computes.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -28,29 +27,18 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
-from .checks import check_count, check_positive, is_int
+from .checks import check_count, check_positive, check_real, check_seed, check_token_ids
 from .errors import ConfigError, KVLabError
 from .sequence import Sequence, SequenceManager
 from .spec import KVSpec
 from .storage import KVStorage
 
 
-def check_tokens(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    """``tokens`` as a list of ids, else :class:`ConfigError` naming the first bad one: a non-empty list (tuple,
-    range) of ints in ``0..vocab_size - 1``."""
-    if not isinstance(tokens, (list, tuple, range)) or not tokens:
-        raise ConfigError(f"{what} must be a non-empty list of token ids, got {tokens!r}")
-    for i, t in enumerate(tokens):
-        if not is_int(t) or not 0 <= t < vocab_size:
-            raise ConfigError(f"{what}: token {i} is {t!r}, not an id in 0..{vocab_size - 1}")
-    return [int(t) for t in tokens]
-
-
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
-    """A batch of prompts as lists of ids (see :func:`check_tokens`), else :class:`ConfigError`."""
+    """A batch of prompts as lists of ids (see :func:`~kvlab.checks.check_token_ids`), else :class:`ConfigError`."""
     if not isinstance(prompts, (list, tuple)):
         raise ConfigError(f"prompts must be a list of prompts, got {prompts!r}")
-    return [check_tokens(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+    return [check_token_ids(p, f"prompt {i}", vocab_size) for i, p in enumerate(prompts)]
 
 
 def check_pool(manager: Any, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
@@ -91,9 +79,8 @@ class LlamaConfig:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "context_len"):
             object.__setattr__(self, name, check_positive(getattr(self, name), f"{type(self).__name__}.{name}"))
         for name in ("rope_theta", "eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ConfigError(f"{type(self).__name__}.{name} must be a positive finite number, got {value!r}")
+            object.__setattr__(self, name, check_real(getattr(self, name), f"{type(self).__name__}.{name}", lo=0,
+                                                      lo_open=True))
         if not isinstance(self.name, str):
             raise ConfigError(f"{type(self).__name__}.name must be a str, got {self.name!r}")
         if self.dim % self.num_heads or self.head_dim % 2:  # rotary embeddings rotate pairs of a head's dims
@@ -127,8 +114,7 @@ class TinyConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 64:  # what torch's generator takes
-            raise ConfigError(f"TinyConfig.seed must be an int in 0..2**64-1, got {self.seed!r}")
+        object.__setattr__(self, "seed", check_seed(self.seed, "TinyConfig.seed"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -240,12 +226,12 @@ class Llama:
             raise ConfigError(f"a step needs a list of sequences and a list of new tokens for each, got {seqs!r} "
                               f"and {new_tokens!r}")
         return storage, [t for i, toks in enumerate(new_tokens)
-                         for t in check_tokens(toks, self.cfg.vocab_size, f"new tokens of sequence {i}")]
+                         for t in check_token_ids(toks, f"new tokens of sequence {i}", self.cfg.vocab_size)]
 
     @torch.no_grad()
     def forward_full(self, tokens: Seq[int]) -> torch.Tensor:
         """Logits ``[len(tokens), vocab]`` recomputing everything, no cache."""
-        x = self._embed(check_tokens(tokens, self.cfg.vocab_size, "tokens"))
+        x = self._embed(check_token_ids(tokens, "tokens", self.cfg.vocab_size))
         rot = self._rotation(torch.arange(x.shape[0], device=self.device))
         n = [x.shape[0]]
         for p in self.layers:
@@ -284,7 +270,7 @@ class Llama:
 
     def generate_full(self, prompt: Seq[int], max_new_tokens: int) -> list[int]:
         """Reference greedy generation recomputing the whole prefix at each step."""
-        toks = check_tokens(prompt, self.cfg.vocab_size, "prompt")
+        toks = check_token_ids(prompt, "prompt", self.cfg.vocab_size)
         check_count(max_new_tokens, "max_new_tokens")
         for _ in range(max_new_tokens):
             toks.append(int(self.forward_full(toks)[-1].argmax()))

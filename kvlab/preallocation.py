@@ -24,7 +24,7 @@ import numpy as np
 
 from .allocator import DynamicAllocator, check_size_class
 from .errors import ConfigError, OutOfBlocksError
-from .checks import check_count, is_int
+from .checks import check_count, check_real, is_int
 from .checks import INT32_MAX, check_owner
 from .pool import BlockPool
 
@@ -54,9 +54,7 @@ class Preallocator:
                               f"(one of another pool, or no allocator)")
         if not (is_int(window) and is_int(horizon) and 0 < window <= horizon):
             raise ConfigError(f"need integers 0 < window <= horizon, got window={window!r}, horizon={horizon!r}")
-        # a finite factor: ceil(inf) has no int, and a bool is no factor
-        if not ((is_int(headroom) or isinstance(headroom, (float, np.floating))) and 0 < headroom < math.inf):
-            raise ConfigError(f"headroom must be a finite number > 0, got {headroom!r}")
+        check_real(headroom, "headroom", lo=0, lo_open=True)  # finite: ceil(inf) has no int
         if max_reserve is not None:
             max_reserve = check_count(max_reserve, "max_reserve")
         window, horizon = int(window), int(horizon)

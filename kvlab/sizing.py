@@ -78,10 +78,9 @@ import torch
 
 from .device import default_device
 from .errors import ConfigError
-from .checks import is_int
-from .checks import INT32_MAX
+from .checks import INT32_MAX, check_choice, check_device, check_flag, check_seed, is_int, is_real
 from .pool import BlockPool
-from .spec import KVSpec, check_device
+from .spec import KVSpec
 from .workloads import Workload
 
 if TYPE_CHECKING:
@@ -102,12 +101,6 @@ TIMING: dict[str, Any] = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim
 T = TypeVar("T")
 
 
-def _check_goal(goal: str) -> str:
-    if goal not in GOALS:  # the text silently treated any unknown goal as 'balanced'
-        raise ConfigError(f"unknown optimization goal {goal!r}; choose one of {', '.join(GOALS)}")
-    return goal
-
-
 class ChunkSizeOptimizer:
     """The text's optimizer: length statistics, its rule-of-thumb recommendation, and the measured sweep."""
 
@@ -126,7 +119,7 @@ class ChunkSizeOptimizer:
             lengths = []
             for s in sequences:
                 n = len(s) if hasattr(s, "__len__") else s
-                if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+                if not is_int(n) or n < 0:
                     raise ConfigError(f"a sequence length must be an int >= 0 (or a sized sequence), got {s!r}")
                 lengths.append(int(n))
         if not lengths:
@@ -139,7 +132,8 @@ class ChunkSizeOptimizer:
 
     def recommend_chunk_size(self, optimization_goal: str = "balanced") -> int:
         """The text's rule of thumb on the analysed p95 (see the module docstring for what is arbitrary)."""
-        goal = _check_goal(optimization_goal)
+        # the text silently treated any unknown goal as 'balanced'
+        goal = check_choice(optimization_goal, "optimization goal", GOALS)
         if not self.sequence_length_stats:
             raise ConfigError("no statistics yet: call analyze_sequence_distribution(sequences) first")
         p95 = self.sequence_length_stats["p95"]
@@ -197,8 +191,7 @@ def measure_block_size(workload: Workload, block_size: int, *, check: bool = Fal
     """
     B = _check_sizes([block_size])[0]
     _check_workload(workload)
-    if not isinstance(check, (bool, np.bool_)):
-        raise ConfigError(f"check must be True or False, got {check!r:.80}")
+    check_flag(check, "check")
     need = int(sum(-(-r.total_len // B) for r in workload))
     pool = BlockPool(need, spec=KVSpec(block_size=B, device=torch.device("cpu")), with_storage=False)
     prefixes: dict[str, list[int]] = {}  # prefix id -> its full blocks, owned by the first request naming it
@@ -359,9 +352,7 @@ def _check_timing(settings: dict[str, Any]) -> dict[str, Any]:
         if not is_int(kw[name]) or not 1 <= kw[name] <= INT32_MAX:
             raise ConfigError(f"{name} must be a positive int, got {kw[name]!r:.80}")
         kw[name] = int(kw[name])
-    if not is_int(kw["seed"]) or not 0 <= kw["seed"] < 2**63:  # what numpy and torch both take
-        raise ConfigError(f"seed must be an int in 0..2**63-1, got {kw['seed']!r:.80}")
-    kw["seed"] = int(kw["seed"])  # torch's manual_seed takes no numpy integer
+    kw["seed"] = check_seed(kw["seed"])
     if kw["device"] is not None:
         check_device(kw["device"], "device")
     return kw
@@ -444,7 +435,7 @@ class SweepResult:
 
     def costs(self, goal: str = "balanced") -> dict[int, float]:
         """``cost(B)`` of the module docstring's model for every swept block size."""
-        a, b, c, d = self.weights[_check_goal(goal)]
+        a, b, c, d = self.weights[check_choice(goal, "optimization goal", GOALS)]
         over = _relative([r.table_entries + r.alloc_calls for r in self.rows])
         reads = _relative([r.attention_slots for r in self.rows])
         return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o + d * t)
@@ -453,9 +444,9 @@ class SweepResult:
     def with_weights(self, goal: str, weights: Sequence[float]) -> SweepResult:
         """The same rows with ``goal``'s cost weights (waste, prefix loss, overhead, attention slots) replaced:
         what a student moves to watch the recommendation change. Weights are finite numbers >= 0, not all 0."""
-        _check_goal(goal)
+        check_choice(goal, "optimization goal", GOALS)
         w = tuple(weights)
-        if len(w) != 4 or any(type(x) not in (int, float) or not math.isfinite(x) or x < 0 for x in w) \
+        if len(w) != 4 or any(not is_real(x) or x < 0 for x in w) \
                 or not any(w):
             raise ConfigError(f"weights for {goal!r} must be 4 finite numbers >= 0, not all 0; got {weights!r}")
         a, b, c, d = (float(x) for x in w)

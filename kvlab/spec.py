@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from .checks import is_int
+from .checks import check_device, is_int
 from .device import default_device
 from .errors import ConfigError
 
@@ -51,17 +50,3 @@ class KVSpec:
             raise ConfigError(
                 f"total_memory={total_memory!r} bytes holds no block of {self.bytes_per_block} bytes")
         return int(total_memory) // self.bytes_per_block
-
-
-def check_device(value: Any, what: str) -> torch.device:
-    """``value`` as a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), else :class:`ConfigError`
-    naming ``what``: refused here rather than at the first tensor, long after the mistake."""
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"{what} must be a torch device (e.g. cpu, cuda, cuda:1), got {value!r:.80}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{what}: kvlab runs on cpu or cuda devices, got {value!r:.80}")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"{what} {value!r:.80}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .checks import is_int
+from .checks import check_positive, is_int
 from .errors import ConfigError, KVDataError, KVLabError, UnknownBlockError
 from .spec import KVSpec
 
@@ -58,9 +58,7 @@ class KVStorage:
     def __init__(self, spec: KVSpec, num_blocks: int) -> None:
         if not isinstance(spec, KVSpec):
             raise ConfigError(f"spec must be a KVSpec, got {spec!r}")
-        if not is_int(num_blocks) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        num_blocks = int(num_blocks)  # a numpy int would overflow silently in the byte count below
+        num_blocks = check_positive(num_blocks, "num_blocks")  # a plain int: numpy's would overflow silently below
         self.spec, self.num_blocks = spec, num_blocks
         nbytes = num_blocks * spec.bytes_per_block
         free = device_free_bytes(spec.device)
@@ -104,7 +102,7 @@ class KVStorage:
         return self.kv[:, :, block_id:block_id + span].reshape(2, s.num_layers, span * s.block_size,
                                                                s.num_kv_heads, s.head_dim)
 
-    def check_tokens(self, k: torch.Tensor, v: torch.Tensor, n: int | None = None) -> None:
+    def check_kv(self, k: torch.Tensor, v: torch.Tensor, n: int | None = None) -> None:
         """Raise :class:`KVDataError` unless ``k``/``v`` are ``[tokens, heads, dim]`` of the pool's dtype/device."""
         s = self.spec
         for name, t in (("k", k), ("v", v)):
@@ -122,7 +120,7 @@ class KVStorage:
     def write_slots(self, layer: int, slots: IndexLike, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of ``len(slots)`` tokens of one layer with one ``index_copy_`` (K and V together)."""
         layer, idx = self.check_layer(layer), self._index(slots, "slot")
-        self.check_tokens(k, v, idx.numel())
+        self.check_kv(k, v, idx.numel())
         self.slots[:, layer].index_copy_(1, idx, torch.stack((k, v)))
 
     def read_slots(self, layer: int, slots: IndexLike) -> tuple[torch.Tensor, torch.Tensor]:

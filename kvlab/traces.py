@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_choice, check_positive, is_path
 from .errors import ConfigError, TraceFormatError
 from .workloads import AZURE_COLUMNS, HASH_BLOCK, Request, Workload, os_reason, parse_trace
 
@@ -65,11 +66,10 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
 
     Raises :class:`~kvlab.errors.ConfigError` for an unknown name or a file that cannot be read, and
     :class:`~kvlab.errors.TraceFormatError` (file and line) for a malformed one; nothing is half-loaded."""
-    if format is not None and format not in FORMATS:
-        raise ConfigError(f"trace format must be one of {', '.join(FORMATS)} or None, got {format!r:.60}")
+    check_choice(format, "trace format", (*FORMATS, None))
     if isinstance(name_or_path, str) and name_or_path in TRACES:
         path, name = DATA / TRACES[name_or_path], name_or_path
-    elif isinstance(name_or_path, (str, Path)):
+    elif is_path(name_or_path):
         path = Path(name_or_path)
         name = path.name.removesuffix(".gz").rsplit(".", 1)[0] or path.name
     else:
@@ -192,11 +192,9 @@ def prefix_hits(workload: Workload, block_size: int) -> np.ndarray:
     Requests without hash ids are compared by their token ids (:meth:`~kvlab.workloads.Request.prompt_token_ids`:
     given, or derived from the prefix) block by block. A workload mixing the two kinds raises
     :class:`~kvlab.errors.ConfigError`: their token ids come from unrelated schemes."""
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ConfigError(f"block_size must be an int >= 1, got {block_size!r:.60}")
+    block_size = check_positive(block_size, "block_size")
     if not isinstance(workload, Workload):
         raise ConfigError(f"prefix_hits bounds a Workload, got {workload!r:.60}")
-    block_size = int(block_size)
     requests = workload.requests
     hashed = sum(r.hash_ids is not None for r in requests)
     if 0 < hashed < len(requests):

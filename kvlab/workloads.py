@@ -71,7 +71,6 @@ import hashlib
 import io
 import json
 import math
-import operator
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -84,7 +83,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import is_int
+from .checks import SEED_MAX, check_path, check_real, is_int, is_real, show
 from .errors import ConfigError, TraceFormatError
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
@@ -134,24 +133,18 @@ class Request:
         for name in ("id", "prompt_len", "output_len", "prefix_len"):
             v = getattr(self, name)
             if type(v) is not int or not 0 <= v <= INT_MAX:  # the check is cheap; its message is built on need
-                set_(self, name, _bounded_int(v, f"request {_show(self.id)}: {name}"))
+                set_(self, name, _bounded_int(v, f"request {show(self.id)}: {name}"))
         a = self.arrival
-        try:
-            arrival = float(a) if isinstance(a, (int, float, np.integer, np.floating)) else math.nan
-        except OverflowError:  # an int too large for a float is no finite time either
-            arrival = math.inf
-        if not math.isfinite(arrival) or arrival < 0 or isinstance(a, (bool, np.bool_)):
-            raise ConfigError(f"request {self.id}: arrival must be a finite number of seconds >= 0, "
-                              f"got {_show(a)}")
-        set_(self, "arrival", arrival)
+        if type(a) is not float or not 0 <= a < math.inf:  # as for the ints: the message is built on need
+            set_(self, "arrival", check_real(a, f"request {self.id}: arrival", lo=0, unit=" of seconds"))
         if self.prompt_len < 1 or self.output_len < 0:
             raise ConfigError(f"request {self.id}: prompt_len must be >= 1 and output_len >= 0, got "
                               f"{self.prompt_len} and {self.output_len}")
         if not isinstance(self.tenant, str) or not self.tenant:
-            raise ConfigError(f"request {self.id}: tenant must be a non-empty str, got {_show(self.tenant)}")
+            raise ConfigError(f"request {self.id}: tenant must be a non-empty str, got {show(self.tenant)}")
         if self.prefix_id is not None and (not isinstance(self.prefix_id, str) or not self.prefix_id):
             raise ConfigError(f"request {self.id}: prefix_id must be a non-empty str or None, "
-                              f"got {_show(self.prefix_id)}")
+                              f"got {show(self.prefix_id)}")
         if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len > 0) != (self.prefix_id is not None):
             raise ConfigError(f"request {self.id}: prefix_len={self.prefix_len} with prefix_id={self.prefix_id!r} "
                               f"and prompt_len={self.prompt_len} (need 0 < prefix_len <= prompt_len exactly "
@@ -188,7 +181,7 @@ class Request:
         if self.prompt_tokens is not None:
             return list(self.prompt_tokens)
         if vocab_size is not None and not (is_int(vocab_size) and vocab_size >= 1):
-            raise ConfigError(f"vocab_size must be an int >= 1 or None, got {_show(vocab_size)}")
+            raise ConfigError(f"vocab_size must be an int >= 1 or None, got {show(vocab_size)}")
         if self.hash_ids is not None:
             return _hash_token_ids(self.hash_ids, self.prompt_len, INT_MAX + 1 if vocab_size is None else vocab_size,
                                    self.id)
@@ -199,15 +192,11 @@ class Request:
 
 def _bounded_int(v: Any, what: str) -> int:
     """``v`` as a plain int in ``0..INT_MAX``; a bool or a float is refused, not rounded."""
-    if isinstance(v, (bool, np.bool_)):
-        raise ConfigError(f"{what} must be an int, got {v!r}")
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise ConfigError(f"{what} must be an int, got {_show(v)}") from None
-    if not 0 <= n <= INT_MAX:
-        raise ConfigError(f"{what} must be an int in 0..{INT_MAX}, got {_show(n)}")
-    return n
+    if not is_int(v):
+        raise ConfigError(f"{what} must be an int, got {show(v)}")
+    if not 0 <= v <= INT_MAX:
+        raise ConfigError(f"{what} must be an int in 0..{INT_MAX}, got {show(v)}")
+    return int(v)
 
 
 def _int_tuple(toks: Any, n: int, hi: int, what: Callable[[], str]) -> tuple[int, ...]:
@@ -221,20 +210,16 @@ def _int_tuple(toks: Any, n: int, hi: int, what: Callable[[], str]) -> tuple[int
                 raise ConfigError(f"{what()}, got an array of {toks.dtype}")
             toks = toks.tolist()
         if isinstance(toks, (str, bytes)) or not isinstance(toks, Iterable):
-            raise ConfigError(f"{what()}, got {_show(toks)}")
-        ints = []
+            raise ConfigError(f"{what()}, got {show(toks)}")
+        toks = list(toks)
         for t in toks:
-            if isinstance(t, (bool, np.bool_)):
-                raise ConfigError(f"{what()}, got {t!r}")
-            try:
-                ints.append(operator.index(t))
-            except TypeError:
-                raise ConfigError(f"{what()}, got {_show(t)}") from None
-        out = tuple(ints)
+            if not is_int(t):
+                raise ConfigError(f"{what()}, got {show(t)}")
+        out = tuple(int(t) for t in toks)
     if len(out) != n:
         raise ConfigError(f"{what()}, got {len(out)} ids")
     if out and not (0 <= min(out) and max(out) <= hi):
-        raise ConfigError(f"{what()}, got {_show(next(t for t in out if not 0 <= t <= hi))}")
+        raise ConfigError(f"{what()}, got {show(next(t for t in out if not 0 <= t <= hi))}")
     return out
 
 
@@ -248,26 +233,6 @@ def _hash_token_ids(hash_ids: tuple[int, ...], n: int, vocab_size: int, rid: int
                           f"hash-id prompts are exact (a modulo would make distinct ids collide), so run them "
                           f"without a model or with a vocabulary of more than {top} ids")
     return toks.tolist()
-
-
-def _show(v: Any, limit: int = 60) -> str:
-    """``repr(v)`` cut to ``limit`` characters, so that a huge value in a trace makes a readable message (and
-    an int past Python's digit limit, which has no repr at all, still makes one)."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-        return f"an int of {v.bit_length()} bits"
-    try:
-        text = repr(v)
-    except Exception:  # a hostile or broken __repr__ must not hide the real problem
-        text = f"<{type(v).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _finite(v: Any) -> bool:
-    """A real number (a Python or numpy int or float, not a bool) that is finite as a float."""
-    try:
-        return (is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 def _token_ids(key: str, n: int, vocab_size: int) -> list[int]:
@@ -287,11 +252,11 @@ class Workload:
     def __post_init__(self) -> None:
         if isinstance(self.requests, (str, bytes)) or not isinstance(self.requests, Iterable):
             raise ConfigError(f"workload {self.name!r}: requests must be a list of Request, got "
-                              f"{_show(self.requests)}")
+                              f"{show(self.requests)}")
         reqs = list(self.requests)  # once: it may be an iterator
         stray = [r for r in reqs if not isinstance(r, Request)]
         if stray:
-            raise ConfigError(f"workload {self.name!r}: requests must be a list of Request, got {_show(stray[0])}")
+            raise ConfigError(f"workload {self.name!r}: requests must be a list of Request, got {show(stray[0])}")
         self.requests = sorted(reqs, key=lambda r: (r.arrival, r.id))
         bad = _inconsistency(self.requests)
         if bad is not None:
@@ -381,7 +346,7 @@ class LengthRange:
     sigma: float = 0.7
 
     def __post_init__(self) -> None:
-        if not (is_int(self.lo) and is_int(self.hi) and _finite(self.mean) and _finite(self.sigma)
+        if not (is_int(self.lo) and is_int(self.hi) and is_real(self.mean) and is_real(self.sigma)
                 and 1 <= self.lo < self.mean < self.hi <= INT_MAX and self.sigma > 0):
             raise ConfigError(f"LengthRange needs ints 1 <= lo < hi <= {INT_MAX}, a mean between them and a "
                               f"finite sigma > 0, got lo={self.lo!r}, hi={self.hi!r}, mean={self.mean!r}, "
@@ -389,7 +354,7 @@ class LengthRange:
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if not isinstance(rng, np.random.Generator):
-            raise ConfigError(f"rng must be a numpy Generator, got {_show(rng)}")
+            raise ConfigError(f"rng must be a numpy Generator, got {show(rng)}")
         n = _bounded_int(n, "LengthRange.sample: n")
         mu = _location(self.lo, self.hi, float(self.mean), self.sigma)
         lo, hi = (_PHI.cdf((math.log(x) - mu) / self.sigma) for x in (self.lo, self.hi))
@@ -474,15 +439,15 @@ def make_workload(name: str, n: int, seed: int = 0, *, rate: float = 8.0, arriva
                           f"(or {', '.join(ALIASES)})")
     # counts up to INT_MAX: ids must fit the pool's int32 fields, and numpy's int64 the draws
     for arg, value, ok in (("n", n, is_int(n) and 1 <= n <= INT_MAX),
-                           ("seed", seed, is_int(seed) and seed >= 0),
-                           ("rate", rate, _finite(rate) and rate > 0),
+                           ("seed", seed, is_int(seed) and 0 <= seed <= SEED_MAX),
+                           ("rate", rate, is_real(rate) and rate > 0),
                            ("burst_size", burst_size, is_int(burst_size) and 1 <= burst_size <= INT_MAX),
                            ("tenants", tenants, is_int(tenants) and 1 <= tenants <= INT_MAX),
                            ("prefix_share", prefix_share,
-                            prefix_share is None or _finite(prefix_share) and 0 <= prefix_share <= 1),
+                            prefix_share is None or is_real(prefix_share) and 0 <= prefix_share <= 1),
                            ("arrival", arrival, isinstance(arrival, str) and arrival in ("poisson", "burst"))):
         if not ok:
-            raise ConfigError(f"make_workload: invalid {arg}={_show(value)}")
+            raise ConfigError(f"make_workload: invalid {arg}={show(value)}")
     n = int(n)
     rng = np.random.default_rng(seed)
     times = poisson_arrivals(n, rate, rng) if arrival == "poisson" else burst_arrivals(n, rate, burst_size, rng)
@@ -514,7 +479,7 @@ def write_trace(workload: Workload, path: str | Path) -> Path:
     :func:`read_trace` gives back equal requests. The text is built in full before the file is opened, so the
     one thing CSV cannot hold (a tenant or prefix id with a lone surrogate: not UTF-8) raises
     :class:`~kvlab.errors.ConfigError` and leaves no half-written file; so does a path that cannot be written."""
-    path = _path(path)
+    path = check_path(path, "a trace path")
     kind = _kind(path)
     text = _jsonl_text(workload) if kind == "jsonl" else _csv_text(workload)
     try:
@@ -522,14 +487,6 @@ def write_trace(workload: Workload, path: str | Path) -> Path:
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
         raise ConfigError(f"cannot write trace {str(path)[:200]!r}: {os_reason(e)}") from None
     return path
-
-
-def _path(path: Any) -> Path:
-    """``path`` (a str or path-like) as a :class:`Path`, else :class:`ConfigError`."""
-    try:
-        return Path(path)
-    except TypeError:
-        raise ConfigError(f"a trace path must be a str or Path, got {_show(path)}") from None
 
 
 def os_reason(e: OSError | ValueError) -> str:
@@ -557,7 +514,7 @@ def _csv_text(workload: Workload) -> str:
         for name in ("tenant", "prefix_id"):
             value = getattr(r, name)
             if value is not None and not _utf8_ok(value):
-                raise ConfigError(f"request {r.id}: {name} {_show(value)} holds a lone surrogate, which a UTF-8 "
+                raise ConfigError(f"request {r.id}: {name} {show(value)} holds a lone surrogate, which a UTF-8 "
                                   f"CSV file cannot store; write a .jsonl trace instead")
         row = asdict(r)
         row.update({name: "" if row[name] is None else " ".join(map(str, row[name]))
@@ -594,7 +551,7 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
     are not UTF-8, a JSON line that does not parse, a CSV quote that never closes, a field of the wrong type or
     out of range, a repeated id, ...); nothing is returned unless every record is good. A file that cannot be
     read at all raises :class:`~kvlab.errors.ConfigError`."""
-    path = _path(path)
+    path = check_path(path, "a trace path")
     kind = _kind(path)
     try:
         data = path.read_bytes()
@@ -608,7 +565,7 @@ def parse_trace(data: bytes, kind: str, where: str, name: str) -> Workload:
     :func:`read_trace` does once it has the bytes) or a production trace's ``"azure"`` or ``"mooncake"``
     (module docstring). Errors name ``where`` as the file."""
     if kind not in TRACE_KINDS:
-        raise ConfigError(f"trace kind must be one of {', '.join(TRACE_KINDS)}, got {_show(kind)}")
+        raise ConfigError(f"trace kind must be one of {', '.join(TRACE_KINDS)}, got {show(kind)}")
     text = _decode(data, where)
     if kind == "azure":
         return Workload(name, _azure_requests(text, where))
@@ -782,21 +739,21 @@ _DIGITS = len(str(INT_MAX))  # longer digit strings are out of range whatever th
 def _cell_int(cell: str, name: str) -> int:
     # ASCII digits only: int() would also take "1_000" and other scripts' digits, which no writer means
     if not _INT_CELL.fullmatch(cell):
-        raise ConfigError(f"{name} must be an integer, got {_show(cell)}")
+        raise ConfigError(f"{name} must be an integer, got {show(cell)}")
     if len(cell.strip().lstrip("+-").lstrip("0")) > _DIGITS:
-        raise ConfigError(f"{name} must be an int in 0..{INT_MAX}, got {_show(cell.strip())}")
+        raise ConfigError(f"{name} must be an int in 0..{INT_MAX}, got {show(cell.strip())}")
     return int(cell)
 
 
 def _cell_float(cell: str, name: str) -> float:
     if not _FLOAT_CELL.fullmatch(cell):
-        raise ConfigError(f"{name} must be a decimal number, got {_show(cell)}")
+        raise ConfigError(f"{name} must be a decimal number, got {show(cell)}")
     return float(cell)
 
 
 def _cell_tokens(cell: str, name: str) -> tuple[int, ...]:
     if not _TOKENS_CELL.fullmatch(cell):
-        raise ConfigError(f"{name} must be integers >= 0 separated by spaces, got {_show(cell)}")
+        raise ConfigError(f"{name} must be integers >= 0 separated by spaces, got {show(cell)}")
     parts = cell.split()
     if any(len(t.lstrip("0")) > _DIGITS for t in parts):
         raise ConfigError(f"{name} must be ints in 0..{INT_MAX}")
@@ -806,7 +763,7 @@ def _cell_tokens(cell: str, name: str) -> tuple[int, ...]:
 def _json_int(value: Any, name: str) -> int:
     if type(value) is int:  # json gives exact types: this refuses bool, float, str, null
         return value
-    raise ConfigError(f"{name} must be an integer, got {_show(value)}")
+    raise ConfigError(f"{name} must be an integer, got {show(value)}")
 
 
 def _json_float(value: Any, name: str) -> float:
@@ -816,13 +773,13 @@ def _json_float(value: Any, name: str) -> float:
         try:
             return float(value)
         except OverflowError:
-            raise ConfigError(f"{name} must be a finite number of seconds, got {_show(value)}") from None
-    raise ConfigError(f"{name} must be a number, got {_show(value)}")
+            raise ConfigError(f"{name} must be a finite number of seconds, got {show(value)}") from None
+    raise ConfigError(f"{name} must be a number, got {show(value)}")
 
 
 def _json_tokens(value: Any, name: str) -> tuple[int, ...]:
     if type(value) is not list or any(type(t) is not int for t in value):
-        raise ConfigError(f"{name} must be a list of integers, got {_show(value)}")
+        raise ConfigError(f"{name} must be a list of integers, got {show(value)}")
     return tuple(value)
 
 
@@ -834,7 +791,7 @@ MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 def _length(n: int, name: str, least: int) -> int:
     """A token count of a production trace, checked under the trace's own column name."""
     if not least <= n <= INT_MAX:
-        raise ConfigError(f"{name} must be an int in {least}..{INT_MAX}, got {_show(n)}")
+        raise ConfigError(f"{name} must be an int in {least}..{INT_MAX}, got {show(n)}")
     return n
 
 
@@ -848,7 +805,7 @@ def _azure_requests(text: str, where: str) -> list[Request]:
     header = [c.strip() for c in header]
     if sorted(header) != sorted(AZURE_COLUMNS):
         raise TraceFormatError(where, line, f"an Azure trace has the header {','.join(AZURE_COLUMNS)}, got "
-                                            f"{_show(','.join(header))}")
+                                            f"{show(','.join(header))}")
     col = {c: header.index(c) for c in AZURE_COLUMNS}
     requests: list[Request] = []
     arrival = _Arrivals(10**9, "row")
@@ -878,7 +835,7 @@ def _azure_time(cell: str) -> int:
     keep the trace's 100 ns ticks); a fraction finer than 1 ns is refused rather than rounded."""
     m = _DATETIME.fullmatch(cell)
     if m is None:
-        raise ConfigError(f"TIMESTAMP must read YYYY-MM-DD HH:MM:SS.fffffff, got {_show(cell)}")
+        raise ConfigError(f"TIMESTAMP must read YYYY-MM-DD HH:MM:SS.fffffff, got {show(cell)}")
     y, mo, d, h, mi, s = map(int, m.groups()[:6])
     frac = m.group(7) or ""
     if len(frac) > 9:
@@ -925,8 +882,8 @@ def _mooncake_requests(text: str, where: str) -> list[Request]:
                 raise ConfigError(f"a Mooncake record has the keys {', '.join(MOONCAKE_KEYS)}; "
                                   + (f"this one lacks {missing}" if missing else f"this one also has {unknown}"))
             t = rec["timestamp"]
-            if type(t) not in (int, float) or not math.isfinite(t):
-                raise ConfigError(f"timestamp must be a finite number of milliseconds, got {_show(t)}")
+            if not is_real(t):
+                raise ConfigError(f"timestamp must be a finite number of milliseconds, got {show(t)}")
             requests.append(Request(len(requests), arrival(t, f"timestamp {t}"),
                                     _length(_json_int(rec["input_length"], "input_length"), "input_length", 1),
                                     _length(_json_int(rec["output_length"], "output_length"), "output_length", 0),

@@ -245,7 +245,7 @@ def test_plot_sweep_refuses_what_is_no_sweep_or_goal():
 TIMING_BAD = [("batch", -1), ("batch", 1.5), ("batch", None), ("batch", 0), ("max_len", -5), ("max_len", 0),
               ("num_heads", 0), ("head_dim", 1.5), ("rounds", "x"), ("rounds", True), ("device", "nope"),
               ("device", "meta"), ("device", f"cuda:{torch.cuda.device_count()}"), ("seed", -1), ("seed", 1.5),
-              ("seed", BIG)]
+              ("seed", 2**64)]  # a seed is an int in 0..2**64-1 (kvlab.checks.check_seed)
 
 
 @pytest.mark.parametrize("name, value", TIMING_BAD)

@@ -312,7 +312,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ConfigError, match="mixes 1 requests with hash_ids and 1 without \\(request 1\\)"):
         prefix_hits(w, 16)
     for B in (0, -16, 16.0, True, "16", None):
-        with pytest.raises(ConfigError, match="block_size must be an int >= 1"):
+        with pytest.raises(ConfigError, match="block_size must be a positive int"):
             prefix_hit_bound(Workload("e", [Request(0, 0.0, 5, 1)]), B)
     assert prefix_hits(Workload("e", []), 16).tolist() == [] and prefix_hit_bound(Workload("e", []), 16) == 0
     assert prefix_hits(Workload("n", [Request(0, 0.0, 5, 1, hash_ids=(1,))] * 1), np.int64(2)).tolist() == [0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -25,8 +24,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, KVLabError
-from ..checks import check_count, check_positive, is_int
-from ..model import TinyConfig, TinyLlama, check_pool, check_tokens, greedy
+from ..checks import check_count, check_positive, check_real, check_seed, check_token_ids
+from ..model import TinyConfig, TinyLlama, check_pool, greedy
 from ..pool import BlockPool
 from ..sequence import Sequence, SequenceManager
 from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
@@ -51,7 +50,7 @@ def _check_batches(batches: Any, cfg: TinyConfig) -> list[list[list[int]]]:
     for i, batch in enumerate(batches):
         if not isinstance(batch, (list, tuple)) or not batch:
             raise ConfigError(f"batch {i} must be a non-empty list of prompts, got {batch!r}")
-        out.append([check_tokens(p, cfg.vocab_size, f"batch {i}, prompt {j}") for j, p in enumerate(batch)])
+        out.append([check_token_ids(p, f"batch {i}, prompt {j}", cfg.vocab_size) for j, p in enumerate(batch)])
     return out
 
 
@@ -65,10 +64,8 @@ def _check_cfg(cfg: Any) -> TinyConfig:
 
 
 def _check_pace(pace: Any) -> float:
-    """Seconds of pause between layers: a finite number >= 0 (not a bool)."""
-    if not isinstance(pace, (int, float)) or isinstance(pace, bool) or not 0 <= pace < math.inf:
-        raise ConfigError(f"pace must be a number of seconds >= 0, got {pace!r}")
-    return float(pace)
+    """Seconds of pause between layers: a finite number >= 0."""
+    return check_real(pace, "pace", lo=0, unit=" of seconds")
 
 
 def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig | None = None, block_size: int = 16,
@@ -245,9 +242,7 @@ def demo_batches(prompts: int = 4, prompt_len: int = 200, shared: int = 128, see
     check_positive(vocab, "vocab")
     if check_count(shared, "shared") >= check_positive(prompt_len, "prompt_len"):
         raise ConfigError(f"shared prefix {shared} must be in 0..prompt_len-1 ({prompt_len - 1})")
-    if not is_int(seed) or not 0 <= seed < 2 ** 64:  # what torch's generator takes
-        raise ConfigError(f"seed must be an int in 0..2**64-1, got {seed!r}")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed(seed))
     head = torch.randint(0, vocab, (shared,), generator=g).tolist()
     return [[head + torch.randint(0, vocab, (prompt_len - shared,), generator=g).tolist()
              for _ in range(prompts)] for _ in range(2)]

@@ -31,6 +31,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from ..checks import check_positive, check_real
 from ..errors import ConfigError, KVLabError
 from .errors import PeerLostError, TransferError, TransferTimeoutError
 
@@ -147,10 +148,8 @@ class Link:
 
 
 def _check_world(world_size: Any, timeout: Any) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
-        raise ConfigError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+    check_positive(world_size, "world_size")
+    check_real(timeout, "timeout", lo=0, hi=3600, lo_open=True, unit=" of seconds")
 
 
 def from_env(timeout: float = DEFAULT_TIMEOUT, device: torch.device | str = "cpu") -> Link:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..block import BlockStatus
+from ..checks import check_real
 from ..errors import ConfigError, KVLabError
 from ..pool import BlockPool
 from ..spec import KVSpec
@@ -171,9 +172,8 @@ def register_prediction(key: str, question: str, choices: Sequence[str] = (), re
     choices) a number, matched within ``rel_tol``."""
     if key in PREDICTIONS or key in EXERCISES:
         raise ConfigError(f"prediction {key!r} is defined twice")
-    if rel_tol < 0 or not math.isfinite(rel_tol):
-        raise ConfigError(f"prediction {key!r}: rel_tol must be a finite number >= 0, got {rel_tol!r}")
-    PREDICTIONS[key] = Prediction(key, question, tuple(choices), float(rel_tol))
+    rel_tol = check_real(rel_tol, f"prediction {key!r}: rel_tol", lo=0)
+    PREDICTIONS[key] = Prediction(key, question, tuple(choices), rel_tol)
     return PREDICTIONS[key]
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import traitlets
 
 from ..chat import ChatReply, ChatSession, ChatStep, ChatStream, check_temperature
-from ..checks import check_positive
+from ..checks import check_flag, check_positive
 from ..errors import ConfigError
 from ..events import Event, Evicted
 from ..sequence import CopiedOnWrite
@@ -100,8 +100,7 @@ class ChatView(FrameView):
                               f"recording={recording!r:.80}")
         if session is not None and not isinstance(session, ChatSession):
             raise ConfigError(f"a ChatView shows a kvlab.ChatSession, not {session!r:.80}")
-        if not isinstance(history, bool):
-            raise ConfigError(f"history must be True or False, got {history!r}")
+        history = check_flag(history, "history")
         check_answers(n)
         check_temperature(temperature)
         self.session, self.history_turns = session, history

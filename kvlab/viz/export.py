@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..checks import check_path
 from ..errors import ConfigError
 from .assets import FONT_STACK, css_source, render_expr, replay_source, script_source
 from .frames import decode_frame
@@ -58,9 +59,7 @@ def export_html(recording: Recording | Iterable[bytes], path: str | Path, *, vie
     payload = json.dumps([base64.b64encode(f).decode("ascii") for f in frames])
     page = _PAGE.format(title=html.escape(title), fonts=FONT_STACK, css=css_source(), frames=payload,
                         script=script_source(view), replay=replay_source(), render=render_expr(view))
-    if not isinstance(path, (str, Path)):
-        raise ConfigError(f"path must be a str or Path, got {path!r}")
-    out = Path(path)
+    out = check_path(path, "path")
     try:
         out.write_text(page, encoding="utf-8")
     except (OSError, ValueError) as e:  # a missing folder, a directory, no permission, a NUL in the name

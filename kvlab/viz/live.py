@@ -23,17 +23,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..block import ALLOCATED, FREE, BlockStatus
-from ..checks import check_positive, is_int, is_number
+from ..checks import check_positive, check_real, check_seed
 from ..errors import ConfigError, OutOfBlocksError
 from ..pool import BlockPool
 from .frames import FrameBuilder
-
-
-def check_rate(value: Any, what: str) -> float:
-    """``value`` as a finite number > 0 (frames or steps a second), else :class:`ConfigError` naming it."""
-    if not is_number(value) or not 0 < value < math.inf:
-        raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def check_steps(value: Any, what: str) -> int | None:
@@ -82,7 +75,7 @@ class Pacer:
     step, the end of a run) leaves the cadence as it was."""
 
     def __init__(self, fps: float = 30.0, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.interval, self.clock = 1.0 / check_rate(fps, "fps"), clock
+        self.interval, self.clock = 1.0 / check_real(fps, "fps", lo=0, lo_open=True), clock
         self.start: float | None = None
         self.ticks = 0  # the next frame is due at start + ticks * interval
 
@@ -126,7 +119,8 @@ class LiveRun:
             raise ConfigError(f"a LiveRun steps a callable on a BlockPool, got {pool!r:.80} and {step_fn!r:.80}")
         self.pool, self.step_fn, self.views = pool, step_fn, list(views)
         self.pacer = Pacer(fps, clock)
-        self.steps_per_second = None if steps_per_second is None else check_rate(steps_per_second, "steps_per_second")
+        self.steps_per_second = (None if steps_per_second is None
+                                 else check_real(steps_per_second, "steps_per_second", lo=0, lo_open=True))
         self.max_steps = check_steps(max_steps, "max_steps")
         check_steps(total_steps, "total_steps")
         self.builder = FrameBuilder(pool)
@@ -346,8 +340,9 @@ class RandomWorkload:
     def __init__(self, pool: BlockPool, *, preset: str = "steady", seed: int = 0, steps: int | None = None) -> None:
         if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown workload preset {preset!r}; choose one of {sorted(PRESETS)}")
-        if not isinstance(pool, BlockPool) or not is_int(seed):
-            raise ConfigError(f"a RandomWorkload runs on a BlockPool with an int seed, got {pool!r:.80}, seed={seed!r}")
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"a RandomWorkload runs on a BlockPool, got {pool!r:.80}")
+        seed = check_seed(seed)
         self.pool, self.preset, self.steps, self.done = pool, preset, check_steps(steps, "steps"), 0
         self.rng = random.Random(seed)
         w = PRESETS[preset]

@@ -26,13 +26,13 @@ from typing import Any
 import anywidget
 import traitlets
 
-from ..checks import is_int
+from ..checks import check_real, check_seed
 from ..errors import ConfigError
 from ..eviction import POLICIES
 from ..pool import BlockPool
 from .assets import css_source, esm_source
 from .frames import build_frame, decode_frame
-from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_rate, check_steps
+from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
 from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
@@ -313,11 +313,11 @@ class Dashboard(FrameView):
                  steps: int | None = None, speed: float = 200.0, fps: float = 30.0, **kwargs: Any) -> None:
         if not isinstance(preset, str) or preset not in DASHBOARD_PRESETS:
             raise ConfigError(f"unknown dashboard preset {preset!r}; choose one of {sorted(DASHBOARD_PRESETS)}")
-        check_rate(fps, "fps")  # the setup is checked before anything is built, so a refusal leaves nothing behind
-        check_rate(speed, "speed (steps a second)")
+        # the setup is checked before anything is built, so a refusal leaves nothing behind
+        check_real(fps, "fps", lo=0, lo_open=True)
+        check_real(speed, "speed (steps a second)", lo=0, lo_open=True)
         check_steps(steps, "steps")
-        if not is_int(seed):
-            raise ConfigError(f"seed must be an int, got {seed!r}")
+        check_seed(seed)
         setup = DASHBOARD_PRESETS[preset]
         policy = setup["policy"] if policy is None else policy
         workload = setup["workload"] if workload is None else workload
@@ -380,7 +380,7 @@ class Dashboard(FrameView):
         """Reject a bad setting before it is stored, so the dashboard is left as it was."""
         name, value = proposal["trait"].name, proposal["value"]
         if name == "speed":
-            return check_rate(value, "speed (steps a second)")
+            return check_real(value, "speed (steps a second)", lo=0, lo_open=True)
         if name == "policy" and value not in POLICIES:
             raise ConfigError(f"unknown eviction policy {value!r}; choose one of {sorted(POLICIES)}")
         if name == "workload" and value not in PRESETS:
