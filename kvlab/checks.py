@@ -7,8 +7,9 @@ has changed.
 
 The vocabulary, one line a rule:
 
-* :func:`is_int`: a Python or numpy int, never a bool. :func:`check_count`: an int >= 0;
-  :func:`check_positive`: an int >= 1; :func:`check_owner`: an owner id, -1..:data:`INT32_MAX`.
+* :func:`is_int`: a Python or numpy int, never a bool; :func:`is_int_array`: an integer tensor or array.
+* :func:`check_count`: an int >= 0; :func:`check_positive`: an int >= 1; :func:`check_owner`: an owner id,
+  -1..:data:`INT32_MAX`.
 * :func:`is_number`: a Python or numpy int or float, never a bool (NaN and infinities included);
   :func:`is_real`: one that is finite. :func:`check_real`: a number in a range (finite unless asked).
 * :func:`check_flag`: True or False (numpy's too), never ``0`` or ``"no"``.
@@ -50,6 +51,13 @@ TOKEN_MAX = 2**63 - 1  # token ids are hashed and stored as int64
 def is_int(x: Any) -> TypeGuard[int]:
     """The id rule, everywhere: a Python int or numpy integer, never a bool (nor numpy's, which is no integer)."""
     return type(x) is int or isinstance(x, np.integer)
+
+
+def is_int_array(x: Any) -> bool:
+    """Ids as one object: an integer torch tensor or numpy array (no bool, float or complex elements)."""
+    if isinstance(x, torch.Tensor):
+        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, np.ndarray) and x.dtype.kind in "iu"
 
 
 def is_number(x: Any) -> bool:

@@ -11,10 +11,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from .checks import check_positive, is_int
+from .checks import check_positive, is_int, is_int_array
 from .errors import ConfigError, KVDataError, KVLabError, UnknownBlockError
 from .spec import KVSpec
 
@@ -29,9 +28,7 @@ def int_tensor(x: Any, what: str, error: type[KVLabError], device: torch.device 
             for v in x:  # torch would truncate a float, and read a bool among ints as 0 or 1
                 if not is_int(v):
                     raise error(f"{what} must be ints, got {v!r}")
-    elif not (isinstance(x, range)
-              or isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-              or isinstance(x, np.ndarray) and x.dtype.kind in "iu"):
+    elif not (isinstance(x, range) or is_int_array(x)):
         raise error(f"{what} must be ints (a list, or an integer tensor or array), got {x!r}")
     try:
         return torch.as_tensor(x, dtype=torch.long, device=device)
