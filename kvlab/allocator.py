@@ -46,14 +46,6 @@ from .textbook import KVBlock
 STRATEGIES = ("exact", "split", "merge", "evict")
 
 
-def check_size_class(pool: BlockPool, size_class: object) -> int:
-    """``size_class`` as an int naming one of ``pool``'s classes, else :class:`ConfigError`."""
-    if not is_int(size_class) or not 0 <= size_class <= pool.max_order:
-        raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{pool.max_order} "
-                          f"(block sizes {pool.block_sizes})")
-    return int(size_class)
-
-
 class TicketState(Enum):
     WAITING = "WAITING"
     SERVED = "SERVED"
@@ -195,7 +187,7 @@ class DynamicAllocator:
             return self.size_class_for(kv_data.shape[2])
         if tokens is not None:
             return self.size_class_for(tokens)
-        return 0 if size_class is None else check_size_class(self.pool, size_class)
+        return 0 if size_class is None else self.pool.check_class(size_class)
 
     def _serve(self, ticket: Ticket, how: str) -> None:
         """Take the FREE block ``make_room`` left on the free list, write the request's data, record it."""
@@ -220,7 +212,7 @@ class DynamicAllocator:
         """Leave a FREE block of ``size_class`` on the pool's free list without taking it; return the strategy
         that did it ("exact", "split", "merge", "evict"), or None (and change nothing) if none can."""
         pool = self.pool
-        size_class = check_size_class(pool, size_class)
+        size_class = pool.check_class(size_class)
         with pool.lock:
             if pool.free_lists.count(size_class):
                 return "exact"

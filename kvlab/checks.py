@@ -15,7 +15,9 @@ The vocabulary, one line a rule:
 * :func:`check_flag`: True or False (numpy's too), never ``0`` or ``"no"``.
 * :func:`check_seed`: a random seed, an int in 0..:data:`SEED_MAX` (what torch, numpy and ``random`` all take).
 * :func:`check_choice`: one of a few named options (strs, or None).
-* :func:`check_list`: a sequence other than a str. :func:`check_token_ids`: a non-empty list of token ids.
+* :func:`check_list`: a sequence other than a str. :func:`check_token_ids`: a non-empty list of token ids below
+  a vocabulary (a model's input, :class:`ConfigError`); :func:`token_bytes` / :func:`token_list`: token ids as
+  the KV cache stores and hashes them, int64 (:class:`~kvlab.KVDataError`). :func:`check_tenant`: a str or None.
 * :func:`is_path` / :func:`check_path`: a file name, a str or path-like (the OS judges the rest on opening).
 * :func:`check_device`: a torch device this machine has.
 * :func:`check_kv_data`: K/V a pool can store. :func:`check_block_sizes`: size classes. :func:`check_clock`: a
@@ -25,6 +27,7 @@ The vocabulary, one line a rule:
 from __future__ import annotations
 
 import math
+from array import array
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -257,3 +260,60 @@ def check_clock(clock: "Clock") -> "Clock":
         raise ConfigError(f"the clock must count in ints from 0 to {CLOCK_MAX} (stamps are int64, with room to "
                           f"tick), but now() gave {now!r}")
     return clock
+
+
+_NONE = object()  # "no bad token found" (None itself is a bad token)
+_INT = {int}
+_SHORT = 64  # token lists up to this long are converted by array, longer ones by numpy (fixed cost vs per id)
+
+
+def token_bytes(x: object, where: str) -> bytes:
+    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as int64 bytes (8 per
+    id, native order: what the hashes read), else :class:`KVDataError` naming the bad id, starting with
+    ``where``. Strings, sets and dicts are refused: they iterate, but not as an ordered sequence of ids. A list
+    of ints or an integer array is checked and converted in C, with no Python loop per token."""
+    items: list | tuple | range
+    if isinstance(x, (list, tuple, range)):
+        items = x
+    elif isinstance(x, (torch.Tensor, np.ndarray)):
+        if x.ndim != 1:
+            raise KVDataError(f"{where}: token ids must be 1-D, got shape {tuple(x.shape)}")
+        a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) and x.dtype != torch.bool else x
+        if isinstance(a, np.ndarray) and a.dtype.kind in "iu":
+            small = a.dtype.kind == "i" or a.dtype.itemsize < 8  # no such id passes TOKEN_MAX
+            if not a.size or (a.min() >= 0 and (small or a.max() <= TOKEN_MAX)):
+                return a.astype(np.int64, copy=False).tobytes()
+        items = x.tolist()  # floats, bools, ids out of range: the loop below names the first bad one
+    else:
+        raise KVDataError(f"{where}: token ids are a list of ints, not {x!r}")
+    if not items:
+        return b""
+    if set(map(type, items)) == _INT:  # exact ints: checked and converted in C
+        try:  # a block's worth through array (the smaller fixed cost), more through numpy (less per id)
+            if len(items) <= _SHORT:
+                if min(items) >= 0:
+                    return array("q", items).tobytes()
+            else:
+                a = np.array(items, dtype=np.int64)
+                if a.min() >= 0:
+                    return a.tobytes()
+        except OverflowError:  # some id is past int64: the loop below names it
+            pass
+    bad = next((t for t in items if not (is_int(t) and 0 <= t <= TOKEN_MAX)), _NONE)
+    if bad is not _NONE:
+        raise KVDataError(f"{where}: token ids are ints in 0..2**63-1, got {bad!r}")
+    return array("q", [int(t) for t in items]).tobytes()  # numpy integers among them
+
+
+def token_list(x: object, where: str) -> list[int]:
+    """:func:`token_bytes` as a list of ints (a copy), for the sequences that keep token ids as a list."""
+    if type(x) is list and x and set(map(type, x)) == _INT and min(x) >= 0 and max(x) <= TOKEN_MAX:
+        return list(x)  # the common case, checked in C without converting
+    return array("q", token_bytes(x, where)).tolist()
+
+
+def check_tenant(tenant: object) -> str | None:
+    """A tenant is a str (its hash salt) or None."""
+    if tenant is not None and not isinstance(tenant, str):
+        raise ConfigError(f"tenant must be a str or None, got {tenant!r}")
+    return tenant

@@ -38,10 +38,10 @@ from .compiled import load_extension
 from .errors import OutOfBlocksError
 from .eviction import LRUPolicy
 from .block import ALLOCATED, FREE, PENDING
-from .checks import INT32_MAX
+from .checks import INT32_MAX, TOKEN_MAX, token_bytes
 from .events import notify
 from .pool import RANKED, BlockPool, Ids
-from .prefix import TOKEN_MAX, ChainGuard, PrefixCache, token_bytes
+from .prefix import ChainGuard, PrefixCache
 from .sequence import NewTokens, Sequence, SequenceManager
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on

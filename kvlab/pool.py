@@ -101,7 +101,7 @@ class BlockPool:
         with every block taken back on the free stack (the victims evicted so far stay FREE); a listener that
         raises stops nothing (:class:`~kvlab.events.EventBus`)."""
         with self.lock:
-            n, k, owner = check_count(n, "number of blocks"), self._check_class(size_class), check_owner(owner)
+            n, k, owner = check_count(n, "number of blocks"), self.check_class(size_class), check_owner(owner)
             if type(status) not in (int, BlockStatus) or status not in (ALLOCATED, PENDING):
                 raise IllegalTransitionError(f"allocation ends in ALLOCATED or PENDING, not {status!r}")
             if block_id is not None:
@@ -550,7 +550,7 @@ class BlockPool:
 
     def free_ids(self, size_class: int = 0) -> list[int]:
         """FREE blocks of ``size_class``, the next to be handed out first."""
-        return self.free_lists.stacks[self._check_class(size_class)][::-1].tolist()
+        return self.free_lists.stacks[self.check_class(size_class)][::-1].tolist()
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -560,7 +560,8 @@ class BlockPool:
                 f"free={self.num_free_blocks}, cached={len(self.policy)}, policy={self.policy.name}, "
                 f"device={self.spec.device})")
 
-    def _check_class(self, size_class: Any) -> int:
+    def check_class(self, size_class: Any) -> int:
+        """``size_class`` as an int naming one of this pool's classes, else :class:`ConfigError`."""
         if not is_int(size_class) or not 0 <= size_class <= self.max_order:
             raise ConfigError(f"size_class {size_class!r} is not one of this pool's 0..{self.max_order} "
                               f"(block sizes {self.block_sizes})")

@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from .allocator import DynamicAllocator, check_size_class
+from .allocator import DynamicAllocator
 from .errors import ConfigError, OutOfBlocksError
 from .checks import check_count, check_real, is_int
 from .checks import INT32_MAX, check_owner
@@ -75,7 +75,7 @@ class Preallocator:
     def _key(self, owner: object, size_class: object) -> Key:
         """``(owner, size_class)`` checked as the pool would, as plain ints: ``(7, 0.0)`` would find the
         reserve of ``(7, 0)`` in a dict."""
-        return check_owner(owner), check_size_class(self.pool, size_class)
+        return check_owner(owner), self.pool.check_class(size_class)
 
     def predict(self, owner: int, size_class: int) -> int:
         """Blocks to hold in reserve for the key: its peak demand within ``window`` steps over the horizon."""

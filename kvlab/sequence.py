@@ -32,9 +32,9 @@ import torch
 from .block import ALLOCATED
 from .errors import ConfigError, IllegalTransitionError, KVDataError
 from .events import Event
-from .checks import is_int
+from .checks import TOKEN_MAX, check_flag, check_tenant, is_int, token_list
 from .pool import BlockPool
-from .prefix import TOKEN_MAX, PrefixCache, check_tenant, check_token_ids
+from .prefix import PrefixCache
 
 NewTokens = int | Seq[int]
 
@@ -213,7 +213,7 @@ class SequenceManager:
             return int(x), None
         if not isinstance(x, (list, tuple, range, torch.Tensor, np.ndarray)):
             raise KVDataError(f"sequence {seq.seq_id}: append a token count or a list of token ids, not {x!r}")
-        ids = check_token_ids(x, f"sequence {seq.seq_id}")
+        ids = token_list(x, f"sequence {seq.seq_id}")
         return len(ids), ids if seq.token_ids is not None else None
 
     # ------------------------------------------------------------------ tables and slots
@@ -345,8 +345,7 @@ class SequenceManager:
         """The pool's invariants, plus: refcount == number of table entries naming the block (and, when
         ``exclusive``, no block is referenced by anything but these tables); resident entries are ALLOCATED and
         count the tokens the table puts in them; table length == ceil(tokens / B). Raises AssertionError."""
-        if not isinstance(exclusive, (bool, np.bool_)):
-            raise ConfigError(f"exclusive must be True or False, got {exclusive!r}")
+        check_flag(exclusive, "exclusive")
         self.pool.check_invariants()
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()

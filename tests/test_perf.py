@@ -27,7 +27,8 @@ from kvlab import (Allocated, BlockPool, Cached, Evicted, DoubleFreeError, Event
 from kvlab.eviction import OPTPolicy
 from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
 import kvlab.prefix as prefix_mod
-from kvlab.prefix import PrefixCache, token_bytes
+from kvlab.checks import token_bytes
+from kvlab.prefix import PrefixCache
 from kvlab.sequence import Sequence, SequenceManager
 
 from _util import assert_same_state, pool_state
