@@ -6,13 +6,16 @@ throughput on the same workload, prefetch's effect on swap-in stalls, and two co
   operations its block manager saw (admit a prompt, append n tokens per sequence per step, free), then replayed
   through kvlab (what the engine uses: ``FastSequenceManager`` + ``FastPrefixCache`` on ``FastBlockPool``,
   metadata mode, registering as the engine does: a prefill's full blocks at once, a request's generated ones
-  when it is freed) and through a model of nano-vllm's whole data path written here in its style
-  (:class:`NanoReplayManager`: a deque of free ids, a used set, block objects with ref count, hash and token
-  ids, a hash -> block dict; ``allocate(seq)`` at admission hashes each full prompt block chained on its prefix,
-  checks the tokens on a hit and reuses or allocates; ``may_append`` per decoded token allocates a block when
-  one is needed and hashes a block when it fills; ``deallocate`` frees in reverse), on the same pool size,
-  interleaved, best of several rounds. nano-vllm hashes with xxhash64; where xxhash is not installed the model
-  uses blake2b with an 8-byte digest, hashlib's cheapest equivalent, and the row says so.
+  when it is freed) and through :class:`NanoReplayManager`, on the same pool size, interleaved, best of several
+  rounds. :class:`NanoReplayManager` and :class:`NanoSeq` are a model of nano-vllm's
+  ``nanovllm/engine/block_manager.py`` and ``sequence.py`` at commit ``bb823b3`` (GeeeekExplorer/nano-vllm,
+  MIT), written here because nano-vllm is not on the package registries this project installs from: the same
+  data structures, hashing (xxhash64 over the prefix hash and the token ids as numpy bytes), checks, deque and
+  set operations and call order, method by method, and :func:`replay_nano` calls them where nano-vllm's
+  ``Scheduler`` does (``can_allocate`` / ``allocate`` at admission, ``can_append`` / ``may_append`` per decoded
+  token, ``hash_blocks`` after every chunk and token, ``deallocate`` at the end). xxhash is a benchmark-only
+  dependency (``pip install xxhash``); without it the model hashes with blake2b-64 behind the same calls, which
+  is slower, and the row says so.
 * **The Mooncake conversation trace** (``--mooncake``, also in ``--full``; about two minutes): all 12,031
   requests at block size 16 through the engine with prefix caching, once with a pool that keeps every block and
   once with a quarter of it; seconds (goal <= 120 s each) and hit rates against the unbounded bound
@@ -25,8 +28,12 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import importlib.util
 import time
+from collections import deque
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -39,7 +46,7 @@ from kvlab.perf import FastSequenceManager
 from kvlab.traces import load_trace, prefix_hit_bound
 from kvlab.workloads import make_workload
 
-NanoStyleBlockManager = load("bench_pool").NanoStyleBlockManager
+NanoBlock = load("bench_pool").NanoBlock  # nano-vllm's Block: id, ref count, hash, token ids; update, reset
 
 
 def _time(n: int, memory: str = "paged") -> tuple[float, dict]:
@@ -107,34 +114,58 @@ def replay_kvlab(ops: Ops, num_blocks: int, block_size: int) -> int:
     return mgr.prefix_cache.hit_tokens
 
 
-# ---------------------------------------------------------------- a nano-vllm-style block manager, whole
-XXHASH = importlib.util.find_spec("xxhash") is not None
+# ---------------------------------------------------------------- nano-vllm's block manager, as of bb823b3
+class _Blake2b64:
+    """Stands in for ``xxhash.xxh64`` where xxhash is not installed: the same calls (``update``, ``intdigest``)
+    over blake2b with an 8-byte digest, hashlib's nearest equivalent. Slower than xxh64; the row says so."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=8)
+
+    def update(self, data: bytes) -> None:
+        self._h.update(data)
+
+    def intdigest(self) -> int:
+        return int.from_bytes(self._h.digest(), "little")
 
 
-def nano_hash(token_ids: list[int], prefix: int = -1) -> int:
-    """nano-vllm's chained block hash: xxhash64 of the prefix hash and the token ids as numpy bytes (blake2b with
-    an 8-byte digest where xxhash is not installed)."""
-    if XXHASH:
-        import xxhash
-        h: Any = xxhash.xxh64()
-    else:
-        h = hashlib.blake2b(digest_size=8)
-    if prefix != -1:
-        h.update(prefix.to_bytes(8, "little"))
-    h.update(np.array(token_ids).tobytes())
-    return h.intdigest() if XXHASH else int.from_bytes(h.digest(), "little")
+try:
+    import xxhash  # nano-vllm's hash; a benchmark-only dependency (`pip install xxhash`)
+    XXHASH = True
+except ImportError:
+    xxhash = SimpleNamespace(xxh64=_Blake2b64)  # type: ignore[assignment]
+    XXHASH = False
+
+
+class NanoStatus(Enum):
+    """nano-vllm's SequenceStatus."""
+
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
 
 
 class NanoSeq:
-    """The part of nano-vllm's Sequence its block manager reads: token ids, length, block table, cached tokens."""
+    """nano-vllm's ``Sequence`` (bb823b3): the same fields set at creation, ``block(i)`` with its range assert
+    over the ``num_blocks`` property, ``append_token``. The sampling fields are fixed (no ``SamplingParams``)."""
 
-    def __init__(self, token_ids: list[int], block_size: int) -> None:
-        self.token_ids = list(token_ids)
-        self.num_tokens = len(token_ids)
-        self.num_prompt_tokens = self.num_tokens
-        self.block_size = block_size
-        self.block_table: list[int] = []
+    block_size = 256  # a class attribute, which nano-vllm's engine sets to the pool's block size
+    counter = count()
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.seq_id = next(NanoSeq.counter)
+        self.status = NanoStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.is_prefill = True
+        self.block_table: list[int] = []
+        self.temperature = 1.0
+        self.max_tokens = 64
+        self.ignore_eos = False
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -144,43 +175,98 @@ class NanoSeq:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.last_token = token_id
         self.num_tokens += 1
 
 
-class NanoReplayManager(NanoStyleBlockManager):
-    """nano-vllm's BlockManager with its prefix cache (bench_pool's model, which allocates by count, given the
-    sequence-level methods): allocate, deallocate, can_append and may_append as the peer writes them."""
+class NanoReplayManager:
+    """nano-vllm's ``BlockManager`` at commit bb823b3 (``nanovllm/engine/block_manager.py``), method by method:
+    block objects, a hash -> block id dict, a deque of free ids, a set of used ids.
 
-    def can_allocate_seq(self, seq: NanoSeq) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks
+    * ``compute_hash`` (a classmethod): a fresh xxh64, the prefix hash as 8 little-endian bytes unless it is -1,
+      then ``np.array(token_ids).tobytes()``; ``intdigest()``.
+    * ``_allocate_block()``: pops the deque's left end, asserts the block is unreferenced, drops its old hash
+      from the dict if the dict still maps it to this block, resets it (ref count 1) and adds it to the used set.
+    * ``can_allocate(seq)``: hashes the prompt's blocks but the last, chained, until the first one not in the
+      dict or holding other tokens; counts the hits and the new blocks needed (a hit on a used block needs
+      none); -1 if the deque is too short, else the hits.
+    * ``allocate(seq, hits)``: hashes the hit blocks again and takes each (a used one gains a reference, a free
+      one is removed from the deque and added to the used set), then ``_allocate_block()`` for every other
+      block; the sequence's cached tokens are the hits' tokens.
+    * ``may_append(seq)``: one ``_allocate_block()`` when the sequence's length is 1 past a block boundary.
+    * ``hash_blocks(seq)`` (after every forward pass, for every scheduled sequence): hashes the blocks that the
+      step's tokens filled, chained on the previous block's stored hash, and registers each.
+    * ``deallocate(seq)``: from the table's end, drops a reference and returns a block at 0 to the deque's
+      right end (its hash and tokens stay, so a later prompt can hit it)."""
 
-    def allocate_seq(self, seq: NanoSeq) -> None:
-        assert not seq.block_table
-        h, cache_miss = -1, False
-        for i in range(seq.num_blocks):
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[Any] = [NanoBlock(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = dict()
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @classmethod
+    def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.array(token_ids).tobytes())
+        return h.intdigest()
+
+    def _allocate_block(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _deallocate_block(self, block_id: int) -> None:
+        assert self.blocks[block_id].ref_count == 0
+        self.used_block_ids.remove(block_id)
+        self.free_block_ids.append(block_id)
+
+    def can_allocate(self, seq: NanoSeq) -> int:
+        h, hits, needed = -1, 0, seq.num_blocks
+        for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
-            h = nano_hash(token_ids, h) if len(token_ids) == self.block_size else -1
+            h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
-                cache_miss = True
-            if cache_miss:
-                block_id = self.free_block_ids[0]
-                block = self._allocate_block(block_id)
+                break
+            hits += 1
+            if block_id in self.used_block_ids:
+                needed -= 1
+        if len(self.free_block_ids) < needed:
+            return -1
+        return hits
+
+    def allocate(self, seq: NanoSeq, num_cached_blocks: int) -> None:
+        assert not seq.block_table
+        h = -1
+        for i in range(num_cached_blocks):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id[h]
+            block = self.blocks[block_id]
+            if block_id in self.used_block_ids:
+                block.ref_count += 1
             else:
-                seq.num_cached_tokens += self.block_size
-                if block_id in self.used_block_ids:
-                    block = self.blocks[block_id]
-                    block.ref_count += 1
-                else:
-                    block = self._allocate_block(block_id)
-            if h != -1:
-                block.update(h, token_ids)
-                self.hash_to_block_id[h] = block_id
+                block.ref_count = 1
+                self.free_block_ids.remove(block_id)
+                self.used_block_ids.add(block_id)
             seq.block_table.append(block_id)
+        for _i in range(num_cached_blocks, seq.num_blocks):
+            seq.block_table.append(self._allocate_block())
+        seq.num_cached_tokens = num_cached_blocks * self.block_size
 
     def deallocate(self, seq: NanoSeq) -> None:
         for block_id in reversed(seq.block_table):
@@ -195,49 +281,73 @@ class NanoReplayManager(NanoStyleBlockManager):
         return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
 
     def may_append(self, seq: NanoSeq) -> None:
-        block_table = seq.block_table
-        last_block = self.blocks[block_table[-1]]
         if len(seq) % self.block_size == 1:
-            assert last_block.hash != -1
-            block_id = self.free_block_ids[0]
-            self._allocate_block(block_id)
-            block_table.append(block_id)
-        elif len(seq) % self.block_size == 0:
-            assert last_block.hash == -1
-            token_ids = seq.block(seq.num_blocks - 1)
-            prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-            h = nano_hash(token_ids, prefix)
-            last_block.update(h, token_ids)
-            self.hash_to_block_id[h] = last_block.block_id
-        else:
-            assert last_block.hash == -1
+            seq.block_table.append(self._allocate_block())
+
+    def hash_blocks(self, seq: NanoSeq) -> None:
+        start = seq.num_cached_tokens // self.block_size
+        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        if start == end:
+            return
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
+        for i in range(start, end):
+            block = self.blocks[seq.block_table[i]]
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block.update(h, token_ids)
+            self.hash_to_block_id[h] = block.block_id
 
 
 def replay_nano(ops: Ops, num_blocks: int, block_size: int) -> int:
-    """The same operations through the nano-vllm-style manager, as its scheduler drives it: a prompt is
-    allocated whole at admission; each token decoded after the prompt is appended to the sequence, then
-    ``can_append`` / ``may_append``; a finished sequence is deallocated. Returns the prompt tokens it found
-    cached."""
+    """The same operations through :class:`NanoReplayManager`, called as nano-vllm's ``Scheduler`` (bb823b3)
+    calls it, with the sequence fields its ``schedule`` and ``postprocess`` set around the calls (no queues,
+    statuses or model). Admission: ``can_allocate``, then ``allocate`` with its hits. A prefill chunk: the
+    chunk's tokens scheduled, then ``hash_blocks`` and the cached count advanced; the chunk that ends kvlab's
+    prefill schedules all nano-vllm has left (its hits can differ from kvlab's). A decoded token: it is appended
+    (the previous step's ``postprocess`` appends what it sampled), then ``can_append``, one token scheduled,
+    ``may_append``, ``hash_blocks`` and the count advanced. A finished request: the last sampled token appended,
+    then ``deallocate``. Returns the prompt tokens found cached."""
     mgr = NanoReplayManager(num_blocks, block_size)
-    seqs, fed, hits = {}, {}, 0
+    NanoSeq.block_size = block_size
+    seqs, prompt_left, hits = {}, {}, 0
+    can_append, may_append, hash_blocks = mgr.can_append, mgr.may_append, mgr.hash_blocks
     for op in ops:
         if op[0] == "step":
             for k, x in op[1]:
                 seq = seqs[k]
-                fed[k] += len(x)
-                if fed[k] > seq.num_prompt_tokens:  # decode: the sampled token, then room for it
-                    for token in x:
-                        seq.append_token(token)
-                        assert mgr.can_append(seq)
-                        mgr.may_append(seq)
+                left = prompt_left[k]
+                if left:  # a prefill chunk
+                    left -= len(x)
+                    prompt_left[k] = left
+                    rest = seq.num_tokens - seq.num_cached_tokens
+                    if not rest:
+                        continue  # nano-vllm's prefill already ended: it would not schedule this one
+                    seq.num_scheduled_tokens = rest if not left else min(len(x), rest)
+                    hash_blocks(seq)
+                    seq.num_cached_tokens += seq.num_scheduled_tokens
+                    seq.num_scheduled_tokens = 0
+                else:  # decode: one token a step
+                    (token,) = x
+                    seq.append_token(token)
+                    assert can_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    seq.is_prefill = False
+                    may_append(seq)
+                    hash_blocks(seq)
+                    seq.num_cached_tokens += seq.num_scheduled_tokens
+                    seq.num_scheduled_tokens = 0
         elif op[0] == "admit":
-            seq = seqs[op[1]] = NanoSeq(op[2], block_size)
-            fed[op[1]] = op[4]  # kvlab's recorded feeds start after what kvlab found cached
-            assert mgr.can_allocate_seq(seq)
-            mgr.allocate_seq(seq)
+            seq = seqs[op[1]] = NanoSeq(op[2])
+            prompt_left[op[1]] = len(op[2]) - op[4]  # kvlab feeds the prompt after what kvlab found cached
+            cached = mgr.can_allocate(seq)
+            assert cached != -1
+            mgr.allocate(seq, cached)
             hits += seq.num_cached_tokens
         else:
-            mgr.deallocate(seqs.pop(op[1]))
+            seq = seqs.pop(op[1])
+            del prompt_left[op[1]]
+            seq.append_token(0)  # the token sampled last, whose id the recording does not hold
+            mgr.deallocate(seq)
     return hits
 
 
@@ -261,10 +371,10 @@ def replay_rows(quick: bool) -> list[dict]:
     verdict = "" if quick else (" (met)" if ratio <= 1.0 else " (not met)")
     hashing = "xxhash64" if XXHASH else "blake2b-64: xxhash not installed"
     steps = sum(op[0] == "step" for op in ops)
-    return [{"name": f"replay {n} chat requests ({steps} steps), kvlab vs nano-vllm-style ({hashing})",
+    return [{"name": f"replay {n} chat requests ({steps} steps), kvlab vs nano-vllm bb823b3 model ({hashing})",
              "value": best["kvlab"], "unit": "s", "baseline": best["nano"], "ratio": ratio,
              "goal": f"<= 1.0x{verdict}"},
-            {"name": "  prompt tokens served from cache, kvlab / nano-vllm-style", "value": hits["kvlab"],
+            {"name": "  prompt tokens served from cache, kvlab / nano-vllm model", "value": hits["kvlab"],
              "unit": "tokens", "baseline": hits["nano"], "ratio": hits["kvlab"] / max(hits["nano"], 1),
              "goal": None}]
 

@@ -337,3 +337,79 @@ def test_timed_calls_leave_the_baselines_as_they_were():
         for n in (1, 16, 64):
             nm.free(nm.allocate(n))
             assert sorted(nm.free_block_ids) == sorted(before_n) and not nm.used_block_ids
+
+
+# ---------------------------------------------------------------- bench_engine's model of nano-vllm (bb823b3)
+bench_engine = bench.load("bench_engine")
+
+
+def _nano_prefill(mgr, seq):
+    """Admission and one prefill chunk of the whole rest, as nano-vllm's scheduler and postprocess do it."""
+    hits = mgr.can_allocate(seq)
+    assert hits != -1
+    mgr.allocate(seq, hits)
+    seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
+    mgr.hash_blocks(seq)
+    seq.num_cached_tokens += seq.num_scheduled_tokens
+    seq.num_scheduled_tokens = 0
+    return hits
+
+
+def test_nano_model_caches_full_blocks_after_compute_and_hits_a_prefix_but_its_last_block(monkeypatch):
+    """Full blocks are registered by ``hash_blocks`` once computed; a later prompt hits its cached prefix, never
+    its own last block (even a full one); a hit on a block in use shares it, a hit on a freed one takes it back
+    from the deque; freed blocks keep their hashes until ``_allocate_block`` hands them out again."""
+    monkeypatch.setattr(bench_engine.NanoSeq, "block_size", 4)
+    mgr, Seq = bench_engine.NanoReplayManager(8, 4), bench_engine.NanoSeq
+    a = Seq(list(range(12)))  # three full blocks
+    assert _nano_prefill(mgr, a) == 0 and a.block_table == [0, 1, 2] and len(mgr.hash_to_block_id) == 3
+    b = Seq(list(range(8)) + [90, 91])  # two shared blocks and a partial one
+    assert _nano_prefill(mgr, b) == 2 and b.block_table == [0, 1, 3]
+    assert [mgr.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    c = Seq(list(range(12)))  # all three blocks cached, but the last one is computed again
+    assert mgr.can_allocate(c) == 2
+    mgr.deallocate(a)
+    assert list(mgr.free_block_ids) == [4, 5, 6, 7, 2] and mgr.blocks[2].hash != -1
+    d = Seq(list(range(12)) + [5])  # now hits all three, the third one taken back from the deque
+    assert _nano_prefill(mgr, d) == 3 and d.block_table == [0, 1, 2, 4] and 2 not in mgr.free_block_ids
+    for seq in (b, d):
+        mgr.deallocate(seq)
+    assert not mgr.used_block_ids and sorted(mgr.free_block_ids) == list(range(8))
+    cached = mgr.blocks[0].hash  # block 0 is handed out again (after 5, 6, 7, ...): its hash entry goes
+    for _ in range(8):
+        mgr._allocate_block()
+    assert cached not in mgr.hash_to_block_id and all(mgr.blocks[i].hash == -1 for i in range(8))
+
+
+def test_nano_model_allocates_and_hashes_decoded_blocks_as_nano_vllm():
+    """Decode: ``may_append`` takes a block when the length is one past a boundary; the block that a step's
+    token fills is hashed after that step, chained on the block before it."""
+    mgr, seq = bench_engine.NanoReplayManager(4, 4), bench_engine.NanoSeq([1, 2, 3])
+    seq.block_size = 4
+    _nano_prefill(mgr, seq)
+    for token in (4, 5, 6, 7, 8):
+        seq.append_token(token)
+        assert mgr.can_append(seq)
+        seq.num_scheduled_tokens = 1
+        mgr.may_append(seq)
+        mgr.hash_blocks(seq)
+        seq.num_cached_tokens += 1
+        seq.num_scheduled_tokens = 0
+    assert seq.block_table == [0, 1] and seq.num_cached_tokens == 8
+    first = mgr.compute_hash([1, 2, 3, 4])
+    assert mgr.blocks[0].hash == first and mgr.blocks[1].hash == mgr.compute_hash([5, 6, 7, 8], first)
+    assert mgr.compute_hash([5, 6, 7, 8], first) != mgr.compute_hash([5, 6, 7, 8])
+
+
+def test_nano_model_hashes_as_nano_vllm():
+    xxhash = pytest.importorskip("xxhash")
+    import numpy as np
+
+    h = bench_engine.NanoReplayManager.compute_hash([3, 1, 4], 7)
+    assert h == xxhash.xxh64((7).to_bytes(8, "little") + np.array([3, 1, 4]).tobytes()).intdigest()
+
+
+def test_replay_finds_the_same_cached_prompt_tokens_in_kvlab_and_the_nano_model():
+    ops, cfg = bench_engine.record(300)
+    kvlab_hits = bench_engine.replay_kvlab(ops, cfg.num_blocks, cfg.block_size)
+    assert kvlab_hits > 0 and bench_engine.replay_nano(ops, cfg.num_blocks, cfg.block_size) == kvlab_hits
