@@ -13,16 +13,23 @@ tickets, a pre-allocator with a reserve). Then either
   holding; a reader (``check_id``, ``peek``, ...) must then have changed nothing either.
 
 Anything else fails: an untyped error, a bad value accepted, a message that does not locate the fault.
-The whole grid runs for :class:`BlockPool`, :class:`FastBlockPool` and, where that is the compiled pool, for
-:class:`PyFastBlockPool` too (every object of the world is built on the pool class under test). A rejected call
-leaves the world unchanged (that is what the case proves), so the next case reuses it; a world is rebuilt only
-after a call that changed it.
+The whole grid runs for the reference :class:`BlockPool`. Its twins, :class:`FastBlockPool` and, where that is
+the compiled pool, :class:`PyFastBlockPool`, run a reduced grid (:func:`twin_values`): every method's good call
+and hand-written cases, and in each slot the first value of each category (:func:`kind`: None, True, False, a
+float, a wrong type, a negative or too large int, a block in each state, a short or a batch-sized list, ...), the
+same cases every time; the equivalence property tests (tests/test_perf.py, tests/test_pool_stateful.py) hold
+them equal to the reference beyond that. Every object of the world is built on the pool class under test. A
+rejected call leaves the world unchanged (that is what the case proves), so the next case reuses it; a world is
+rebuilt only after a call that changed it.
 
-``python tests/test_badinput_grid.py`` runs the grid outside pytest and prints the counts (docs/reliability.md).
+``python tests/test_badinput_grid.py`` runs the grid outside pytest and prints the counts (docs/reliability.md);
+with ``KVLAB_LONG=1`` (either way) the twins run the full grid too.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -37,7 +44,7 @@ from _util import assert_same_state, pool_state, small_spec
 from kvlab import (BlockPool, BlockStatus, DefragmentationStrategy, DynamicAllocator, EventRecorder, FastBlockPool,
                    FragmentationDetector, KVBlock, KVLabError, Preallocator, PrefixCache, ReferenceManager, Sequence,
                    SequenceManager, Ticket, TicketState)
-from kvlab.perf import PyFastBlockPool
+from kvlab.perf import BATCH_MIN, PyFastBlockPool
 
 SPEC = small_spec(device="cpu")  # 2 layers, 2 KV heads, head_dim 4, 4 tokens per block
 NAN, INF, BIG = float("nan"), float("inf"), 2**63
@@ -455,6 +462,9 @@ def _pool_specs() -> list[Spec]:
         Spec("BlockPool.allocate@Q", method(Q, "allocate", ("n",), ("size_class", "owner")),
              {"n": 1, "size_class": 1, "owner": -1},
              {"size_class": class_values(3, ok("1", 1)), "owner": OWNER}),
+        # allocate(n) and allocate(n, owner=o), the only forms FastBlockPool's compiled path serves itself
+        Spec("BlockPool.allocate@plain", method(P, "allocate", ("n",), ("owner",)), {"n": 1, "owner": -1},
+             {"n": count_values(), "owner": OWNER}),
         Spec("BlockPool.reserve", method(P, "reserve", ("n",), ("size_class", "owner")),
              {"n": 1, "size_class": 0, "owner": -1},
              {"n": count_values(), "size_class": class_values(0), "owner": OWNER}),
@@ -482,6 +492,9 @@ def _pool_specs() -> list[Spec]:
              {"ids": ids_values(held, bad_states=(free, ev, "EVICTING rc0"), ok_states=(pend, cached), dup=True),
               "reusable": FLAG},
              extra=[("unmark a cached block", {"ids": W(lambda w: [w.ids[cached]]), "reusable": False}, ok("", None))]),
+        # mark_reusable(ids), the only form FastBlockPool's compiled path serves itself
+        Spec("BlockPool.mark_reusable@plain", method(P, "mark_reusable", ("ids",)), {"ids": W(lambda w: [w.R[0]])},
+             {"ids": ids_values(held, bad_states=(free, ev, "EVICTING rc0"), ok_states=(pend, cached), dup=True)}),
         Spec("BlockPool.set_token_counts", method(P, "set_token_counts", ("ids", "counts")),
              {"ids": W(lambda w: [w.R[0]]), "counts": [2]},
              {"ids": [v for v in ids_values(held, bad_states=(free,)) if not v.ok or v.label in ("tuple", "np ints")],
@@ -910,12 +923,16 @@ class Case:
         return f"{self.cls.__name__}/{self.spec.name}[{self.label}]"
 
 
-def cases_of(cls: type[BlockPool]) -> list[Case]:
+def cases_of(cls: type[BlockPool], keep: Callable[[Spec, str, V], bool] | None = None) -> list[Case]:
+    """The cases on pool class ``cls``: every method's good call and hand-written extras, and each slot's values
+    (those ``keep(spec, slot, value)`` accepts, when given)."""
     out = []
     for spec in SPECS:
         out.append(Case(cls, spec, "good", {}, ok("good", None)))
         for slot, values in spec.slots.items():
             for v in values:
+                if keep is not None and not keep(spec, slot, v):
+                    continue
                 args = {**(spec.override or {}).get(slot, {}), slot: v.value}
                 out.append(Case(cls, spec, f"{slot}={v.label}", args, v))
         for label, args, v in spec.extra or ():
@@ -923,7 +940,126 @@ def cases_of(cls: type[BlockPool]) -> list[Case]:
     return out
 
 
-CASES = [c for cls in POOL_CLASSES for c in cases_of(cls)]
+# ---------------------------------------------------------------------------------------------------- the twins
+# The full grid runs on the reference pool. The twins (FastBlockPool and, when that is the compiled pool,
+# PyFastBlockPool) run a reduced grid: every method's good call and hand-written extras, and per method, slot
+# and verdict (refused or accepted) the first value of each kind (:func:`kind`), so every kind of bad value
+# still reaches every argument of every method, and the same cases run every time. What holds the twins to the
+# reference everywhere else: the equivalence property tests (tests/test_perf.py: random operation sequences,
+# odd and bad arguments among them, give the same results, errors, messages, state and events;
+# tests/test_pool_stateful.py: the state machine, illegal calls included, on each pool class).
+REFERENCE, TWINS = POOL_CLASSES[0], POOL_CLASSES[1:]
+
+
+def _block_state(pool: BlockPool, b: int) -> tuple | str:
+    """What a pool's code can tell about block ``b``: out of range, or its status, size class, refcount,
+    reusability and whether it heads its span."""
+    if b >= pool.num_blocks:
+        return "beyond"
+    m = pool.meta
+    return (int(m.status[b]), int(m.size_class[b]), min(int(m.refcount[b]), 2), int(m.reusable[b]),
+            b % m.span(b) == 0)
+
+
+def family(x: Any) -> str:
+    """The type a slot takes or not: numpy's scalars count as Python's, lists as tuples and ranges."""
+    if x is None or isinstance(x, (bool, np.bool_)):
+        return "None" if x is None else "bool"
+    for name, types in (("int", (int, np.integer)), ("float", (float, np.floating)), ("str", str),
+                        ("bytes", bytes), ("list", (list, tuple, range))):
+        if isinstance(x, types):
+            return name
+    return "class" if isinstance(x, type) else type(x).__name__
+
+
+def kind(x: Any, w: World, takes: frozenset[str], inner: frozenset[str] = frozenset()) -> tuple:
+    """The category of value ``x`` in a slot that takes the types ``takes`` (its elements: ``inner``), as far
+    as the fast paths' tests tell values apart (exact type, truth, zero, sign, range, state). None is one
+    category; True and False are two; a float where the slot takes none is one if zero and one if not; any other
+    type the slot does not take (a wrong type) is one category if true and one if false. A value of a type the
+    slot takes is told apart further: an int by its type (Python's, numpy's), sign, past int32, past int64, or
+    else (a block id) its block's state in either pool; a float as NaN, infinite, negative, zero or positive; a
+    string by whether it is empty; bytes by length; an
+    object of the world by which one it is; a list, tuple or range by its length (empty, one, or below and
+    from :data:`kvlab.perf.BATCH_MIN`: the fast pools' batch path), whether it repeats, and its elements'
+    categories; an array or tensor by dtype, dimensions and device; a block view by its block's state."""
+    f = family(x)
+    if f == "None":
+        return (f,)
+    if f == "bool":
+        return (f, bool(x))
+    if f == "float" and f not in takes:
+        return (f, x == 0)
+    if f not in takes:
+        try:
+            truth: bool | None = bool(x)
+        except (TypeError, ValueError, RuntimeError):  # an array or tensor of many elements has no truth
+            truth = None
+        return ("wrong type", truth)
+    if f == "int":
+        i = int(x)
+        return (f, type(x).__name__, "negative" if i < 0 else ">= 2**63" if i >= BIG else ">= 2**31" if i >= 2**31
+                else (_block_state(w.P, i), _block_state(w.Q, i)))
+    if f == "float":
+        return (f, "nan" if x != x else "infinite" if abs(x) == INF else "negative" if x < 0 else "zero" if x == 0
+                else "positive")
+    if f in ("str", "bytes"):
+        return (f, len(x) if f == "bytes" else x == "")
+    if f == "list":
+        n = len(x)
+        size = "empty" if n == 0 else "one" if n == 1 else "short" if n < BATCH_MIN else "batch"
+        repeats = len({repr(e) for e in x}) < n
+        return (type(x).__name__, size, repeats, tuple(dict.fromkeys(kind(e, w, inner, inner) for e in x)))
+    if isinstance(x, np.ndarray):
+        return (f, x.dtype.str, x.ndim)
+    if isinstance(x, torch.Tensor):
+        return (f, str(x.dtype), x.dim(), x.device.type)
+    if isinstance(x, KVBlock):
+        return (f, kind(x.block_id, w, frozenset({"int"})))
+    named = {id(v): k for k, v in vars(w).items() if not isinstance(v, (dict, list, tuple))}
+    return (f, named.get(id(x)))
+
+
+def categories() -> dict[tuple, list[str]]:
+    """``(method, slot, accepted, category) -> labels``: each slot's values by category (:func:`kind`, read off
+    a world of the reference pool), in the slot's order; a slot takes the types of its good value and of the
+    values it accepts."""
+    w = World(REFERENCE)
+    out: dict[tuple, list[str]] = {}
+
+    def category(v: V, takes: frozenset[str], inner: frozenset[str]) -> tuple:
+        try:
+            return kind(resolve(v.value, w), w, takes, inner)
+        except Exception as e:  # noqa: BLE001 - a value this world cannot build: tried, a category of its own
+            return ("unresolved", v.label, type(e).__name__)
+
+    for spec in SPECS:
+        for slot, values in spec.slots.items():
+            legit = []
+            for x in [spec.good.get(slot), *(v.value for v in values if v.ok)]:
+                with contextlib.suppress(Exception):
+                    legit.append(resolve(x, w))
+            takes = frozenset(map(family, legit))
+            inner = frozenset(family(e) for x in legit if family(x) == "list" for e in x)
+            for v in values:
+                out.setdefault((spec.name, slot, v.ok, category(v, takes, inner)), []).append(v.label)
+    return out
+
+
+def twin_values() -> set[tuple[str, str, str]]:
+    """``(method, slot, label)`` of the values the twins try: the first of each category."""
+    return {(name, slot, labels[0]) for (name, slot, _, _), labels in categories().items()}
+
+
+TWIN_VALUES = twin_values()
+TWINS_FULL = os.environ.get("KVLAB_LONG") == "1"  # the long profile (conftest.py): the full grid on the twins too
+
+
+def _twin_value(spec: Spec, slot: str, v: V) -> bool:
+    return (spec.name, slot, v.label) in TWIN_VALUES
+
+
+CASES = cases_of(REFERENCE) + [c for cls in TWINS for c in cases_of(cls, None if TWINS_FULL else _twin_value)]
 _dups = [i for i, n in Counter(c.id for c in CASES).items() if n > 1]
 assert not _dups, f"case ids must be unique: {_dups[:5]}"
 
@@ -1024,8 +1160,26 @@ def test_every_public_method_is_in_the_grid() -> None:
 
 
 def test_the_grid_is_large_and_two_sided() -> None:
-    counts = Counter("ok" if c.expect.ok else "bad" for c in CASES)
-    assert len(CASES) >= 3000 and counts["ok"] >= 300 and counts["bad"] >= 2000, counts
+    full = [c for c in CASES if c.cls is REFERENCE]
+    counts = Counter("ok" if c.expect.ok else "bad" for c in full)
+    assert len(full) >= 3000 and counts["ok"] >= 300 and counts["bad"] >= 2000, counts
+
+
+def test_the_twins_try_every_slot_and_category() -> None:
+    """Each twin tries every method's every slot both ways (a bad value, a legitimate one), one value of each
+    category the reference tries there and fewer cases in all; the choice is the same at every import."""
+    def tried(cls: type) -> tuple[set, int]:
+        cases = [c for c in CASES if c.cls is cls]
+        return {(c.spec.name, c.label.split("=")[0], c.expect.ok) for c in cases}, len(cases)
+
+    cats = categories()
+    assert {(name, slot, labels[0]) for (name, slot, _, _), labels in cats.items()} == TWIN_VALUES
+    full, n_full = tried(REFERENCE)
+    for cls in TWINS:
+        got, n = tried(cls)
+        assert got == full and (n == n_full if TWINS_FULL else n < 0.8 * n_full), (cls.__name__, n, n_full)
+        labels = {(c.spec.name, c.label) for c in CASES if c.cls is cls}
+        assert all((name, f"{slot}={first}") in labels for (name, slot, _, _), (first, *_) in cats.items())
 
 
 # ---------------------------------------------------------------------------------------------------- counts
