@@ -45,6 +45,7 @@ from kvlab import (BlockPool, BlockStatus, DefragmentationStrategy, DynamicAlloc
                    FragmentationDetector, KVBlock, KVLabError, Preallocator, PrefixCache, ReferenceManager, Sequence,
                    SequenceManager, Ticket, TicketState)
 from kvlab.perf import BATCH_MIN, PyFastBlockPool
+from kvlab.textbook import TextbookPool
 
 SPEC = small_spec(device="cpu")  # 2 layers, 2 KV heads, head_dim 4, 4 tokens per block
 NAN, INF, BIG = float("nan"), float("inf"), 2**63
@@ -432,6 +433,10 @@ def P(w: World) -> BlockPool:
     return w.P
 
 
+def TB(w: World) -> TextbookPool:
+    return TextbookPool(w.P)
+
+
 def Q(w: World) -> BlockPool:
     return w.Q
 
@@ -520,11 +525,11 @@ def _pool_specs() -> list[Spec]:
         Spec("BlockPool.finish_eviction", method(P, "finish_eviction", ("ids",)), {"ids": W(lambda w: [w.ids[ev]])},
              {"ids": ids_values(ev, bad_states=(free, held, pend, cached), ok_states=("EVICTING rc0",), dup=False)}),
         Spec("BlockPool.evict", method(P, "evict", ("reason",)), {"reason": "explicit"}, {"reason": REASON}),
-        Spec("BlockPool.evict_block", method(P, "evict_block", ("reason",)), {"reason": "explicit"},
+        Spec("TextbookPool.evict_block", method(TB, "evict_block", ("reason",)), {"reason": "explicit"},
              {"reason": REASON}),
         Spec("BlockPool.release_cached", method(P, "release_cached", ("block_id",)), {"block_id": wid(cached)},
              {"block_id": id_values(cached, bad_states=(held, "held x3", *not_alloc))}),
-        Spec("BlockPool.release_block", method(P, "release_block", ("block_id",)), {"block_id": wid(held)},
+        Spec("TextbookPool.release_block", method(TB, "release_block", ("block_id",)), {"block_id": wid(held)},
              {"block_id": id_values(held, bad_states=(free, cached, ev, "EVICTING rc0"), ok_states=(pend, "held x3"))}),
         Spec("BlockPool.split_block", method(Q, "split_block", ("block_id",)), {"block_id": wid("Q FREE c1")},
              {"block_id": id_values("Q FREE c1", pool="Q",
@@ -550,27 +555,35 @@ def _pool_specs() -> list[Spec]:
              reader=True),
         Spec("BlockPool.check_ids", method(P, "check_ids", ("ids",)), {"ids": W(lambda w: [w.R[0]])},
              {"ids": ids_values(held, ok_states=KVBLOCK, dup=True)}, reader=True),
-        Spec("BlockPool.block", method(P, "block", ("block_id",)), {"block_id": wid(held)},
+        Spec("TextbookPool.block", method(TB, "block", ("block_id",)), {"block_id": wid(held)},
              {"block_id": id_values(held, ok_states=KVBLOCK)}, reader=True),
         Spec("BlockPool.span", method(Q, "span", ("block_id",)), {"block_id": wid("Q held c2")},
              {"block_id": id_values("Q held c2", pool="Q", bad_states=("Q inner",))}, reader=True),
         Spec("BlockPool.is_cached", method(P, "is_cached", ("block_id",)), {"block_id": wid(cached)},
              {"block_id": id_values(cached, ok_states=KVBLOCK)}, reader=True),
+        Spec("BlockPool.check_class", method(P, "check_class", ("size_class",)), {"size_class": 0},
+             {"size_class": class_values(0)}, reader=True),
+        Spec("BlockPool.check_class@Q", method(Q, "check_class", ("size_class",)), {"size_class": 3},
+             {"size_class": class_values(3, ok("3", 3))}, reader=True),
+        Spec("TextbookPool()", lambda w, a: TextbookPool(a["pool"]), {"pool": W(lambda w: w.P)},
+             {"pool": POOLARG}, reader=True),
         Spec("BlockPool.free_ids", method(P, "free_ids", ("size_class",)), {"size_class": 0},
              {"size_class": class_values(0)}, reader=True),
         Spec("BlockPool.free_ids@Q", method(Q, "free_ids", ("size_class",)), {"size_class": 3},
              {"size_class": class_values(3, ok("3", 3))}, reader=True),
-        Spec("BlockPool.get_best_block", method(P, "get_best_block", ("required_size",)), {"required_size": 64},
+        Spec("TextbookPool.get_best_block", method(TB, "get_best_block", ("required_size",)),
+             {"required_size": 64},
              {"required_size": BYTES_OR_INT}, reader=True),
-        Spec("BlockPool.allocate_block", method(P, "allocate_block", ("block_id", "kv_data", "owner")),
+        Spec("TextbookPool.allocate_block", method(TB, "allocate_block", ("block_id", "kv_data", "owner")),
              {"block_id": wid(free), "kv_data": None, "owner": -1},
              {"block_id": id_values(free, none=True, bad_states=(held, pend, ev, "EVICTING rc0", cached)),
               "kv_data": kv_values(4), "owner": OWNER},
              extra=[("by size", {"block_id": None, "kv_data": torch.zeros(2, 2, 3, 2, 4)}, ok("", None))]),
     ]
-    for name in ("calculate_fragmentation", "get_memory_usage", "get_stats", "snapshot", "status_counts",
-                 "free_runs", "check_invariants", "storage_of"):
+    for name in ("stats", "snapshot", "status_counts", "free_runs", "check_invariants", "storage_of"):
         specs.append(Spec(f"BlockPool.{name}", method(P, name), {}, {}, reader=True))
+    for name in ("calculate_fragmentation", "get_memory_usage", "get_stats"):
+        specs.append(Spec(f"TextbookPool.{name}", method(TB, name), {}, {}, reader=True))
     # More repeats than the pool has blocks: a repeat means one reference per occurrence, never an index
     forty = {"ids": W(lambda w: [w.R[0]] * 40)}
     for s in specs:
@@ -1142,8 +1155,8 @@ def test_bad_input(case: Case) -> None:
 
 
 # The classes whose every public method must have grid cases (FastBlockPool: the pool's own names).
-PUBLIC_CLASSES = (BlockPool, FastBlockPool, KVBlock, ReferenceManager, SequenceManager, Sequence, PrefixCache,
-                  DynamicAllocator, FragmentationDetector, DefragmentationStrategy, Preallocator)
+PUBLIC_CLASSES = (BlockPool, FastBlockPool, KVBlock, TextbookPool, ReferenceManager, SequenceManager, Sequence,
+                  PrefixCache, DynamicAllocator, FragmentationDetector, DefragmentationStrategy, Preallocator)
 
 
 def test_every_public_method_is_in_the_grid() -> None:
