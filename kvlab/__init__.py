@@ -8,7 +8,7 @@ from .allocator import (AllocationAbandoned, AllocationQueued, AllocationRecord,
                         DynamicAllocator, Ticket, TicketState)
 from .attention import AttentionWorkspace, contiguous_attention, paged_attention
 from .block import BlockStatus
-from .baseline import ContiguousAllocator, ContiguousMemory
+from .baseline import ContiguousAllocator
 from .claims import BASELINES, Claim, claims_report, measure_claims, prefetch_effect, prefix_hit_share, verdicts
 from .clock import LogicalClock, WallClock
 from .device import default_device, torch_threads
@@ -20,8 +20,10 @@ from . import exercises
 from .exercises import fast_mode, sized
 from .eviction import (ClockPolicy, EvictionPolicy, FIFOPolicy, FutureUses, LFUPolicy, LRUPolicy, OPTPolicy,
                        RandomPolicy, make_policy)
-from .engine import (Admitted, CostModel, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed,
-                     run_workload)
+from .serve.config import CostModel, EngineConfig
+from .serve.engine import Engine, run_workload
+from .serve.events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
+from .serve.memory import ContiguousMemory
 from .fragmentation import DefragmentationStrategy, Defragmented, DefragReport, FragmentationDetector
 from .metrics import MetricsLog, RequestRecord, StepMetrics
 from .model import Llama, LlamaConfig, TinyConfig, TinyLlama

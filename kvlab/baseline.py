@@ -11,16 +11,15 @@ request arrives). Two costs follow, and the claims report measures both against 
 
 :class:`ContiguousAllocator` is a first-fit allocator over one arena of slots (the same bytes a
 :class:`~kvlab.BlockPool` would hold). Invariant: the free extents and the reserved regions tile the arena
-exactly, free extents are sorted by start and never adjacent (they are merged on release).
+exactly, free extents are sorted by start and never adjacent (they are merged on release). The engine runs on it
+through :class:`~kvlab.serve.memory.ContiguousMemory`.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 
 from .checks import check_count, is_int
-from .clock import LogicalClock
 from .errors import ConfigError, DoubleFreeError, OutOfBlocksError
-from .events import EventBus
 
 
 class ContiguousAllocator:
@@ -96,85 +95,3 @@ class ContiguousAllocator:
         assert pos == self.capacity, f"spans cover {pos} of {self.capacity} slots"
         assert all(a + n < b for a, n, b in zip(self._starts, self._lens, self._starts[1:])), "adjacent free runs"
         assert self.reserved == sum(n for _, n in self.regions.values()), "reserved counter drifted"
-
-
-class ContiguousMemory:
-    """The engine's memory when ``EngineConfig.memory == "contiguous"``: every admitted request reserves
-    ``max_model_len`` contiguous slots up front (its output length is unknown), so it never grows, never needs a
-    block later and is never preempted; admission waits until a long enough free run exists. Metadata only.
-    Same interface as :class:`kvlab.engine.PagedMemory`. With ``memory == "contiguous-exact"`` a request reserves
-    exactly its prompt plus output length instead: an oracle that knows the output length, the strongest
-    contiguous baseline (the PagedAttention paper's "Orca (Oracle)"); only external fragmentation is left."""
-
-    def __init__(self, cfg, model=None) -> None:  # cfg: kvlab.engine.EngineConfig (no import: it imports us)
-        if model is not None:
-            raise ConfigError("the contiguous baseline runs metadata-only: pass no model")
-        self.bs, self.region = cfg.block_size, cfg.max_model_len
-        self.exact = cfg.memory == "contiguous-exact"
-        self.arena = ContiguousAllocator(cfg.num_blocks * cfg.block_size)
-        self.capacity_slots = self.arena.capacity
-        self.events, self.clock = EventBus(), LogicalClock()  # the clock ticks per reservation and release
-        self.evictions = 0  # nothing is cached, so nothing is ever evicted
-        self.promised = 0  # a region never grows: nothing is ever promised
-        self._tokens = 0
-
-    def prompt_ids(self, req) -> list[int]:
-        return [0] * req.prompt_len
-
-    def available(self) -> int:
-        """Blocks' worth of slots in the longest free run: only a contiguous run can take a request."""
-        return self.arena.largest_free // self.bs
-
-    def slots_for(self, job) -> int:
-        """The slots ``job``'s region reserves: the context limit, or (exact) its own prompt + output length."""
-        return job.req.total_len if self.exact else self.region
-
-    def held(self, job) -> int:
-        return -(-self.slots_for(job) // self.bs) if job.req.id in self.arena.regions else 0
-
-    def blocks_for(self, job, n: int) -> int:
-        return 0
-
-    def lookup(self, job) -> list[int]:
-        return []
-
-    def admission_bound(self, job) -> int:
-        return -(-self.slots_for(job) // self.bs)
-
-    def admission_need(self, job, hits, n: int) -> int:
-        return -(-self.slots_for(job) // self.bs)
-
-    def admit(self, job) -> None:
-        self.arena.reserve(job.req.id, self.slots_for(job))
-        self.clock.tick()
-        job.computed = 0
-
-    def execute(self, batch) -> None:
-        self._tokens += sum(n for _, n in batch)
-
-    def release(self, job) -> None:
-        if job.req.id in self.arena.regions:
-            self.arena.release(job.req.id)
-            self.clock.tick()
-            self._tokens -= job.computed
-
-    def swap_out(self, job) -> int:
-        raise ConfigError(f"request {job.req.id}: the contiguous baseline never preempts (its regions never grow)")
-
-    swap_in = swap_out
-
-    def swap_need(self, job) -> int:
-        return 0
-
-    def swappable(self, job) -> int:
-        return 0
-
-    def gauges(self) -> tuple[int, int, float]:
-        return self.arena.reserved, self._tokens, self.arena.fragmentation()
-
-    def hit_rate(self) -> float:
-        return 0.0
-
-    def check_invariants(self) -> None:
-        self.arena.check_invariants()
-        assert self._tokens >= 0, f"token count {self._tokens} < 0"

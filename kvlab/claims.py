@@ -11,7 +11,7 @@ on the workload the claim is about:
   12,000 tokens on average, with real shared prefixes), plus one request of ``long_tokens`` tokens.
 
 Each runs through the paged engine and through a contiguous baseline on the same memory (metadata mode, the
-engine's :class:`~kvlab.engine.CostModel`, so seconds are simulated and ratios matter more than values). Two
+engine's :class:`~kvlab.serve.config.CostModel`, so seconds are simulated and ratios matter more than values). Two
 baselines, as the PagedAttention paper compares against both:
 
 * ``"max-length"``: each request reserves one region of the context limit up front (its output length is
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import is_int, is_number
-from .engine import Engine, EngineConfig
 from .errors import ConfigError
+from .serve.config import EngineConfig
+from .serve.engine import Engine
 from .traces import load_trace, prefix_hits
 from .workloads import Request, Workload, make_workload
 

@@ -279,8 +279,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- run, demo
 def _run_args(p: argparse.ArgumentParser) -> None:
-    from .engine import EngineConfig
     from .race import RACE_POLICIES
+    from .serve.config import EngineConfig
 
     d = EngineConfig()
     _workload_args(p, requests=1000)
@@ -314,8 +314,9 @@ def _run_cmd(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
-    from .engine import Engine, EngineConfig
     from .metrics import format_table
+    from .serve.config import EngineConfig
+    from .serve.engine import Engine
     from .traces import prefix_hit_bound
 
     if args.trace is not None and args.rate is not None:
@@ -440,8 +441,9 @@ def _demo(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .claims import claims_report, measure_claims, prefetch_effect
-    from .engine import Engine, EngineConfig
     from .metrics import format_table
+    from .serve.config import EngineConfig
+    from .serve.engine import Engine
     from .workloads import make_workload
 
     w = make_workload("chat", 1000, 0, rate=200.0)

@@ -15,7 +15,7 @@ always kept in :class:`MetricsLog`). Definitions, the same for the paged engine 
   where every free block serves any request);
 * ``stall_s`` -- seconds the step waited on copies between host and device memory (swap preemption);
 * per request: ``ttft`` (arrival to first output token) and ``tpot`` (mean time between later output tokens), in
-  engine steps and in seconds (simulated seconds from the engine's :class:`~kvlab.engine.CostModel`, or wall
+  engine steps and in seconds (simulated seconds from the engine's :class:`~kvlab.serve.config.CostModel`, or wall
   seconds in real mode);
 * per cached block, in pool clock ticks (the pool's clock ticks once per pool mutation, several times a step):
   its *lifetime* (allocation to eviction) and its *idle time before eviction* (last access to eviction), both

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checks import is_int
-from .engine import Engine, EngineConfig
 from .errors import ConfigError
+from .serve.config import EngineConfig
+from .serve.engine import Engine
 from .traces import prefix_hit_bound
 from .workloads import Workload
 

@@ -59,7 +59,7 @@ def test_exact_length_regions_are_each_requests_own_length():
         e = Engine(reqs, EngineConfig(num_blocks=1024, memory=memory))
         e.step()
         assert {o: n for o, (_, n) in e.memory.arena.regions.items()} == want
-        e.memory.check_invariants()
+        e.check_invariants()
         assert e.run()["finished"] == 3
 
 

@@ -6,7 +6,9 @@ import pytest
 
 from kvlab import BlockPool, KVSpec
 from kvlab.baseline import ContiguousAllocator
-from kvlab.engine import Admitted, CostModel, Engine, EngineConfig, Finished, Preempted, SwappedIn, TenantReclaimed
+from kvlab.serve.config import CostModel, EngineConfig
+from kvlab.serve.engine import Engine
+from kvlab.serve.events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
 from kvlab.errors import ConfigError, DoubleFreeError, OutOfBlocksError
 from kvlab.events import EventRecorder
 from kvlab.metrics import StepMetrics
@@ -53,7 +55,7 @@ def test_swap_keeps_prefix_sharing_and_completes():
     resident = 0  # blocks swapped requests keep in the pool (shared or named by the cache)
     while e.step():
         resident = max(resident, sum(e.memory.held(j) for j in e.swapped))
-        assert all(e.memory.held(j) == len(j.seq.block_table) - e.memory.swap_need(j) for j in e.swapped)
+        assert all(e.memory.held(j) == len(j.kv.block_table) - e.memory.swap_need(j) for j in e.swapped)
     s = e.summary()
     assert s["finished"] == 30 and s["prefix_hit_tokens"] > 0 and resident > 0
     assert "swap" in {ev.mode for ev in rec} and s["swap_ins"] > 0
@@ -177,8 +179,8 @@ def test_contiguous_baseline_wastes_what_paging_saves():
     paged = Engine(w, num_blocks=1024).run()
     e = Engine(w, num_blocks=1024, memory="contiguous")
     base = e.run()
-    e.memory.check_invariants()
-    assert e.memory.arena.reserved == 0 and e.memory._tokens == 0
+    e.check_invariants()
+    assert e.memory.arena.reserved == 0 and e.memory.gauges().token_slots == 0
     assert base["finished"] == 300 and base["preemptions"] == 0
     assert paged["internal_waste"] < 0.1 < 0.5 < base["internal_waste"]
     assert paged["max_running"] > base["max_running"]

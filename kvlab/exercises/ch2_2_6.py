@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine, EngineConfig
 from ..fragmentation import memory_usage
 from ..pool import BlockPool
+from ..serve.config import EngineConfig
+from ..serve.engine import Engine
 from ..spec import KVSpec
 from ..traces import load_trace
 from ..workloads import Workload

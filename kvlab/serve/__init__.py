@@ -1,0 +1,8 @@
+"""Serving (text §2.2.6): requests scheduled over a KV memory, one concept a module, read in this order.
+
+* :mod:`~kvlab.serve.config`: the engine's settings (:class:`EngineConfig`) and its time (:class:`CostModel`);
+* :mod:`~kvlab.serve.job`: a request inside the engine, and where each fact of its sequence lives;
+* :mod:`~kvlab.serve.memory`: the memory the scheduler asks (one protocol), paged and contiguous;
+* :mod:`~kvlab.serve.events`: what the engine reports (admitted, preempted, swapped in, finished, reclaimed);
+* :mod:`~kvlab.serve.engine`: the scheduler, :class:`Engine` (continuous batching, tenants, preemption).
+"""
