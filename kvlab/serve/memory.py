@@ -342,13 +342,6 @@ class ContiguousMemory:
         self.clock: Clock = LogicalClock()  # ticks per reservation and release
         self._tokens = 0  # K/V tokens in all regions: their num_tokens summed as they change
 
-    @staticmethod
-    def region(job: Job) -> Region:
-        """``job``'s region: its ``kv`` once admitted, until released."""
-        region = job.kv
-        assert isinstance(region, Region), f"request {job.req.id} holds no region"
-        return region
-
     def slots_for(self, job: Job) -> int:
         """The slots ``job``'s region reserves: the context limit, or (exact) its own prompt + output length."""
         return job.req.total_len if self.exact else self.max_len
@@ -423,9 +416,10 @@ class ContiguousMemory:
     def check_invariants(self, jobs: Collection[Job]) -> None:
         self.arena.check_invariants()
         regions = self.arena.regions
-        assert len(regions) == len(jobs) and all(regions.get(j.req.id, (0, 0))[1] == self.slots_for(j) for j in jobs), \
+        assert len(regions) == len(jobs) and all(isinstance(j.kv, Region) and j.req.id in regions
+                                                 and regions[j.req.id][1] == self.slots_for(j) for j in jobs), \
             f"{len(regions)} regions for {len(jobs)} requests holding memory"
-        assert self._tokens == sum(self.region(j).num_tokens for j in jobs), f"token count {self._tokens} drifted"
+        assert self._tokens == sum(j.kv.num_tokens for j in jobs), f"token count {self._tokens} drifted"
 
 
 __all__ = ["ContiguousMemory", "Gauges", "Memory", "PagedMemory", "Region"]
