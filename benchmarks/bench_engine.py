@@ -38,10 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from kvlab import FastBlockPool, KVSpec
+from kvlab import Engine, EngineConfig, FastBlockPool, KVSpec
 from kvlab.bench import load
 from kvlab.claims import prefetch_effect
-from kvlab.engine import Engine, EngineConfig
 from kvlab.perf import FastSequenceManager
 from kvlab.traces import load_trace, prefix_hit_bound
 from kvlab.workloads import make_workload
