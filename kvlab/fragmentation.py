@@ -110,11 +110,11 @@ class FragmentationDetector:
             slots = int((pool.block_size << pool.arrays.size_class[alloc].astype(np.int64)).sum())
             used = np.flatnonzero(st != FREE)
             lengths, counts = np.unique(runs, return_counts=True)
-            trigger = self.trigger_percent()
+            trigger, frag = self.trigger_percent(), unusable_free_percent(pool)
             return {
-                "fragmentation_percent": unusable_free_percent(pool),
+                "fragmentation_percent": frag,
                 "should_defragment": trigger > self.threshold,
-                "memory_info": {**memory_usage(pool), "fragmentation": unusable_free_percent(pool)},
+                "memory_info": {**memory_usage(pool), "fragmentation": frag},
                 "free_blocks": {size: pool.free_lists.count(o) for o, size in enumerate(pool.block_sizes)},
                 "external_fragmentation": self.external_fragmentation(),
                 "largest_free_run": int(runs.max()) if runs.size else 0,

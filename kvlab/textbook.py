@@ -14,19 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from .block import ALLOCATED, BlockStatus
-from .checks import check_kv_data
+from .checks import check_kv_data, is_int
 from .errors import ConfigError
 from .fragmentation import memory_usage, unusable_free_percent
 from .pool import BlockPool
 
 
 def _check_bytes(required_size: Any) -> int:
-    if isinstance(required_size, (bool, np.bool_)) or not isinstance(required_size, (int, np.integer)) \
-            or required_size < 0:
+    if not is_int(required_size) or required_size < 0:
         raise ConfigError(f"required_size must be a byte count >= 0, got {required_size!r}")
     return int(required_size)
 
