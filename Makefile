@@ -23,7 +23,7 @@ LAB_ARGS ?=
 
 .PHONY: install git-filter lab demo test test-long test-versions check bench html clean
 
-$(STAMP): pyproject.toml hatch_build.py kvlab/_fastpath.c kvlab/_paged_attention.c
+$(STAMP): pyproject.toml hatch_build.py kvlab/fast/_fastpath.c kvlab/fast/_paged_attention.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
@@ -79,4 +79,4 @@ html: $(STAMP)
 	$(BIN)/python -m kvlab html
 
 clean:
-	rm -rf $(VENV) .venv-* build dist site .pytest_cache .hypothesis kvlab/_fastpath*.so kvlab/_paged_attention*.so
+	rm -rf $(VENV) .venv-* build dist site .pytest_cache .hypothesis kvlab/fast/_fastpath*.so kvlab/fast/_paged_attention*.so

@@ -1,7 +1,7 @@
 """Build hook: compile kvlab's two C extensions.
 
-* ``kvlab/_fastpath.c``: the C base type that runs FastBlockPool's allocate and free;
-* ``kvlab/_paged_attention.c``: the CPU decode kernel of ``paged_attention`` (reads K/V blocks in place, on
+* ``kvlab/fast/_fastpath.c``: the C base type that runs FastBlockPool's allocate and free;
+* ``kvlab/fast/_paged_attention.c``: the CPU decode kernel of ``paged_attention`` (reads K/V blocks in place, on
   pthreads; ``-O3`` so its loops vectorise; the vector width is picked at run time, never ``-march=native``).
 
 Runs for wheels and editable installs (``pip install -e .``, which ``make install`` uses). Each extension is
@@ -50,11 +50,11 @@ class FastPathHook(BuildHookInterface):
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
             if version != "editable":  # an editable install imports it from the source tree, where it was built
-                build_data["force_include"][str(out)] = f"kvlab/{out.name}"
+                build_data["force_include"][str(out)] = f"kvlab/fast/{out.name}"
 
     def _compile(self, link: list[str], name: str, flags: list[str], fallback: str) -> Path | None:
-        """Build ``kvlab/<name>.c`` beside its source; the binary's path, or None (with a warning) if it fails."""
-        src = Path(self.root, "kvlab", f"{name}.c")
+        """Build ``kvlab/fast/<name>.c`` beside its source; the binary's path, or None (with a warning) if it fails."""
+        src = Path(self.root, "kvlab", "fast", f"{name}.c")
         out = src.with_name(name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
         sha = hashlib.sha256(src.read_bytes()).hexdigest()
         cmd = [*link, *flags, "-DNDEBUG", "-fPIC", f"-I{sysconfig.get_paths()['include']}",

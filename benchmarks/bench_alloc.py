@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from kvlab import BlockPool, DefragmentationStrategy, DynamicAllocator, FragmentationDetector, Preallocator
-from kvlab.bench import ns_per_item_together
+from kvlab.app.bench import ns_per_item_together
 
 
 def _bursty(quick: bool, prealloc: bool) -> tuple[np.ndarray, float]:
@@ -137,6 +137,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import KVSpec, KVStorage, torch_threads
-from kvlab.attention import AttentionWorkspace, paged_attention
-from kvlab.bench import ns_per_item_together
+from kvlab.core.attention import AttentionWorkspace, paged_attention
+from kvlab.app.bench import ns_per_item_together
 
 HEADS, DIM, BATCH = 8, 64, 8
 LENS = [round(100 + i * (2000 - 100) / (BATCH - 1)) for i in range(BATCH)]
@@ -167,6 +167,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 
 from kvlab import Engine, EngineConfig, FastBlockPool, KVSpec
-from kvlab.bench import load
-from kvlab.claims import prefetch_effect
-from kvlab.perf import FastSequenceManager
-from kvlab.traces import load_trace, prefix_hit_bound
-from kvlab.workloads import make_workload
+from kvlab.app.bench import load
+from kvlab.serve.claims import prefetch_effect
+from kvlab.fast.pool import FastSequenceManager
+from kvlab.workloads.traces import load_trace, prefix_hit_bound
+from kvlab.workloads.mixes import make_workload
 
 NanoBlock = load("bench_pool").NanoBlock  # nano-vllm's Block: id, ref count, hash, token ids; update, reset
 
@@ -442,6 +442,6 @@ def run(quick: bool, full: bool = False, mooncake: bool = False) -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(lambda quick: run(quick, full="--full" in sys.argv, mooncake="--mooncake" in sys.argv))

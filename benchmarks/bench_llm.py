@@ -10,7 +10,7 @@ template around a repeated paragraph (:data:`PARAGRAPH`) encoded by the model's 
 
 1. **Batch-1 greedy decode**: a 43-token chat prompt, then N new tokens (128; quick: 8), timed from the prompt to the
    N-th token, prefill included on both sides (the prompt is a few percent of the time). kvlab:
-   ``model.generate`` on a fresh sequence of a :class:`~kvlab.perf.FastSequenceManager` (the engine's, prefix
+   ``model.generate`` on a fresh sequence of a :class:`~kvlab.fast.pool.FastSequenceManager` (the engine's, prefix
    cache off); transformers: ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)``. Best of the
    rounds, the sides alternating. The extra ratio ``decode only`` is the same with the prefill taken out:
    ``(t(N) - t(1)) / (N - 1)`` per token on each side. Goal >= 1.0x.
@@ -58,8 +58,8 @@ from typing import Any, NamedTuple
 import torch
 
 from kvlab import Engine, EngineConfig, FastBlockPool, Llama, Request, load_model, load_trace, torch_threads
-from kvlab.loader import model_path
-from kvlab.perf import FastSequenceManager
+from kvlab.serve.loader import model_path
+from kvlab.fast.pool import FastSequenceManager
 
 MODEL = "smollm2-135m"
 THREADS = (1, 2)
@@ -71,7 +71,7 @@ PARAGRAPH = ("A paged KV cache stores the keys and values of every token in fixe
              "then run many requests of different lengths side by side, one decode step for all of them. ")
 
 
-class Sizes(NamedTuple):  # not a dataclass: kvlab.bench.load runs this file outside sys.modules
+class Sizes(NamedTuple):  # not a dataclass: kvlab.app.bench.load runs this file outside sys.modules
     decode_tokens: int
     prefill_tokens: int
     requests: int
@@ -348,6 +348,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

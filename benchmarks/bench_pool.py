@@ -63,12 +63,12 @@ import numpy as np
 import torch
 
 from kvlab import BlockPool, FastBlockPool, KVSpec, PyFastBlockPool, default_device
-from kvlab import events as ev
-from kvlab.block import BlockStatus
-from kvlab.clock import LogicalClock
-from kvlab.events import EventBus
-from kvlab.perf import COMPILED
-from kvlab.bench import ns_per_item_together
+from kvlab.core import events as ev
+from kvlab.core.block import BlockStatus
+from kvlab.core.clock import LogicalClock
+from kvlab.core.events import EventBus
+from kvlab.fast.pool import COMPILED
+from kvlab.app.bench import ns_per_item_together
 
 POOL_BLOCKS = 4096  # blocks in every timed pool
 CREATE_BLOCKS = 1_000_000
@@ -512,7 +512,7 @@ class InlinedReference:
     stamps, counters and served counts; PENDING blocks aborted by ``free``; blocks marked reusable kept as cached
     (here a set stands for the policy); the events behind the same guard — as one function each, every helper
     inlined, the lock taken by ``acquire`` and ``release``. ``fields`` is ``list`` (cheapest to index) or
-    ``array`` (what :class:`kvlab.meta.BlockMeta` keeps, so that numpy views of the fields cost no copy).
+    ``array`` (what :class:`kvlab.core.meta.BlockMeta` keeps, so that numpy views of the fields cost no copy).
     Not a pool to use: its rows say how near the goal the reference's work can come in CPython at best."""
 
     def __init__(self, num_blocks: int, fields: type = list) -> None:
@@ -813,6 +813,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 
 from kvlab import FastBlockPool, KVSpec
-from kvlab.bench import load
-from kvlab.perf import FastPrefixCache
+from kvlab.app.bench import load
+from kvlab.fast.pool import FastPrefixCache
 
 PROMPT, B = 2000, 16
 _pool_bench = load("bench_pool")
@@ -164,6 +164,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from kvlab import BlockPool, ChunkSizeOptimizer, KVSpec, make_workload, sweep
-from kvlab.sizing import DEFAULT_SIZES
+from kvlab.memory.sizing import DEFAULT_SIZES
 
 
 def _best_of(fn, k: int = 3) -> float:
@@ -54,6 +54,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

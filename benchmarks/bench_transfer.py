@@ -37,6 +37,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

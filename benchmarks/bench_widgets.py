@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlab import BlockPool
-from kvlab.fragmentation import unusable_free_percent
+from kvlab.memory.fragmentation import unusable_free_percent
 from kvlab.viz import FrameBuilder, RandomWorkload
 from kvlab.viz.browser import CHROMIUM, CHROMIUM_FLAGS
 from kvlab.viz.frames import HEADER, MAGIC, frame_states
@@ -159,7 +159,7 @@ def browser_rows(p: BlockPool, quick: bool) -> list[dict]:
 # message) timed in CPU time of the kernel's thread (what Python spends; a busy shared machine inflates wall time,
 # recorded beside it), and the counts printed for the driver.
 LAB_VIEW = """\
-from kvlab.bench import load
+from kvlab.app.bench import load
 from kvlab.viz import LiveRun, PoolView, RandomWorkload
 pool = load("bench_widgets").busy_pool()
 work = RandomWorkload(pool, preset="bursty", seed=1)
@@ -260,6 +260,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from kvlab.bench import run_script
+    from kvlab.app.bench import run_script
 
     run_script(run)

@@ -1,4 +1,4 @@
 """``python -m kvlab``: the same command line as ``kvlab``."""
-from .cli import main
+from kvlab.app.cli import main
 
 raise SystemExit(main())

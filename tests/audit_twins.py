@@ -1,7 +1,7 @@
 """Planted bugs in the pool's twins: does the bad-input grid still catch what it caught before?
 
-The twins (:class:`kvlab.FastBlockPool`, compiled from ``kvlab/_fastpath.c``, and the Python
-:class:`kvlab.perf.PyFastBlockPool`) run a reduced grid (tests/test_badinput_grid.py), the reference the full one.
+The twins (:class:`kvlab.FastBlockPool`, compiled from ``kvlab/fast/_fastpath.c``, and the Python
+:class:`kvlab.fast.pool.PyFastBlockPool`) run a reduced grid (tests/test_badinput_grid.py), the reference the full one.
 This script plants one small bug at a time in a copy of the project (a check dropped or loosened, an off-by-one,
 an exact type test made loose), rebuilds the compiled pool when the bug is in C, and runs the twins' cases of the
 grid: reduced (as ``make test`` runs them), and with ``--full`` the full grid too (``KVLAB_LONG=1``). With
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import REPO, copy_project  # noqa: E402
 
-PY, C = "kvlab/perf.py", "kvlab/_fastpath.c"
+PY, C = "kvlab/fast/pool.py", "kvlab/fast/_fastpath.c"
 # (name, file, text, replacement): each text must occur in the file exactly once.
 BUGS: list[tuple[str, str, str, str]] = [
     # PyFastBlockPool (and whatever FastBlockPool inherits from it)
@@ -105,7 +105,7 @@ BUGS: list[tuple[str, str, str, str]] = [
 
 
 def build(root: Path) -> bool:
-    """Compile ``kvlab/_fastpath.c`` in ``root`` as the build hook does (its SHA-256 compiled in)."""
+    """Compile ``kvlab/fast/_fastpath.c`` in ``root`` as the build hook does (its SHA-256 compiled in)."""
     src = root / C
     out = src.with_name("_fastpath" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
     sha = hashlib.sha256(src.read_bytes()).hexdigest()
@@ -135,10 +135,10 @@ def main() -> int:
     suite = ["tests/test_perf.py", "tests/test_pool_stateful.py"]
     with tempfile.TemporaryDirectory(prefix="kvlab-audit-") as tmp:
         root = copy_project(Path(tmp) / "kvlab")
-        for so in (REPO / "kvlab").glob("_paged_attention*.so"):  # not under audit: the grid never calls it
-            shutil.copy2(so, root / "kvlab" / so.name)
+        for so in (REPO / "kvlab" / "fast").glob("_paged_attention*.so"):  # not under audit: the grid never calls it
+            shutil.copy2(so, root / "kvlab" / "fast" / so.name)
         if not build(root):
-            print("kvlab/_fastpath.c does not compile here: nothing to audit")
+            print("kvlab/fast/_fastpath.c does not compile here: nothing to audit")
             return 2
         rows = []
         for name, rel, text, repl in bugs:

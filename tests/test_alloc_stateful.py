@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from _util import small_spec
 from kvlab import BlockPool, BlockStatus, DefragmentationStrategy, DynamicAllocator, TicketState
-from kvlab.textbook import KVBlock
+from kvlab.textbook.pool import KVBlock
 
 N, SIZES = 16, [4, 8, 16, 32]
 ALLOCATED, FREE = int(BlockStatus.ALLOCATED), int(BlockStatus.FREE)

@@ -1,6 +1,6 @@
 """paged_attention against the contiguous reference: block sizes, dtypes, GQA, mixed batches, shuffled blocks,
 stale tail slots, and after fork / copy-on-write, swap round trips and prefix-cache hits. The compiled CPU decode
-kernel (kvlab/_paged_attention.c) is held equal to the float64 reference and to the torch gather + SDPA path."""
+kernel (kvlab/fast/_paged_attention.c) is held equal to the float64 reference and to the torch gather + SDPA path."""
 from __future__ import annotations
 
 import math
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-import kvlab.attention as attention
+import kvlab.core.attention as attention
 from kvlab import BlockPool, ConfigError, KVDataError, KVLabError, KVSpec, torch_threads
-from kvlab.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
-from kvlab.sequence import SequenceManager
+from kvlab.core.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
+from kvlab.core.sequence import SequenceManager
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -266,7 +266,7 @@ def test_cuda_matches_reference(dtype):
 
 # --- The compiled decode kernel (a speed trick: the torch path above is the reference) ----------------------------
 
-needs_kernel = pytest.mark.skipif(not DECODE_KERNEL_COMPILED, reason="kvlab/_paged_attention.c is not compiled")
+needs_kernel = pytest.mark.skipif(not DECODE_KERNEL_COMPILED, reason="kvlab/fast/_paged_attention.c is not compiled")
 
 
 def float64_reference(q, keys, values, scale=None):
@@ -380,7 +380,7 @@ def test_the_c_entry_point_checks_what_it_reads():
 
 
 def test_pure_python_switch_keeps_the_torch_path():
-    code = ("import torch, kvlab.attention as a; from kvlab import BlockPool, KVSpec\n"
+    code = ("import torch, kvlab.core.attention as a; from kvlab import BlockPool, KVSpec\n"
             "p = BlockPool(4, spec=KVSpec(1, 1, 8, 4, device='cpu')); print(a.DECODE_KERNEL_COMPILED, "
             "a.paged_attention(torch.ones(1, 1, 8), p, 0, [[2]], [3]).shape)")
     env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
@@ -393,8 +393,9 @@ def test_a_kernel_older_than_its_source_is_refused_with_one_warning(tmp_path):
     src = Path(kvlab.__file__).parent
     pkg = tmp_path / "kvlab"
     shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "_paged_attention.c").write_text((src / "_paged_attention.c").read_text() + "\n/* edited */\n")
-    code = ("import warnings; warnings.simplefilter('always'); import kvlab.attention as a; "
+    c_file = pkg / "fast" / "_paged_attention.c"
+    c_file.write_text(c_file.read_text() + "\n/* edited */\n")
+    code = ("import warnings; warnings.simplefilter('always'); import kvlab.core.attention as a; "
             "print(a.DECODE_KERNEL_COMPILED)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
     assert out.stdout.strip() == "False"
@@ -403,9 +404,9 @@ def test_a_kernel_older_than_its_source_is_refused_with_one_warning(tmp_path):
 
 def test_the_wheel_ships_the_decode_kernel(wheel):
     names = set(wheel.namelist())
-    assert "kvlab/_paged_attention.c" in names
+    assert "kvlab/fast/_paged_attention.c" in names
     if DECODE_KERNEL_COMPILED:
-        assert any(n.startswith("kvlab/_paged_attention") and n.endswith(".so") for n in names), sorted(names)
+        assert any(n.startswith("kvlab/fast/_paged_attention") and n.endswith(".so") for n in names), sorted(names)
 
 
 @needs_kernel

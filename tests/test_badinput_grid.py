@@ -44,12 +44,12 @@ from _util import assert_same_state, pool_state, small_spec
 from kvlab import (BlockPool, BlockStatus, DefragmentationStrategy, DynamicAllocator, EventRecorder, FastBlockPool,
                    FragmentationDetector, KVBlock, KVLabError, Preallocator, PrefixCache, ReferenceManager, Sequence,
                    SequenceManager, Ticket, TicketState)
-from kvlab.perf import BATCH_MIN, PyFastBlockPool
-from kvlab.textbook import TextbookPool
+from kvlab.fast.pool import BATCH_MIN, PyFastBlockPool
+from kvlab.textbook.pool import TextbookPool
 
 SPEC = small_spec(device="cpu")  # 2 layers, 2 KV heads, head_dim 4, 4 tokens per block
 NAN, INF, BIG = float("nan"), float("inf"), 2**63
-# FastBlockPool is the compiled pool where kvlab/_fastpath.c was built, else PyFastBlockPool itself
+# FastBlockPool is the compiled pool where kvlab/fast/_fastpath.c was built, else PyFastBlockPool itself
 POOL_CLASSES = (BlockPool, FastBlockPool) + ((PyFastBlockPool,) if PyFastBlockPool is not FastBlockPool else ())
 
 
@@ -994,7 +994,7 @@ def kind(x: Any, w: World, takes: frozenset[str], inner: frozenset[str] = frozen
     else (a block id) its block's state in either pool; a float as NaN, infinite, negative, zero or positive; a
     string by whether it is empty; bytes by length; an
     object of the world by which one it is; a list, tuple or range by its length (empty, one, or below and
-    from :data:`kvlab.perf.BATCH_MIN`: the fast pools' batch path), whether it repeats, and its elements'
+    from :data:`kvlab.fast.pool.BATCH_MIN`: the fast pools' batch path), whether it repeats, and its elements'
     categories; an array or tensor by dtype, dimensions and device; a block view by its block's state."""
     f = family(x)
     if f == "None":

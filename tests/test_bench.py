@@ -13,8 +13,9 @@ from array import array
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlab import BlockPool, FastBlockPool, KVLabError, bench, hotpath_compiled
-from kvlab.cli import main
+from kvlab import BlockPool, FastBlockPool, KVLabError, hotpath_compiled
+from kvlab.app import bench
+from kvlab.app.cli import main
 
 bench_pool = bench.load("bench_pool")  # once: loading executes the benchmark file
 

@@ -76,7 +76,7 @@ def test_2_2_1_conclusions(run):
     # the recommendations are counts: a direct sweep (no attention timing at all) gives the same picks
     for name in ("chat", "code"):
         res = kvlab.sweep(kvlab.make_workload(name, 2000, seed=0), attention=False, progress=False)
-        assert c["measured"][name] == {g: res.recommend(g) for g in kvlab.sizing.GOALS}, name
+        assert c["measured"][name] == {g: res.recommend(g) for g in kvlab.memory.sizing.GOALS}, name
     azure = kvlab.load_trace("azure-conv-2023")
     res = kvlab.sweep(kvlab.Workload("azure-conv-2023", azure.requests[:2000]), attention=False, progress=False)
     assert c["measured"]["azure-conv-2023"]["balanced"] == res.recommend("balanced") == 128

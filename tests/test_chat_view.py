@@ -88,7 +88,7 @@ def test_a_second_turn_hits_the_cache_and_forks_share_with_refcount_two():
 def test_a_tiny_pool_evicts_cached_blocks_and_the_status_counts_them():
     v = tiny_view(num_blocks=5, max_new_tokens=4)
     evicted = []
-    v.session.pool.events.subscribe(lambda e: evicted.append(e) if isinstance(e, kvlab.events.Evicted) else None)
+    v.session.pool.events.subscribe(lambda e: evicted.append(e) if isinstance(e, kvlab.core.events.Evicted) else None)
     v.ask(PROMPT)  # 12 tokens fed: 3 blocks cached afterwards
     v.ask(OTHER)   # another prompt needs 3 blocks of the 2 free: cached ones go
     assert evicted and f"{len(evicted)} cached block{'s' * (len(evicted) != 1)} evicted" in \

@@ -7,7 +7,7 @@ import pytest
 
 import kvlab
 from kvlab import BASELINES, ConfigError, Engine, EngineConfig, Request, claims_report, measure_claims, verdicts
-from kvlab.claims import CLAIMS, prefetch_effect, prefix_hit_share
+from kvlab.serve.claims import CLAIMS, prefetch_effect, prefix_hit_share
 
 FAST, FULL = (600, 100), (2000, 400)  # (Azure requests, Mooncake requests): chapter 2.2.6's sized(full, fast)
 T, F = True, False

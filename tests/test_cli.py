@@ -14,7 +14,7 @@ import pytest
 from _util import REPO
 
 from kvlab import ConfigError, make_workload, write_trace
-from kvlab import cli
+from kvlab.app import cli
 
 SMALL = ["sweep", "--sizes", "16,64", "--requests", "20", "--rounds", "2"]
 # the table: block, blocks, waste %, table entries, alloc calls, prefix loss %, attention slots,
@@ -126,7 +126,7 @@ def test_run_a_bundled_trace_as_json():
     import json
 
     from kvlab import load_trace, prefix_hit_bound
-    from kvlab.workloads import Workload
+    from kvlab.workloads.mixes import Workload
 
     p = run("run", "--trace", "mooncake-conversation", "--requests", "40", "--block-size", "16", "--blocks",
             "60000", "--max-model-len", "131072", "--max-batched-tokens", "8192", "--json")
@@ -321,7 +321,7 @@ def test_progress_bars_show_on_a_terminal_only():
 # ---------------------------------------------------------------------------------------------------- --json
 def test_sweep_json_is_the_library_sweep(capsys):
     from kvlab import ChunkSizeOptimizer
-    from kvlab.sizing import GOALS
+    from kvlab.memory.sizing import GOALS
 
     assert cli.main(["sweep", "--requests", "20", "--sizes", "16,64", "--no-attention", "--no-progress", "--json",
                      "--goal", "memory_efficient"]) == 0
@@ -359,7 +359,7 @@ def test_bench_writes_a_file_only_with_out(tmp_path, capsys, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------- chapters
 def test_chapters_copies_the_course_and_never_overwrites_unasked(tmp_path, capsys):
-    from kvlab.resources import chapter_notebooks, shipped
+    from kvlab.app.resources import chapter_notebooks, shipped
 
     src, dest = shipped("chapters"), tmp_path / "course"
     assert cli.main(["chapters", str(dest), "--no-solutions"]) == 0
@@ -379,7 +379,7 @@ def test_chapters_copies_the_course_and_never_overwrites_unasked(tmp_path, capsy
 # ---------------------------------------------------------------------------------------------------- lab
 @pytest.mark.parametrize("as_root, no_browser", [(False, False), (True, False), (False, True), (True, True)])
 def test_lab_command_line_for_root_and_headless(tmp_path, as_root, no_browser):
-    from kvlab.lab import lab_argv
+    from kvlab.app.lab import lab_argv
 
     argv = lab_argv(tmp_path, "chapters/index.ipynb", port=9999, token="t0k", as_root=as_root,
                     no_browser=no_browser)
@@ -391,7 +391,7 @@ def test_lab_command_line_for_root_and_headless(tmp_path, as_root, no_browser):
 
 
 def test_lab_finds_a_display_or_not():
-    from kvlab.lab import headless
+    from kvlab.app.lab import headless
 
     assert headless({}, "linux") and headless({"DISPLAY": ""}, "linux")
     assert not headless({"DISPLAY": ":0"}, "linux") and not headless({"WAYLAND_DISPLAY": "wayland-0"}, "linux")
@@ -443,7 +443,7 @@ def test_lab_serves_the_folder_and_opens_the_index(tmp_path):
 def test_lab_url_shows_a_wildcard_address_as_the_machine_name(monkeypatch, ip):
     """Listening on every interface (``0.0.0.0``, ``::`` or empty) is no address a browser can open: the URL names
     the machine instead (never ``http://[::]:...``)."""
-    from kvlab import lab
+    from kvlab.app import lab
 
     monkeypatch.setattr(lab.socket, "gethostname", lambda: "gpu-box")
     assert lab.lab_url(ip, 8890, "chapters/index.ipynb", "t0k") == \
@@ -453,7 +453,7 @@ def test_lab_url_shows_a_wildcard_address_as_the_machine_name(monkeypatch, ip):
 @pytest.mark.parametrize("ip,host", [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]"), ("10.0.0.7", "10.0.0.7")])
 def test_lab_url_keeps_a_specific_address(monkeypatch, ip, host):
     """A specific address is the one to open, an IPv6 one in brackets."""
-    from kvlab import lab
+    from kvlab.app import lab
 
     monkeypatch.setattr(lab.socket, "gethostname", lambda: "gpu-box")
     assert lab.lab_url(ip, 8890, "index.ipynb", "t0k") == f"http://{host}:8890/lab/tree/index.ipynb?token=t0k"

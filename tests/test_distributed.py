@@ -13,16 +13,16 @@ import torch
 
 from _util import assert_same_state, pool_state
 from kvlab import BlockStatus, EventRecorder, OutOfBlocksError, TinyConfig, TinyLlama
-from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender,
-                               RemoteRequest, SpecMismatchError, TransferError, TransferTimeoutError,
-                               decode_rank, demo_batches, prefill_rank, reference, run_disagg, run_threads, spawn)
+from kvlab.distributed import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, RemoteRequest,
+                               SpecMismatchError, TransferError, TransferTimeoutError, decode_rank, demo_batches,
+                               prefill_rank, reference, run_disagg, run_threads, spawn)
 from kvlab.distributed import backend_for
 from kvlab.distributed.connector import MAX_RUNS, TAG_ANNOUNCE, TAG_PLAN, runs
 from kvlab.distributed.disagg import configure, main as disagg_main, make_manager
 from kvlab.distributed.exercises import transfer_bytes
 from kvlab.distributed.tp import TPShard, generate as tp_generate, head_split, run_tp, single_process
 import kvlab.distributed as kd
-from kvlab.errors import ConfigError
+from kvlab.core.errors import ConfigError
 
 CFG = TinyConfig()
 BATCHES = demo_batches(3, 70, 40)  # two batches; 40 shared tokens = 2 full blocks of 16 cached on the decode rank

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvlab import BlockPool, KVSpec
-from kvlab.baseline import ContiguousAllocator
+from kvlab.memory.baseline import ContiguousAllocator
 from kvlab.serve.config import CostModel, EngineConfig
 from kvlab.serve.engine import Engine
 from kvlab.serve.events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
-from kvlab.errors import ConfigError, DoubleFreeError, OutOfBlocksError
-from kvlab.events import EventRecorder
-from kvlab.metrics import StepMetrics
-from kvlab.model import TinyConfig, TinyLlama
-from kvlab.prefix import PrefixHit, PrefixStored
-from kvlab.sequence import SequenceManager
-from kvlab.workloads import Request, make_workload
+from kvlab.core.errors import ConfigError, DoubleFreeError, OutOfBlocksError
+from kvlab.core.events import EventRecorder
+from kvlab.serve.metrics import StepMetrics
+from kvlab.serve.model import TinyConfig, TinyLlama
+from kvlab.core.prefix import PrefixHit, PrefixStored
+from kvlab.core.sequence import SequenceManager
+from kvlab.workloads.mixes import Request, make_workload
 
 
 def _drained(e: Engine, aborted: str = "") -> None:
@@ -311,7 +311,7 @@ def test_with_a_pool_that_keeps_everything_hits_equal_the_bound():
     waiting for shared prefills reaches :func:`kvlab.prefix_hit_bound`; duplicating them falls short by the one
     512-token block request 1 computes beside request 0, and by nothing more: what follows it is registered."""
     from kvlab import load_trace, prefix_hit_bound
-    from kvlab.workloads import Workload
+    from kvlab.workloads.mixes import Workload
 
     w = Workload("first 400", load_trace("mooncake-conversation").requests[:400])
     cfg = dict(num_blocks=400_000, block_size=16, max_model_len=131072, max_batched_tokens=8192)

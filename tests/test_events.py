@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 
 from _util import small_spec
-from kvlab import (Allocated, BlockPool, Cached, EventRecorder, Evicted, FastBlockPool, Freed, KVLabError,
-                   Merged, Migrated, RefChanged, Split, StatusChanged, perf)
-from kvlab.perf import BATCH_MIN
-from kvlab.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
-from kvlab.sequence import CopiedOnWrite, SequenceManager, Swapped
+from kvlab import (Allocated, BlockPool, Cached, EventRecorder, Evicted, FastBlockPool, Freed, KVLabError, Merged,
+                   Migrated, RefChanged, Split, StatusChanged, PyFastBlockPool)
+from kvlab.fast.pool import BATCH_MIN
+from kvlab.core.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
+from kvlab.core.sequence import CopiedOnWrite, SequenceManager, Swapped
 
 SPEC = small_spec()
 # The reference, the fast pool, and its Python paths when the fast pool is compiled
 POOLS = {"reference": BlockPool, "fast": FastBlockPool}
-if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:
-    POOLS["fast-python"] = perf.PyFastBlockPool
+if PyFastBlockPool is not FastBlockPool:
+    POOLS["fast-python"] = PyFastBlockPool
 
 
 @pytest.fixture(params=list(POOLS.values()), ids=list(POOLS))
@@ -437,7 +437,7 @@ def test_a_subscriber_that_raises_keeps_the_event_from_no_one(cls):
 
 
 def test_a_recorder_listens_to_an_event_bus_only():
-    from kvlab.errors import ConfigError
+    from kvlab.core.errors import ConfigError
 
     for bad in (None, "bus", BlockPool(4, with_storage=False)):
         with pytest.raises(ConfigError, match="EventBus"):

@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 
 from _util import assert_same_state, pool_state, small_spec
 from kvlab import (BlockPool, ConfigError, EventRecorder, Evicted, FastBlockPool, OutOfBlocksError, PrefixCache,
-                   perf)
-from kvlab.eviction import ClockPolicy, FutureUses, OPTPolicy, make_policy
-from kvlab.sequence import SequenceManager
-from kvlab.textbook import TextbookPool
+                   PyFastBlockPool)
+from kvlab.core.eviction import ClockPolicy, FutureUses, OPTPolicy, make_policy
+from kvlab.core.sequence import SequenceManager
+from kvlab.textbook.pool import TextbookPool
 
 SPEC = small_spec()
 POOLS = {"reference": BlockPool, "fast": FastBlockPool}
-if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:  # compiled: test its Python paths too
-    POOLS["fast-python"] = perf.PyFastBlockPool
+if PyFastBlockPool is not FastBlockPool:  # compiled: test its Python paths too
+    POOLS["fast-python"] = PyFastBlockPool
 each_pool = pytest.mark.parametrize("cls", list(POOLS.values()), ids=list(POOLS))
 INF = math.inf
 FAR = {2: 5.0, 0: INF, 4: 1.0, 1: 3.0, 3: INF}  # the scenario's next uses, for OPT: 0 and 3 are never used again

@@ -8,8 +8,8 @@ import torch
 
 from _util import assert_same_state, pool_state, small_spec
 from kvlab import BlockPool, BlockStatus, DefragmentationStrategy, FragmentationDetector
-from kvlab.attention import paged_attention
-from kvlab.textbook import KVBlock
+from kvlab.core.attention import paged_attention
+from kvlab.textbook.pool import KVBlock
 
 FREE, ALLOCATED = BlockStatus.FREE, BlockStatus.ALLOCATED
 
@@ -203,7 +203,7 @@ def test_attention_of_live_sequences_is_unchanged():
 
 
 def test_sequence_manager_tables_follow_compaction():
-    from kvlab.sequence import SequenceManager
+    from kvlab.core.sequence import SequenceManager
 
     spec = small_spec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
     pool = BlockPool(64, spec=spec)

@@ -18,8 +18,8 @@ import torch
 
 from _util import assert_same_state, pool_state, small_spec
 from kvlab import BlockPool, DefragmentationStrategy, EventRecorder, FastBlockPool, KVSpec, PyFastBlockPool
-from kvlab.perf import COMPILED
-from kvlab.sequence import SequenceManager
+from kvlab.fast.pool import COMPILED
+from kvlab.core.sequence import SequenceManager
 
 POOLS = [BlockPool, PyFastBlockPool, *([FastBlockPool] if COMPILED else [])]
 
@@ -142,7 +142,7 @@ def test_a_listener_that_raises_stops_no_pool_call(cls, caplog):
     def wrong(e):
         seen.append(e)
         return e.block_id
-    with caplog.at_level(logging.ERROR, logger="kvlab.events"):
+    with caplog.at_level(logging.ERROR, logger="kvlab.core.events"):
         pool, mgr, rec = _workload(cls, wrong)
     clean_pool, clean_mgr, clean_rec = _workload(cls)
     assert_same_state(pool_state(pool), pool_state(clean_pool))
@@ -152,7 +152,7 @@ def test_a_listener_that_raises_stops_no_pool_call(cls, caplog):
     (fn, event, error), = pool.events.failures
     assert fn is wrong and event is seen[0] and isinstance(error, AttributeError)
     assert event.as_dict() == rec.events[0].as_dict()  # kept intact, though the pool publishes on
-    (record,), = [[r for r in caplog.records if r.name == "kvlab.events"]]
+    (record,), = [[r for r in caplog.records if r.name == "kvlab.core.events"]]
     assert record.levelno == logging.ERROR and "unsubscribed" in record.getMessage()
     assert record.exc_info[1] is error
 

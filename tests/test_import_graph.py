@@ -88,15 +88,15 @@ def test_no_import_cycle():
 def test_the_text_api_sits_above_the_pool():
     """The text's names are an adapter around the pool, not something the pool is built from."""
     graph = import_graph()
-    assert "kvlab.pool" in graph["kvlab.textbook"]
-    assert not {"kvlab.textbook", "kvlab.allocator"} & graph["kvlab.pool"]
-    assert graph["kvlab.block"] <= {"kvlab.errors"}  # the states, declared once, depend on nothing else
+    assert "kvlab.core.pool" in graph["kvlab.textbook.pool"]
+    assert not {"kvlab.textbook.pool", "kvlab.memory.allocator"} & graph["kvlab.core.pool"]
+    assert graph["kvlab.core.block"] <= {"kvlab.core.errors"}  # the states, declared once, depend on nothing else
 
 
 def test_the_cycle_finder_finds_cycles_and_reads_relative_imports():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     graph = import_graph()
-    assert "kvlab.pool" in graph["kvlab.prefix"]  # from .pool import BlockPool
+    assert "kvlab.core.pool" in graph["kvlab.core.prefix"]  # from .pool import BlockPool
     assert "kvlab.exercises.framework" in graph["kvlab.exercises.ch2_2_1"]  # from .framework import ...
-    assert "kvlab.pool" not in graph["kvlab.eviction"]  # imported only under TYPE_CHECKING
+    assert "kvlab.core.pool" not in graph["kvlab.core.eviction"]  # imported only under TYPE_CHECKING

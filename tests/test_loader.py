@@ -12,7 +12,7 @@ import torch
 
 import kvlab
 from kvlab import BlockPool, ConfigError, ModelFileError, SequenceManager, TinyConfig, TinyLlama, load_model
-from kvlab.loader import GGUF_LAYER, MODELS, model_path, unpermute
+from kvlab.serve.loader import GGUF_LAYER, MODELS, model_path, unpermute
 
 gguf = pytest.importorskip("gguf")
 

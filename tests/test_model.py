@@ -8,8 +8,8 @@ import torch
 
 from _util import assert_same_state, pool_state
 from kvlab import BlockPool, ConfigError, KVSpec, OutOfBlocksError
-from kvlab.model import TinyConfig, TinyLlama, rope
-from kvlab.sequence import SequenceManager
+from kvlab.serve.model import TinyConfig, TinyLlama, rope
+from kvlab.core.sequence import SequenceManager
 
 MODEL = TinyLlama(TinyConfig())
 

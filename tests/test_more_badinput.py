@@ -16,12 +16,12 @@ from kvlab import (Claim, ConfigError, ContiguousAllocator, Engine, EngineConfig
                    Request, Workload, claims_report, load_trace, make_policy, make_workload, measure_block_size,
                    measure_claims, plot_sweep, prefix_hit_bound, prefix_hit_share, prefix_hits, read_trace, sweep,
                    write_trace)
-from kvlab.claims import check_baselines
-from kvlab.events import EventBus
-from kvlab.eviction import FutureUses, RandomPolicy
-from kvlab.prefix import PrefixCache
-from kvlab.metrics import GAUGES, MetricsLog, distribution
-from kvlab.sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_attention_ms
+from kvlab.serve.claims import check_baselines
+from kvlab.core.events import EventBus
+from kvlab.core.eviction import FutureUses, RandomPolicy
+from kvlab.core.prefix import PrefixCache
+from kvlab.serve.metrics import GAUGES, MetricsLog, distribution
+from kvlab.memory.sizing import ChunkSizeOptimizer, SweepResult, SweepRow, measure_attention_ms
 
 NAN, INF, BIG = math.nan, math.inf, 2**63
 W = make_workload("chat", 6, 0)
@@ -245,7 +245,7 @@ def test_plot_sweep_refuses_what_is_no_sweep_or_goal():
 TIMING_BAD = [("batch", -1), ("batch", 1.5), ("batch", None), ("batch", 0), ("max_len", -5), ("max_len", 0),
               ("num_heads", 0), ("head_dim", 1.5), ("rounds", "x"), ("rounds", True), ("device", "nope"),
               ("device", "meta"), ("device", f"cuda:{torch.cuda.device_count()}"), ("seed", -1), ("seed", 1.5),
-              ("seed", 2**64)]  # a seed is an int in 0..2**64-1 (kvlab.checks.check_seed)
+              ("seed", 2**64)]  # a seed is an int in 0..2**64-1 (kvlab.core.checks.check_seed)
 
 
 @pytest.mark.parametrize("name, value", TIMING_BAD)

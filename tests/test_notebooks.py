@@ -99,7 +99,7 @@ def test_executes_in_fast_mode(path: Path):
 def test_render_keeps_widget_state_and_links(tmp_path: Path):
     """``kvlab html``: a chapter with live views becomes a page carrying the widgets' saved state; links to
     other notebooks point at their HTML pages."""
-    from kvlab.render import render_chapters
+    from kvlab.app.render import render_chapters
 
     src = tmp_path / "chapters"
     src.mkdir()
@@ -116,7 +116,7 @@ def test_render_keeps_widget_state_and_links(tmp_path: Path):
 
 def test_render_rejects_a_folder_without_notebooks(tmp_path: Path):
     from kvlab import ConfigError
-    from kvlab.render import render_chapters
+    from kvlab.app.render import render_chapters
 
     with pytest.raises(ConfigError, match=str(tmp_path)):
         render_chapters(tmp_path, tmp_path / "site")

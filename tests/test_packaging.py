@@ -83,7 +83,7 @@ def test_the_sdist_carries_what_a_rebuild_needs(tmp_path):
     (sdist,) = (tmp_path / "dist").glob("kvlab-*.tar.gz")
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for need in ("LICENSE", "CHANGELOG.md", "README.md", "hatch_build.py", "kvlab/_fastpath.c", "kvlab/py.typed",
+    for need in ("LICENSE", "CHANGELOG.md", "README.md", "hatch_build.py", "kvlab/fast/_fastpath.c", "kvlab/py.typed",
                  "chapters/index.ipynb", "benchmarks/bench_pool.py", "widgets/common.js", "environment.yml"):
         assert need in names, need
 
@@ -115,7 +115,7 @@ def student(wheel, tmp_path_factory):
 
 def test_an_installed_wheel_is_kvlab_from_the_wheel(student):
     run, venv, cwd = student
-    code = "import kvlab, kvlab.resources as r; print(kvlab.__file__); print(r.shipped('chapters'))"
+    code = "import kvlab, kvlab.app.resources as r; print(kvlab.__file__); print(r.shipped('chapters'))"
     where, chapters = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=cwd, capture_output=True,
                                      text=True, check=True).stdout.split()
     assert Path(where).is_relative_to(venv), where

@@ -1,4 +1,4 @@
-"""The fast pools (kvlab.perf) against the reference BlockPool on random operation sequences.
+"""The fast pools (kvlab.fast.pool) against the reference BlockPool on random operation sequences.
 
 ``PyFastBlockPool`` serves ``allocate(n)`` and ``free(ids)`` with inlined one-block paths and, from 9 base
 blocks on, a few numpy calls (slices when the ids form a run); ``FastBlockPool`` does the same in C where kvlab
@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab import (Allocated, BlockPool, Cached, Evicted, DoubleFreeError, EventRecorder, FastBlockPool, Freed,
                    IllegalTransitionError, KVLabError, KVSpec, RefChanged, UnknownBlockError)
-from kvlab.eviction import OPTPolicy
-from kvlab.perf import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
-import kvlab.prefix as prefix_mod
-from kvlab.checks import token_bytes
-from kvlab.prefix import PrefixCache
-from kvlab.sequence import Sequence, SequenceManager
+from kvlab.core.eviction import OPTPolicy
+from kvlab.fast.pool import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
+import kvlab.core.prefix as prefix_mod
+from kvlab.core.checks import token_bytes
+from kvlab.core.prefix import PrefixCache
+from kvlab.core.sequence import Sequence, SequenceManager
 
 from _util import assert_same_state, pool_state
 
@@ -470,7 +470,7 @@ def test_sort_free_lists_changes_only_the_order():
 def test_version_says_whether_the_fast_path_is_compiled():
     out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True,
                          env={**os.environ, "COLUMNS": "40"})  # one line however narrow the terminal
-    assert ("compiled (kvlab/_fastpath.c)" in out.stdout) == COMPILED, out.stdout
+    assert ("compiled (kvlab/fast/_fastpath.c)" in out.stdout) == COMPILED, out.stdout
     assert out.stdout.count("\n") == 1 and "CPU paged decode: " in out.stdout, out.stdout
     env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-m", "kvlab", "--version"], capture_output=True, text=True, check=True,
@@ -484,7 +484,8 @@ def test_a_binary_older_than_its_source_is_refused_with_one_warning(tmp_path):
     src = Path(kvlab.__file__).parent
     pkg = tmp_path / "kvlab"
     shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "_fastpath.c").write_text((src / "_fastpath.c").read_text() + "\n/* edited */\n")
+    c_file = pkg / "fast" / "_fastpath.c"
+    c_file.write_text(c_file.read_text() + "\n/* edited */\n")
     code = "import warnings; warnings.simplefilter('always'); import kvlab; print(kvlab.hotpath_compiled)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
     assert out.stdout.strip() == "False"
@@ -493,9 +494,9 @@ def test_a_binary_older_than_its_source_is_refused_with_one_warning(tmp_path):
 
 def test_the_wheel_ships_the_compiled_fast_path(wheel):
     names = set(wheel.namelist())
-    assert "kvlab/_fastpath.c" in names and "kvlab/perf.py" in names
+    assert "kvlab/fast/_fastpath.c" in names and "kvlab/fast/pool.py" in names
     if COMPILED:
-        assert any(n.startswith("kvlab/_fastpath") and n.endswith(".so") for n in names), sorted(names)
+        assert any(n.startswith("kvlab/fast/_fastpath") and n.endswith(".so") for n in names), sorted(names)
         tags = [line for line in wheel.read(next(n for n in names if n.endswith("WHEEL"))).decode().splitlines()
                 if line.startswith("Tag:")]
         assert tags and all("none-any" not in t for t in tags), tags  # a binary wheel names its platform

@@ -16,9 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from _util import small_spec
 from kvlab import (BlockPool, BlockStatus, DoubleFreeError, FastBlockPool, KVLabError, OutOfBlocksError,
-                   RefcountUnderflowError, perf)
-from kvlab.eviction import OPTPolicy
-from kvlab.textbook import KVBlock
+                   RefcountUnderflowError, PyFastBlockPool)
+from kvlab.core.eviction import OPTPolicy
+from kvlab.textbook.pool import KVBlock
 from test_eviction import TextbookClock
 
 N = 12
@@ -352,9 +352,9 @@ TestFastPoolMachineFIFO = machine("fifo", FastBlockPool)
 TestFastPoolMachineLFU = machine("lfu", FastBlockPool)
 TestFastPoolMachineCLOCK = machine("clock", FastBlockPool)
 TestFastPoolMachineOPT = machine("opt", FastBlockPool)
-if getattr(perf, "PyFastBlockPool", FastBlockPool) is not FastBlockPool:  # compiled: its Python paths too
-    TestPyFastPoolMachineLRU = machine("lru", perf.PyFastBlockPool)
-    TestPyFastPoolMachineFIFO = machine("fifo", perf.PyFastBlockPool)
-    TestPyFastPoolMachineLFU = machine("lfu", perf.PyFastBlockPool)
-    TestPyFastPoolMachineCLOCK = machine("clock", perf.PyFastBlockPool)
-    TestPyFastPoolMachineOPT = machine("opt", perf.PyFastBlockPool)
+if PyFastBlockPool is not FastBlockPool:  # compiled: its Python paths too
+    TestPyFastPoolMachineLRU = machine("lru", PyFastBlockPool)
+    TestPyFastPoolMachineFIFO = machine("fifo", PyFastBlockPool)
+    TestPyFastPoolMachineLFU = machine("lfu", PyFastBlockPool)
+    TestPyFastPoolMachineCLOCK = machine("clock", PyFastBlockPool)
+    TestPyFastPoolMachineOPT = machine("opt", PyFastBlockPool)

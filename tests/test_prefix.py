@@ -10,12 +10,11 @@ import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from kvlab import (BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec,
-                   OutOfBlocksError)
-import kvlab.prefix as prefix_mod
-from kvlab.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
-from kvlab.sequence import SequenceManager
-from kvlab.textbook import KVBlock
+from kvlab import BlockPool, BlockStatus, EventRecorder, IllegalTransitionError, KVDataError, KVSpec, OutOfBlocksError
+import kvlab.core.prefix as prefix_mod
+from kvlab.core.prefix import PrefixCache, PrefixEvicted, PrefixHit, PrefixStored
+from kvlab.core.sequence import SequenceManager
+from kvlab.textbook.pool import KVBlock
 
 from _util import pool_state, same_state
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab import ConfigError, Engine, EngineConfig, make_workload, prefix_hit_bound
-from kvlab.race import RACE_POLICIES, PolicyRace, race_policies
-from kvlab.workloads import Workload
+from kvlab.workloads.race import RACE_POLICIES, PolicyRace, race_policies
+from kvlab.workloads.mixes import Workload
 
 CONFIG = dict(block_size=16, max_num_seqs=8)  # few sequences at once: the pool's pressure is eviction, not preemption
 SIZES = [150, 200, 3000]  # 3,000 blocks keep every block of the workload (5,137 at most, far fewer distinct)

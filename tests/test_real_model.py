@@ -22,9 +22,9 @@ import kvlab
 from kvlab import BlockPool, SequenceManager
 from kvlab.serve.engine import Engine
 from kvlab.serve.events import Preempted
-from kvlab.events import EventRecorder
-from kvlab.model import Llama, generate
-from kvlab.workloads import Request
+from kvlab.core.events import EventRecorder
+from kvlab.serve.model import Llama, generate
+from kvlab.workloads.mixes import Request
 
 pytestmark = pytest.mark.llm
 

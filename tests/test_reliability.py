@@ -21,9 +21,9 @@ from _util import assert_same_state, pool_state, small_spec
 from kvlab import (BlockPool, BlockStatus, ConfigError, DefragmentationStrategy, DoubleFreeError, DynamicAllocator,
                    IllegalTransitionError, KVDataError, KVLabError, OutOfBlocksError, RefcountUnderflowError,
                    UnknownBlockError)
-from kvlab.perf import FastBlockPool, PyFastBlockPool
-from kvlab.sequence import SequenceManager
-from kvlab.textbook import KVBlock, TextbookPool
+from kvlab.fast.pool import FastBlockPool, PyFastBlockPool
+from kvlab.core.sequence import SequenceManager
+from kvlab.textbook.pool import KVBlock, TextbookPool
 
 LONG = os.environ.get("KVLAB_LONG") == "1"
 SPEC = small_spec(block_size=4)

@@ -1,4 +1,4 @@
-"""Rendering the chapters to a site (kvlab/render.py), without a kernel: the notebook client is replaced by one
+"""Rendering the chapters to a site (kvlab/app/render.py), without a kernel: the notebook client is replaced by one
 that executes nothing, so what is tested is the link rewriting and the environment the kernels would inherit."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import nbformat
 import nbclient
 import pytest
 
-from kvlab import render
+from kvlab.app import render
 
 
 class NoKernel:

@@ -10,8 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvlab import (BlockPool, BlockStatus, EventRecorder, FastBlockPool, IllegalTransitionError, KVDataError, KVSpec,
                    OutOfBlocksError, PyFastBlockPool, StatusChanged)
-from kvlab.errors import ConfigError
-from kvlab.sequence import CopiedOnWrite, SequenceManager, Swapped
+from kvlab.core.errors import ConfigError
+from kvlab.core.sequence import CopiedOnWrite, SequenceManager, Swapped
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, device="cpu")
 
@@ -316,7 +316,7 @@ TestSequenceMachine.settings = settings(max_examples=40, stateful_step_count=25,
 
 
 def test_an_empty_prefix_cache_given_to_the_manager_is_used():
-    from kvlab.prefix import PrefixCache
+    from kvlab.core.prefix import PrefixCache
     pool = BlockPool(8, spec=SPEC)
     cache = PrefixCache(pool)
     assert len(cache) == 0

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab import (ChunkSizeOptimizer, ConfigError, KVSpec, Request, TinyConfig, TinyLlama, Workload, make_workload,
                    measure_block_size, plot_sweep, sweep)
-from kvlab import sizing
-from kvlab.sizing import GOALS, SweepResult, SweepRow, measure_attention_ms, measure_decode_ms
+from kvlab.memory import sizing
+from kvlab.memory.sizing import GOALS, SweepResult, SweepRow, measure_attention_ms, measure_decode_ms
 
 
 def optimizer_with_p95(p95: float) -> ChunkSizeOptimizer:
@@ -91,7 +91,7 @@ def test_memory_efficient_floor_ignores_the_data(p95):
     assert optimizer_with_p95(p95).recommend_chunk_size("memory_efficient") == 512
 
 
-@pytest.mark.parametrize("name, p95, sizes", [  # the table in kvlab/sizing.py's docstring
+@pytest.mark.parametrize("name, p95, sizes", [  # the table in kvlab/memory/sizing.py's docstring
     ("chat", 390.0, (512, 256, 128)),
     ("document", 3344.1, (836, 557, 1024)),
     ("code", 1873.1, (512, 312, 1024)),

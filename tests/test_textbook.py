@@ -1,11 +1,11 @@
-"""The text's method names, an adapter around the pool (kvlab/textbook.py): what ``get_memory_usage`` counts."""
+"""The text's method names, an adapter around the pool (kvlab/textbook/pool.py): what ``get_memory_usage`` counts."""
 from __future__ import annotations
 
 import pytest
 
 import kvlab
 from kvlab import BlockPool
-from kvlab.textbook import TextbookPool
+from kvlab.textbook.pool import TextbookPool
 
 from _util import small_spec
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab import (BlockPool, ConfigError, KVSpec, Request, SequenceManager, Workload, load_trace, make_workload,
                    prefix_hit_bound, prefix_hits, read_trace, trace_names, write_trace)
-from kvlab.traces import DATA, TRACES
-from kvlab.workloads import HASH_BLOCK, INT_MAX
+from kvlab.workloads.traces import DATA, TRACES
+from kvlab.workloads.mixes import HASH_BLOCK, INT_MAX
 
 NAMES = ("azure-conv-2023", "azure-code-2023", "mooncake-conversation")
 

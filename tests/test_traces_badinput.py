@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import ConfigError, Request, TraceFormatError, Workload, load_trace, read_trace, write_trace
-from kvlab.traces import DATA, TRACES
-from kvlab.workloads import FIELDS, HASH_ID_MAX, INT_MAX, _csv_rows
+from kvlab.workloads.traces import DATA, TRACES
+from kvlab.workloads.mixes import FIELDS, HASH_ID_MAX, INT_MAX, _csv_rows
 
 BIG = tuple(np.random.default_rng(7).integers(0, INT_MAX + 1, 30_000).tolist())  # a 180 KiB CSV cell
 

@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import BlockPool, ConfigError, DoubleFreeError
-from kvlab.block import ALLOCATED, EVICTING, FREE
+from kvlab.core.block import ALLOCATED, EVICTING, FREE
 from kvlab.viz import (PRESETS, FrameBuilder, LiveRun, Pacer, RandomWorkload, Recording, build_frame, decode_frame,
                        export_html, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool, record)
 from kvlab.viz import frames as fr
 from kvlab.viz import palette
 from kvlab.viz.palette import STATE_RGB
 from kvlab.viz.static import Picture, figure_png, map_colors, pool_colors
-from kvlab.textbook import TextbookPool
+from kvlab.textbook.pool import TextbookPool
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -512,7 +512,7 @@ def test_frames_count_workload_steps_and_evictions_say_when():
 
 
 def test_infinite_scores_travel_as_json_the_browser_can_parse():
-    from kvlab.eviction import OPTPolicy
+    from kvlab.core.eviction import OPTPolicy
     p = BlockPool(4, with_storage=False, eviction_policy=OPTPolicy(lambda b: float("inf")))
     with FrameBuilder(p) as b:
         ids = p.allocate(4)
@@ -579,7 +579,7 @@ def test_one_palette_for_python_and_every_widget_module():
 
 
 def test_every_policy_score_is_explained():
-    from kvlab.eviction import POLICIES
+    from kvlab.core.eviction import POLICIES
     assert set(POLICIES) <= set(palette.SCORES)
     assert palette.shown_score("opt", -12.0) == 12 and palette.fmt_score(float("inf")) == "∞"
     assert palette.shown_score("lru", 446.0) == 446 and palette.fmt_score(0.25) == "0.250"

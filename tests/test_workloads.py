@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import ConfigError, Request, TraceFormatError, Workload, make_workload, read_trace, write_trace
-from kvlab.workloads import (HASH_BLOCK, HASH_ID_MAX, INT_MAX, SCENARIOS, TURN, WORKLOADS, LengthRange,
-                             burst_arrivals, poisson_arrivals)
+from kvlab.workloads.mixes import (HASH_BLOCK, HASH_ID_MAX, INT_MAX, SCENARIOS, TURN, WORKLOADS, LengthRange,
+                                   burst_arrivals, poisson_arrivals)
 
 N = 4000
 

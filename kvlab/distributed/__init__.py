@@ -9,14 +9,15 @@
 * :mod:`~kvlab.distributed.measure`: the transfer against the transport's limit and against recomputing;
 * :mod:`~kvlab.distributed.exercises`: the chapter's predict-then-check exercises (registered on import).
 """
-from .connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, LoadSpec, RemoteRequest,
-                        SaveSpec, TransferReport, spec_vector)
-from .disagg import DisaggResult, decode_rank, demo_batches, make_manager, prefill_rank, reference, run_disagg
-from .errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
-from .launch import Link, backend_for, free_port, from_env, run_threads, spawn
-from .measure import TransferCase, TransferTiming, measure_transfer, measure_transfers, prefill_seconds
-from .tp import TPShard, head_split, run_tp, single_process
-from . import exercises  # registers the chapter's exercises with kvlab.exercises
+from kvlab.distributed.connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, LoadSpec,
+                                         RemoteRequest, SaveSpec, TransferReport, spec_vector)
+from kvlab.distributed.disagg import (DisaggResult, decode_rank, demo_batches, make_manager, prefill_rank, reference,
+                                      run_disagg)
+from kvlab.distributed.errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
+from kvlab.distributed.launch import Link, backend_for, free_port, from_env, run_threads, spawn
+from kvlab.distributed.measure import TransferCase, TransferTiming, measure_transfer, measure_transfers, prefill_seconds
+from kvlab.distributed.tp import TPShard, head_split, run_tp, single_process
+from kvlab.distributed import exercises  # registers the chapter's exercises with kvlab.exercises
 
 __all__ = [
     "BlocksReceived", "BlocksSent", "BlocksSkipped", "KVReceiver", "KVSender", "LoadSpec", "RemoteRequest",

@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..events import Event
-from ..sequence import Sequence, SequenceManager
-from ..spec import KVSpec
-from .errors import SpecMismatchError, TransferError
-from .launch import Link
+from kvlab.core.errors import ConfigError
+from kvlab.core.events import Event
+from kvlab.core.sequence import Sequence, SequenceManager
+from kvlab.core.spec import KVSpec
+from kvlab.distributed.errors import SpecMismatchError, TransferError
+from kvlab.distributed.launch import Link
 
 # dtype <-> wire code; a dtype missing here cannot be transferred (refused by the handshake)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

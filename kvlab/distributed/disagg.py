@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, KVLabError
-from ..checks import check_count, check_positive, check_real, check_seed, check_token_ids
-from ..model import TinyConfig, TinyLlama, check_pool, greedy
-from ..pool import BlockPool
-from ..sequence import Sequence, SequenceManager
-from .connector import KVReceiver, KVSender, RemoteRequest, TransferReport
-from .launch import DEFAULT_TIMEOUT, Link, from_env, run_threads, spawn
+from kvlab.core.errors import ConfigError, KVLabError
+from kvlab.core.checks import check_count, check_positive, check_real, check_seed, check_token_ids
+from kvlab.serve.model import TinyConfig, TinyLlama, check_pool, greedy
+from kvlab.core.pool import BlockPool
+from kvlab.core.sequence import Sequence, SequenceManager
+from kvlab.distributed.connector import KVReceiver, KVSender, RemoteRequest, TransferReport
+from kvlab.distributed.launch import DEFAULT_TIMEOUT, Link, from_env, run_threads, spawn
 
 Batches = Seq[Seq[Seq[int]]]
 PREFILL, DECODE = 0, 1

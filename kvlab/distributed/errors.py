@@ -5,7 +5,7 @@ every block the transfer held, so its pool passes ``check_invariants()``.
 """
 from __future__ import annotations
 
-from ..errors import ConfigError, KVLabError
+from kvlab.core.errors import ConfigError, KVLabError
 
 
 class TransferError(KVLabError):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..exercises import Verdict, register, register_prediction, same
-from ..model import TinyConfig, TinyLlama
-from .disagg import demo_batches, run_disagg
-from .tp import TPShard
+from kvlab.exercises import Verdict, register, register_prediction, same
+from kvlab.serve.model import TinyConfig, TinyLlama
+from kvlab.distributed.disagg import demo_batches, run_disagg
+from kvlab.distributed.tp import TPShard
 
 register_prediction("2.2.7-skipped", "演示的第二批里，decode 进程会跳过（不接收）多少个块？"
                     "(in the demo's second batch, how many blocks does the decode rank skip?)")

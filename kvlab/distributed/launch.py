@@ -31,9 +31,9 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from ..checks import check_positive, check_real
-from ..errors import ConfigError, KVLabError
-from .errors import PeerLostError, TransferError, TransferTimeoutError
+from kvlab.core.checks import check_positive, check_real
+from kvlab.core.errors import ConfigError, KVLabError
+from kvlab.distributed.errors import PeerLostError, TransferError, TransferTimeoutError
 
 DEFAULT_TIMEOUT = 30.0  # seconds any wait on a peer may take
 RankFn = Callable[..., Any]

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..checks import check_positive
-from ..errors import ConfigError
-from ..model import Llama, TinyConfig, TinyLlama
-from ..pool import BlockPool
-from ..sequence import SequenceManager
-from ..spec import KVSpec
-from .connector import KVReceiver, KVSender, RemoteRequest
-from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
+from kvlab.core.checks import check_positive
+from kvlab.core.errors import ConfigError
+from kvlab.serve.model import Llama, TinyConfig, TinyLlama
+from kvlab.core.pool import BlockPool
+from kvlab.core.sequence import SequenceManager
+from kvlab.core.spec import KVSpec
+from kvlab.distributed.connector import KVReceiver, KVSender, RemoteRequest
+from kvlab.distributed.launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
 
 TAG_GO, TAG_PLAIN = 4, 5
 

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionWorkspace, paged_attention
-from ..errors import ConfigError
-from ..model import LlamaConfig, TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm, rope
-from ..checks import check_count, is_int
-from ..pool import BlockPool
-from ..sequence import Sequence, SequenceManager
-from ..spec import KVSpec
-from .launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
+from kvlab.core.attention import AttentionWorkspace, paged_attention
+from kvlab.core.errors import ConfigError
+from kvlab.serve.model import (LlamaConfig, TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm,
+                               rope)
+from kvlab.core.checks import check_count, is_int
+from kvlab.core.pool import BlockPool
+from kvlab.core.sequence import Sequence, SequenceManager
+from kvlab.core.spec import KVSpec
+from kvlab.distributed.launch import DEFAULT_TIMEOUT, Link, run_threads, spawn
 
 
 def head_split(cfg: LlamaConfig, tp: int, rank: int) -> tuple[range, range]:
@@ -110,7 +111,7 @@ class TPShard:
 
 def generate(step: Any, manager: SequenceManager, prompts: Seq[Seq[int]], max_new_tokens: int,
              cfg: TinyConfig | None = None) -> tuple[list[list[int]], list[list[list[float]]]]:
-    """Greedy generation with ``step(manager, seqs, new_tokens) -> logits`` (:func:`kvlab.model.generate`, for
+    """Greedy generation with ``step(manager, seqs, new_tokens) -> logits`` (:func:`kvlab.serve.model.generate`, for
     ``cfg``'s vocabulary): the tokens and every step's logits. The sequences are freed at the end."""
     seqs, out, logits = generate_seqs(step, manager, prompts, max_new_tokens, (cfg or TinyConfig()).vocab_size)
     for s in seqs:

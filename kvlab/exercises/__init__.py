@@ -25,12 +25,12 @@ through :func:`register` and :func:`register_prediction` (:mod:`kvlab.exercises.
 """
 from __future__ import annotations
 
-from .framework import (HINT_STAGES, KINDS, Canon, Exercise, Prediction, Result, Summary, Unreadable, Verdict,
-                        agrees, canon, check, compare_fn, exercise, fast_mode, hint, list_exercises, list_predictions,
-                        metadata_pool, predict, prompt, register, register_prediction, reset, returned, reveal, same,
-                        sized, summary, text)
+from kvlab.exercises.framework import (HINT_STAGES, KINDS, Canon, Exercise, Prediction, Result, Summary, Unreadable,
+                                       Verdict, agrees, canon, check, compare_fn, exercise, fast_mode, hint,
+                                       list_exercises, list_predictions, metadata_pool, predict, prompt, register,
+                                       register_prediction, reset, returned, reveal, same, sized, summary, text)
 # The chapters' modules register their exercises on import.
-from . import ch2_2_1, ch2_2_2, ch2_2_3, ch2_2_4, ch2_2_5, ch2_2_6  # noqa: F401
+from kvlab.exercises import ch2_2_1, ch2_2_2, ch2_2_3, ch2_2_4, ch2_2_5, ch2_2_6  # noqa: F401
 
 __all__ = [
     "Canon", "Exercise", "Prediction", "Result", "Summary", "Unreadable", "Verdict", "KINDS", "HINT_STAGES",

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from ..fragmentation import memory_usage
-from .framework import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
+from kvlab.memory.fragmentation import memory_usage
+from kvlab.exercises.framework import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
 
 
 def pool_utilisation(lengths: list[int], block_size: int) -> float:
@@ -117,8 +117,8 @@ def _judge_errata_rule(answer: Any) -> Verdict:
 
 def waste_points(name: str, n: int, seed: int, small: int, large: int) -> int:
     """Percentage points by which internal waste grows from block size ``small`` to ``large``, rounded."""
-    from ..sizing import measure_block_size
-    from ..workloads import make_workload
+    from kvlab.memory.sizing import measure_block_size
+    from kvlab.workloads.mixes import make_workload
     w = make_workload(name, n, seed)
     return round(100 * (measure_block_size(w, large).waste - measure_block_size(w, small).waste))
 
@@ -139,8 +139,8 @@ SWEEP_TERMS = ("waste", "prefix loss", "table entries", "alloc calls", "attentio
 
 def rising_terms(name: str = "code", n: int = 300, seed: int = 0) -> frozenset[str]:
     """Which cost terms of a sweep (16 ... 2048) are larger at 2048 than at 16 on ``make_workload(name, n, seed)``."""
-    from ..sizing import sweep
-    from ..workloads import make_workload
+    from kvlab.memory.sizing import sweep
+    from kvlab.workloads.mixes import make_workload
     rows = sweep(make_workload(name, n, seed), attention=False, progress=False).rows
     lo, hi = rows[0], rows[-1]
     value = {"waste": lambda r: r.waste, "prefix loss": lambda r: r.prefix_loss,

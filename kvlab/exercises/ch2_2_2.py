@@ -6,12 +6,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..block import BlockStatus
-from ..errors import ConfigError, KVLabError
-from ..pool import BlockPool
-from ..spec import KVSpec
-from ..textbook import KVBlock, TextbookPool
-from .framework import Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
+from kvlab.core.block import BlockStatus
+from kvlab.core.errors import ConfigError, KVLabError
+from kvlab.core.pool import BlockPool
+from kvlab.core.spec import KVSpec
+from kvlab.textbook.pool import KVBlock, TextbookPool
+from kvlab.exercises.framework import (Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction,
+                                       same)
 
 
 def legal_transitions() -> set[tuple[BlockStatus, BlockStatus]]:
@@ -127,7 +128,7 @@ def zipf_hit_rate(policy: str, n_blocks: int = 32, n_docs: int = 400, n_requests
     """Hit rate of a cache of ``n_blocks`` one-block documents under Zipf(1.3) requests, evicting by ``policy``
     (``"opt"``: Belady's, told every future request through :class:`~kvlab.FutureUses`). A hit re-reads the
     cached block (``incref`` then ``free``); a miss allocates, which evicts the policy's victim when full."""
-    from ..eviction import FutureUses, OPTPolicy
+    from kvlab.core.eviction import FutureUses, OPTPolicy
     docs = (np.random.default_rng(seed).zipf(1.3, n_requests) % n_docs).tolist()
     where: dict[int, int] = {}
     owner: dict[int, int] = {}  # doc -> its block, block -> its doc

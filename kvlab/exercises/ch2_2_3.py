@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from .framework import Verdict, metadata_pool, register, register_prediction, same
+from kvlab.exercises.framework import Verdict, metadata_pool, register, register_prediction, same
 
 
 def sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 2) -> tuple[int, int]:
@@ -31,7 +31,7 @@ def _judge_sharing(answer: Any) -> Verdict:
 
 def strategy_scenario() -> list[str]:
     """What the allocator did for size classes 0, 0, 0, 2 on an 8-block buddy pool ('wait' if it queued)."""
-    from ..allocator import DynamicAllocator  # lazily: the allocator is optional for the other exercises
+    from kvlab.memory.allocator import DynamicAllocator  # lazily: the allocator is optional for the other exercises
     pool = metadata_pool(8, 16, block_sizes=[16, 32, 64, 128])
     alloc = DynamicAllocator(pool)
     out = []

@@ -1,6 +1,6 @@
 """Exercises of §2.2.4 (fragmentation and compaction): unusable free memory of a buddy pool, compaction moves,
 the text's reallocation (errata hunting), the cost curve of compaction and a pool with one block size; the
-chapter's predictions. The measures are named as in :mod:`kvlab.fragmentation`."""
+chapter's predictions. The measures are named as in :mod:`kvlab.memory.fragmentation`."""
 from __future__ import annotations
 
 import random
@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ..block import ALLOCATED, FREE
-from ..errors import KVLabError
-from ..fragmentation import DefragmentationStrategy, unusable_free_percent
-from .framework import Unreadable, Verdict, agrees, canon, metadata_pool, register, register_prediction, returned, same
+from kvlab.core.block import ALLOCATED, FREE
+from kvlab.core.errors import KVLabError
+from kvlab.memory.fragmentation import DefragmentationStrategy, unusable_free_percent
+from kvlab.exercises.framework import (Unreadable, Verdict, agrees, canon, metadata_pool, register,
+                                       register_prediction, returned, same)
 
 
 # Hand-made layouts first (num_blocks, top order, FREE base blocks): free runs long enough for a largest block but

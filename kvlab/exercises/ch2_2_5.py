@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..allocator import DynamicAllocator
-from ..preallocation import Preallocator
-from .framework import Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
+from kvlab.memory.allocator import DynamicAllocator
+from kvlab.memory.preallocation import Preallocator
+from kvlab.exercises.framework import Unreadable, Verdict, canon, metadata_pool, register, register_prediction, same
 
 register_prediction("2.2.5-splits", "有预分配时，高峰之内还会发生几次块切分？"
                     "(with pre-allocation, how many splits happen "

@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from ..fragmentation import memory_usage
-from ..pool import BlockPool
-from ..serve.config import EngineConfig
-from ..serve.engine import Engine
-from ..spec import KVSpec
-from ..traces import load_trace
-from ..workloads import Workload
-from .framework import Unreadable, Verdict, canon, register, register_prediction, same
+from kvlab.memory.fragmentation import memory_usage
+from kvlab.core.pool import BlockPool
+from kvlab.serve.config import EngineConfig
+from kvlab.serve.engine import Engine
+from kvlab.core.spec import KVSpec
+from kvlab.workloads.traces import load_trace
+from kvlab.workloads.mixes import Workload
+from kvlab.exercises.framework import Unreadable, Verdict, canon, register, register_prediction, same
 
 LONG_SPEC = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)  # a Llama-3-8B-like KV shape
 

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..block import BlockStatus
-from ..checks import check_real
-from ..errors import ConfigError, KVLabError
-from ..pool import BlockPool
-from ..spec import KVSpec
+from kvlab.core.block import BlockStatus
+from kvlab.core.checks import check_real
+from kvlab.core.errors import ConfigError, KVLabError
+from kvlab.core.pool import BlockPool
+from kvlab.core.spec import KVSpec
 
 __all__ = [
     "Canon", "Exercise", "Prediction", "Result", "Summary", "Unreadable", "Verdict", "KINDS", "HINT_STAGES",

@@ -4,5 +4,11 @@
 * :mod:`~kvlab.serve.job`: a request inside the engine, and where each fact of its sequence lives;
 * :mod:`~kvlab.serve.memory`: the memory the scheduler asks (one protocol), paged and contiguous;
 * :mod:`~kvlab.serve.events`: what the engine reports (admitted, preempted, swapped in, finished, reclaimed);
+* :mod:`~kvlab.serve.metrics`: what each step and request measured;
 * :mod:`~kvlab.serve.engine`: the scheduler, :class:`Engine` (continuous batching, tenants, preemption).
+
+Then the model whose K/V the cache holds: :mod:`~kvlab.serve.model` (a Llama decoder writing into the pool),
+:mod:`~kvlab.serve.loader` (a real model from its GGUF file), :mod:`~kvlab.serve.tokenizer`,
+:mod:`~kvlab.serve.chat` (chatting with it while the cache works), and :mod:`~kvlab.serve.claims` (§2.2.6's
+results measured against a baseline).
 """

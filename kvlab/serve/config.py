@@ -3,16 +3,16 @@
 :class:`EngineConfig` names the memory (paged, or a contiguous baseline), its size, the scheduler's limits
 (sequences and tokens per step), preemption, prefix caching, tenants' quotas and reservations, and sampling.
 :class:`CostModel` turns a step's work into simulated seconds (metadata mode has no real time). Both refuse a
-bad setting when built, with :class:`~kvlab.errors.ConfigError` naming it.
+bad setting when built, with :class:`~kvlab.core.errors.ConfigError` naming it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..chat import check_temperature, check_top_p
-from ..checks import check_choice, check_flag, check_positive, check_real, check_seed, is_int
-from ..errors import ConfigError
-from ..eviction import POLICIES
+from kvlab.serve.chat import check_temperature, check_top_p
+from kvlab.core.checks import check_choice, check_flag, check_positive, check_real, check_seed, is_int
+from kvlab.core.errors import ConfigError
+from kvlab.core.eviction import POLICIES
 
 
 @dataclass(frozen=True)

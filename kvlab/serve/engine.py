@@ -17,8 +17,8 @@ One step of :meth:`Engine.step`:
 4. **waiting** requests are admitted round-robin over tenants while sequences, tokens and blocks last
    (a prefix-cache hit skips the cached part of the prompt; :meth:`PrefixCache.peek` prices it first);
 5. the batch runs: metadata mode appends token counts (:meth:`SequenceManager.append_tokens`), real mode runs
-   the model through the paged KV tensor (:meth:`Llama.step <kvlab.model.Llama.step>`) and samples each
-   request's next token (:func:`kvlab.chat.sample`: greedy, or temperature and top-p with a seeded generator);
+   the model through the paged KV tensor (:meth:`Llama.step <kvlab.serve.model.Llama.step>`) and samples each
+   request's next token (:func:`kvlab.serve.chat.sample`: greedy, or temperature and top-p with a seeded generator);
    a request ends at its ``output_len`` or, with a real model, when it samples the end-of-turn token;
 6. finished requests release their blocks (full blocks stay cached for later prefix hits);
 7. with ``prefetch`` swapped requests come back now, while blocks are free (see *Time*).
@@ -54,17 +54,17 @@ from typing import Any
 
 import torch
 
-from ..chat import sample
-from ..checks import is_int
-from ..errors import ConfigError
-from ..events import Event
-from ..metrics import MetricsLog, RequestRecord, StepMetrics, format_table
-from ..model import Llama
-from ..workloads import Request, Workload
-from .config import EngineConfig
-from .events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
-from .job import FINISHED, NO_KV, RUNNING, SWAPPED, WAITING, Job
-from .memory import ContiguousMemory, Memory, PagedMemory
+from kvlab.serve.chat import sample
+from kvlab.core.checks import is_int
+from kvlab.core.errors import ConfigError
+from kvlab.core.events import Event
+from kvlab.serve.metrics import MetricsLog, RequestRecord, StepMetrics, format_table
+from kvlab.serve.model import Llama
+from kvlab.workloads.mixes import Request, Workload
+from kvlab.serve.config import EngineConfig
+from kvlab.serve.events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
+from kvlab.serve.job import FINISHED, NO_KV, RUNNING, SWAPPED, WAITING, Job
+from kvlab.serve.memory import ContiguousMemory, Memory, PagedMemory
 
 
 class Engine:
@@ -72,8 +72,8 @@ class Engine:
 
     Drive it with :meth:`step` (one step; False once every request finished) or :meth:`run`. Events
     (:class:`Admitted`, :class:`Preempted`, :class:`SwappedIn`, :class:`Finished`, :class:`TenantReclaimed`,
-    :class:`~kvlab.metrics.StepMetrics`, and the pool's, sequences' and prefix cache's own) go to
-    :attr:`events`, the pool's bus in paged mode. ``model`` (a :class:`~kvlab.model.TinyLlama`) turns on real
+    :class:`~kvlab.serve.metrics.StepMetrics`, and the pool's, sequences' and prefix cache's own) go to
+    :attr:`events`, the pool's bus in paged mode. ``model`` (a :class:`~kvlab.serve.model.TinyLlama`) turns on real
     mode: the KV tensor holds real K/V and the tokens are the model's greedy choices.
 
     Invariants after every step: every request holding memory has a token left to feed and its memory holds the

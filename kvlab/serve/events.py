@@ -1,11 +1,11 @@
 """What the serving engine reports on its bus, besides the pool's, sequences' and prefix cache's own events and
-:class:`~kvlab.metrics.StepMetrics`. Each is an :class:`~kvlab.events.EngineEvent`: ``step`` is the pool clock
-(engine and pool events interleave in one order), ``engine_step`` the engine's step count."""
+:class:`~kvlab.serve.metrics.StepMetrics`. Each is an :class:`~kvlab.core.events.EngineEvent`: ``step`` is the
+pool clock (engine and pool events interleave in one order), ``engine_step`` the engine's step count."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..events import EngineEvent
+from kvlab.core.events import EngineEvent
 
 
 @dataclass(slots=True)

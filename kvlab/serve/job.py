@@ -5,7 +5,7 @@ The scheduler decides who runs; the memory holds K/V. A job's facts are split be
 * the token ids known so far (the prompt's, then each generated one) are the job's ``tokens``; those it generated
   are ``tokens[req.prompt_len:]``;
 * how many of them have their K/V cached is the memory's count, ``kv.num_tokens``. ``kv`` is what the memory
-  holds for the job (a paged :class:`~kvlab.sequence.Sequence`, a contiguous :class:`~kvlab.serve.memory.Region`,
+  holds for the job (a paged :class:`~kvlab.core.sequence.Sequence`, a contiguous :class:`~kvlab.serve.memory.Region`,
   or :data:`NO_KV` while it holds nothing), and only the memory changes it: admission (a prefix hit starts it
   above 0), each step's append, release;
 * which queue holds it is its ``state``; what its tenant is charged is ``counted``: the blocks it holds plus
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..metrics import RequestRecord
-from ..workloads import Request
+from kvlab.serve.metrics import RequestRecord
+from kvlab.workloads.mixes import Request
 
 WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
 

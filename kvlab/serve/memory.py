@@ -5,8 +5,8 @@ admitting a request would take, and to admit, run, swap and release it; a job ho
 gave it (see :mod:`kvlab.serve.job`). Counts are in blocks on both memories (a contiguous region counts as the
 blocks it spans), so quotas and reservations mean the same on each. Two memories answer:
 
-* :class:`PagedMemory`: fixed-size blocks of a :class:`~kvlab.BlockPool`, one :class:`~kvlab.sequence.Sequence`
-  (a block table) per request and a :class:`~kvlab.prefix.PrefixCache` for shared prompts. A request takes a
+* :class:`PagedMemory`: fixed-size blocks of a :class:`~kvlab.BlockPool`, one :class:`~kvlab.core.sequence.Sequence`
+  (a block table) per request and a :class:`~kvlab.core.prefix.PrefixCache` for shared prompts. A request takes a
   block only when its last one is full, so memory follows the tokens actually produced;
 * :class:`ContiguousMemory`: the pre-paging baseline, one region of an arena per request, reserved up front
   (``max_model_len`` slots, or exactly its length) and never grown, so a request never needs memory later.
@@ -24,24 +24,24 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
-from ..baseline import ContiguousAllocator
-from ..clock import Clock, LogicalClock
-from ..errors import ConfigError
-from ..events import EventBus
-from ..eviction import FutureUses, OPTPolicy
-from ..fragmentation import unusable_free_percent
-from ..metrics import BlockLifetimes, distribution
-from ..perf import FastBlockPool, FastSequenceManager
-from ..prefix import PrefixCache
-from ..sequence import Sequence, SwapState
-from ..spec import KVSpec
-from ..workloads import Request
-from .config import EngineConfig
-from .job import NO_KV, Job
+from kvlab.memory.baseline import ContiguousAllocator
+from kvlab.core.clock import Clock, LogicalClock
+from kvlab.core.errors import ConfigError
+from kvlab.core.events import EventBus
+from kvlab.core.eviction import FutureUses, OPTPolicy
+from kvlab.memory.fragmentation import unusable_free_percent
+from kvlab.serve.metrics import BlockLifetimes, distribution
+from kvlab.fast.pool import FastBlockPool, FastSequenceManager
+from kvlab.core.prefix import PrefixCache
+from kvlab.core.sequence import Sequence, SwapState
+from kvlab.core.spec import KVSpec
+from kvlab.workloads.mixes import Request
+from kvlab.serve.config import EngineConfig
+from kvlab.serve.job import NO_KV, Job
 
 
 class Gauges(NamedTuple):
-    """A memory at the end of a step, as :class:`~kvlab.metrics.StepMetrics` records it."""
+    """A memory at the end of a step, as :class:`~kvlab.serve.metrics.StepMetrics` records it."""
     reserved_slots: int  # slots no new request can take (cached blocks count)
     token_slots: int  # tokens in them
     fragmentation: float  # free memory no request can use, in [0, 1]
@@ -299,7 +299,8 @@ class PagedMemory:
         return used * self.bs, tokens - (refs - used) * self.bs
 
     def summary(self) -> dict[str, Any]:
-        """Block lifetimes and, with a prefix cache, its reuse gaps, in pool clock ticks (see :mod:`kvlab.metrics`)."""
+        """Block lifetimes and, with a prefix cache, its reuse gaps, in pool clock ticks (see
+        :mod:`kvlab.serve.metrics`)."""
         out: dict[str, Any] = self.lifetimes.summary()
         if self.cache is not None:
             out.update(distribution(self.cache.reuse_gaps, "reuse_gap", "ticks"))

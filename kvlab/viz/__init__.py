@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import palette
-from .export import export_html
-from .frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame
-from .live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
-from .static import Picture, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from kvlab.viz import palette
+from kvlab.viz.export import export_html
+from kvlab.viz.frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame
+from kvlab.viz.live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
+from kvlab.viz.static import Picture, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 _VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView", "DASHBOARD_PRESETS")
 
 
 def __getattr__(name: str) -> Any:
     if name in _VIEWS:  # anywidget is imported only when a view is asked for
-        from . import views
+        from kvlab.viz import views
         return getattr(views, name)
     if name == "ChatView":
-        from .chat import ChatView
+        from kvlab.viz.chat import ChatView
         return ChatView
     raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
 

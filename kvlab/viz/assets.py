@@ -9,8 +9,8 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from ..errors import ConfigError
-from .palette import palette_js
+from kvlab.core.errors import ConfigError
+from kvlab.viz.palette import palette_js
 
 _PKG = Path(__file__).resolve().parent.parent
 

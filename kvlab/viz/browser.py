@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from kvlab.core.errors import ConfigError
 
 CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
 # No GPU, no sandbox (containers), nothing fetched in the background.

@@ -36,16 +36,16 @@ from typing import Any
 
 import traitlets
 
-from ..chat import ChatReply, ChatSession, ChatStep, ChatStream, check_temperature
-from ..checks import check_flag, check_positive
-from ..errors import ConfigError
-from ..events import Event, Evicted
-from ..sequence import CopiedOnWrite
-from .export import export_html
-from .frames import HEADER, Frame, FrameBuilder, build_frame
-from .live import Pacer, Recording
-from .static import Picture, as_frame, draw_pool, legend
-from .views import FrameView
+from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream, check_temperature
+from kvlab.core.checks import check_flag, check_positive
+from kvlab.core.errors import ConfigError
+from kvlab.core.events import Event, Evicted
+from kvlab.core.sequence import CopiedOnWrite
+from kvlab.viz.export import export_html
+from kvlab.viz.frames import HEADER, Frame, FrameBuilder, build_frame
+from kvlab.viz.live import Pacer, Recording
+from kvlab.viz.static import Picture, as_frame, draw_pool, legend
+from kvlab.viz.views import FrameView
 
 MAX_ANSWERS = 8  # answers per turn the view offers: each is a fork listed with its block table
 

@@ -12,11 +12,11 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..checks import check_path
-from ..errors import ConfigError
-from .assets import FONT_STACK, css_source, render_expr, replay_source, script_source
-from .frames import decode_frame
-from .live import Recording
+from kvlab.core.checks import check_path
+from kvlab.core.errors import ConfigError
+from kvlab.viz.assets import FONT_STACK, css_source, render_expr, replay_source, script_source
+from kvlab.viz.frames import decode_frame
+from kvlab.viz.live import Recording
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import events as ev
-from ..block import ALLOCATED, STATE_NAMES as POOL_STATES
-from ..errors import ConfigError
-from ..fragmentation import unusable_free_percent
-from ..pool import BlockPool
+from kvlab.core import events as ev
+from kvlab.core.block import ALLOCATED, STATE_NAMES as POOL_STATES
+from kvlab.core.errors import ConfigError
+from kvlab.memory.fragmentation import unusable_free_percent
+from kvlab.core.pool import BlockPool
 
 CACHED = len(POOL_STATES)  # a frame's fifth state: ALLOCATED with refcount 0
 STATE_NAMES = (*POOL_STATES, "CACHED")

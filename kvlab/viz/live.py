@@ -22,11 +22,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..block import ALLOCATED, FREE, BlockStatus
-from ..checks import check_positive, check_real, check_seed
-from ..errors import ConfigError, OutOfBlocksError
-from ..pool import BlockPool
-from .frames import FrameBuilder
+from kvlab.core.block import ALLOCATED, FREE, BlockStatus
+from kvlab.core.checks import check_positive, check_real, check_seed
+from kvlab.core.errors import ConfigError, OutOfBlocksError
+from kvlab.core.pool import BlockPool
+from kvlab.viz.frames import FrameBuilder
 
 
 def check_steps(value: Any, what: str) -> int | None:

@@ -31,7 +31,7 @@ STATE_WORDS: dict[str, str] = {
     "ALLOC8": "shared, 8+ references (darker = more)", "EVICTING": "evicting: being swapped out",
     "CACHED": "cached: no reference, reusable, evictable",
 }
-# The key of each state code (kvlab.block.FREE .. frames.CACHED); ALLOCATED's colour depends on its refcount.
+# The key of each state code (kvlab.core.block.FREE .. frames.CACHED); ALLOCATED's colour depends on its refcount.
 STATE_KEYS = ("FREE", "PENDING", "ALLOC1", "EVICTING", "CACHED")
 
 # Flashes (the frame's flash code): the cell is blended towards this colour, fully in the picture where the

@@ -17,11 +17,11 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..errors import ConfigError
-from ..pool import BlockPool
-from .frames import Frame, build_frame, decode_frame
-from .palette import (CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB,
-                      STATE_WORDS, VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
+from kvlab.core.errors import ConfigError
+from kvlab.core.pool import BlockPool
+from kvlab.viz.frames import Frame, build_frame, decode_frame
+from kvlab.viz.palette import (CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB, STATE_WORDS,
+                               VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
 
 
 class Picture(Figure):

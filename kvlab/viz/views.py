@@ -26,14 +26,14 @@ from typing import Any
 import anywidget
 import traitlets
 
-from ..checks import check_real, check_seed
-from ..errors import ConfigError
-from ..eviction import POLICIES
-from ..pool import BlockPool
-from .assets import css_source, esm_source
-from .frames import build_frame, decode_frame
-from .live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
-from .static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from kvlab.core.checks import check_real, check_seed
+from kvlab.core.errors import ConfigError
+from kvlab.core.eviction import POLICIES
+from kvlab.core.pool import BlockPool
+from kvlab.viz.assets import css_source, esm_source
+from kvlab.viz.frames import build_frame, decode_frame
+from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
+from kvlab.viz.static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
 HISTORY_BYTES = 256 << 20  # frames a view keeps to send as history (the oldest go first)

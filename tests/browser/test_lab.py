@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import KNOWN_KEYS, KNOWN_POOL
 
-from kvlab import bench
+from kvlab.app import bench
 from kvlab.viz.browser import open_notebook, write_notebook
 from kvlab.viz.palette import STATE_RGB
 

@@ -130,7 +130,7 @@ def test_the_wheel_carries_the_runtime_and_the_page_template(wheel):
 def site(tmp_path_factory):
     """A site rendered by ``kvlab html``'s code: the chapters' index (its text, not its code) and a page with every
     view, once at the top and once in ``solutions/`` (a page one folder down)."""
-    from kvlab.render import render_chapters
+    from kvlab.app.render import render_chapters
 
     src = tmp_path_factory.mktemp("chapters")
     index = nbformat.read(REPO / "chapters" / "index.ipynb", as_version=4)

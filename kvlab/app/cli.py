@@ -1,0 +1,540 @@
+"""The ``kvlab`` command line (also ``python -m kvlab``).
+
+Each subcommand is one function registered with :func:`command`, next to a function that declares its
+arguments; :func:`main` builds the parser from the registry. Adding ``kvlab run`` or ``kvlab bench`` is one more
+registered pair. Exit codes: 0 success, 2 bad arguments or bad input (argparse's convention; the message says
+which), 1 any other kvlab error or a file that could not be read or written, 130 interrupted, 141 the reader of
+stdout went away. Every error is one line on stderr. Heavy modules are imported inside the handlers so
+``kvlab --help`` is quick.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kvlab.core.errors import ConfigError, KVLabError
+
+if TYPE_CHECKING:
+    from kvlab.workloads.mixes import Workload
+
+Handler = Callable[[argparse.Namespace], int]
+Configure = Callable[[argparse.ArgumentParser], None]
+_COMMANDS: dict[str, tuple[str, Configure, Handler]] = {}
+
+
+def command(name: str, help: str, configure: Configure) -> Callable[[Handler], Handler]:
+    """Decorator: register ``handler`` as ``kvlab NAME``. ``configure(parser)`` declares its arguments;
+    ``handler(args)`` runs it and returns the exit code."""
+    def register(handler: Handler) -> Handler:
+        if name in _COMMANDS:
+            raise ConfigError(f"kvlab command {name!r} is registered twice")
+        _COMMANDS[name] = (help, configure, handler)
+        return handler
+    return register
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the usage block it prints by default buries the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvlab import __version__, hotpath_compiled
+
+    # Raw: the --version line is printed as written, not wrapped at the terminal's width
+    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvlab.core.attention import DECODE_KERNEL_COMPILED
+
+    c_file = "kvlab/fast/_fastpath.c"
+    fast = f"compiled ({c_file})" if hotpath_compiled else f"pure Python (no compiled {c_file})"
+    decode = ("compiled (kvlab/fast/_paged_attention.c)" if DECODE_KERNEL_COMPILED
+              else "gather + SDPA (no compiled kvlab/fast/_paged_attention.c)")
+    parser.add_argument("--version", action="version",
+                        version=f"kvlab {__version__}; FastBlockPool: {fast}; CPU paged decode: {decode}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, configure, handler) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        configure(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code. A user error ends
+    in one line on stderr and a non-zero code, never a traceback; a reader that closed the pipe
+    (``kvlab demo | head -1``) ends the command quietly with 141, as a shell's SIGPIPE would."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return code
+    except KVLabError as e:  # bad input found after parsing: a trace file, a size the pool refuses
+        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError | ValueError) else 1
+    except BrokenPipeError:
+        # Python would complain again when it flushes stdout at exit: point stdout at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a file the command was told to read or write: missing, unwritable, a full disk
+        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except MemoryError:  # a size this machine cannot hold (kvlab run --requests 10000000000000)
+        print(f"kvlab {args.command}: error: out of memory; ask for fewer requests, blocks or sizes",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
+
+
+def _device(text: str) -> str:
+    """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``), checked before any work starts."""
+    from kvlab.core.checks import check_device  # imports torch: not for --help
+
+    try:
+        check_device(text, "--device")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _path(text: str) -> str:
+    """A file or folder name the OS can take (argv from a shell never holds NUL, a call to main may)."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL character, which no path can")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """A file to write: its folder must exist and be writable, so a long run does not fail at its last step."""
+    _path(text)
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} is not writable")
+    return text
+
+
+def _figure_file(text: str) -> str:
+    """:func:`_output_file` in a format matplotlib writes (by its suffix: .png, .svg, .pdf, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(text)[1].lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(f"{text!r}: a figure is written as one of {', '.join(sorted(formats))}")
+    return _output_file(text)
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed (0 <= seed < 2**32)")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """``"16,32,64"`` -> ``[16, 32, 64]``: distinct positive ints."""
+    sizes = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} must be distinct positive integers separated by commas")
+    return sizes
+
+
+def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
+    """Where the requests come from: a generated scenario (``--workload``, ``--requests``, ``--seed``) or a trace
+    (``--trace`` a bundled name or a file, ``--format``, ``--requests`` its first N)."""
+    from kvlab.workloads.traces import FORMATS, trace_names
+    from kvlab.workloads.mixes import ALIASES, WORKLOADS
+
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=[*WORKLOADS, *ALIASES], help="generated scenario (default: chat)")
+    src.add_argument("--trace", type=_path, metavar="NAME|PATH",
+                     help=f"a bundled trace ({', '.join(trace_names())}) or a trace file (Azure CSV, Mooncake JSONL, "
+                          "kvlab JSONL/CSV; .gz too) instead of a generated workload")
+    p.add_argument("--format", choices=FORMATS, default=None, help="the trace file's format (default: detected)")
+    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
+                   help=f"requests to generate (default: {requests}), or the first N of a trace (default: all)")
+    p.add_argument("--seed", type=_seed, default=0, help="workload seed (default: 0)")
+    p.set_defaults(default_requests=requests)
+
+
+def _workload(args: argparse.Namespace, rate: float | None = None) -> Workload:
+    from kvlab.workloads.traces import load_trace
+    from kvlab.workloads.mixes import Workload, make_workload
+
+    if args.trace is None:
+        if args.format is not None:
+            raise ConfigError("--format describes a trace file: give it with --trace")
+        name, n = args.workload or "chat", args.requests or args.default_requests
+        return make_workload(name, n, args.seed) if rate is None else make_workload(name, n, args.seed, rate=rate)
+    workload = load_trace(args.trace, args.format)
+    if args.requests is not None:
+        workload = Workload(workload.name, workload.requests[:args.requests])
+    return workload
+
+
+def _print_json(obj: Any) -> None:
+    """Print ``obj`` as one line of strict JSON: numpy scalars as numbers, tuples as lists, NaN and infinities
+    (a figure that was not measured) as null, which every JSON reader accepts."""
+    import json
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and not isinstance(v, str | bytes):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    print(json.dumps(plain(obj), allow_nan=False, default=str))
+
+
+# ---------------------------------------------------------------------------------------------------- sweep
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    from kvlab.memory.sizing import DEFAULT_SIZES, GOALS
+
+    _workload_args(p, requests=500)
+    p.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES), metavar="B,B,...",
+                   help="block sizes in tokens (default: %(default)s)")
+    p.add_argument("--goal", choices=GOALS, default="balanced", help="cost weights for the recommendation")
+    p.add_argument("--no-attention", action="store_true", help="skip timing paged attention (counts only)")
+    p.add_argument("--rounds", type=_positive_int, default=5, help="attention timing rounds (median of)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="torch device for the attention timing (default: kvlab's)")
+    p.add_argument("--plot", type=_figure_file, metavar="PNG", help="also save the sweep's figure to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("sweep", "measure internal waste, bookkeeping, prefix-sharing loss and attention time per block "
+                  "size on a workload, and recommend a block size (text 2.2.1)", _sweep_args)
+def _sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvlab.memory.sizing import GOALS, ChunkSizeOptimizer, plot_sweep
+
+    workload = _workload(args)
+    opt = ChunkSizeOptimizer()
+    result = opt.sweep(workload, args.sizes, attention=not args.no_attention, progress=not args.no_progress,
+                       rounds=args.rounds, device=args.device)
+    stats = opt.sequence_length_stats
+    if args.plot:
+        plot_sweep(result, args.goal).savefig(args.plot, dpi=100)
+    if args.json:
+        _print_json({"workload": result.workload, "requests": result.requests, "attention": result.attention,
+                          "goal": args.goal, "recommended": result.recommend(args.goal),
+                          "recommendations": {g: result.recommend(g) for g in GOALS},
+                          "rule_of_thumb": {g: opt.recommend_chunk_size(g) for g in GOALS},
+                          "sequence_lengths": stats, "costs": result.costs(args.goal),
+                          "rows": [{**dataclasses.asdict(r), "waste": r.waste, "prefix_loss": r.prefix_loss}
+                                   for r in result.rows], "figure": args.plot})
+        return 0
+    print(result.to_markdown(args.goal))
+    print(f"\nsequence lengths: mean {stats['mean']:.0f}, median {stats['median']:.0f}, p95 {stats['p95']:.0f}, "
+          f"max {stats['max']}")
+    print("text's rule of thumb (p95): " + ", ".join(f"{g} {opt.recommend_chunk_size(g)}" for g in GOALS))
+    print("measured recommendation:    " + ", ".join(f"{g} {result.recommend(g)}" for g in GOALS))
+    print(f"recommended block size ({args.goal}): {result.recommend(args.goal)}")
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- run, demo
+def _run_args(p: argparse.ArgumentParser) -> None:
+    from kvlab.workloads.race import RACE_POLICIES
+    from kvlab.serve.config import EngineConfig
+
+    d = EngineConfig()
+    _workload_args(p, requests=1000)
+    p.add_argument("--rate", type=_positive_float, default=None,
+                   help="arrivals per second of a generated workload (default: 200; a trace has its own times)")
+    p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
+    p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
+    p.add_argument("--policy", default=d.policy, choices=list(RACE_POLICIES),
+                   help="eviction policy (opt: Belady's, knowing the workload's future)")
+    p.add_argument("--preemption", default=d.preemption, choices=["recompute", "swap"])
+    p.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
+                   help="longest sequence; the contiguous baseline reserves this much per request")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=d.max_batched_tokens,
+                   help="tokens computed per step, prompt chunks included (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--shared-prefill", default=d.shared_prefill, choices=["wait", "duplicate"],
+                   help="a request whose next prompt block another request is computing: wait for it (default) "
+                        "or compute it again, as vLLM does")
+    p.add_argument("--baseline", action="store_true", help="also run the contiguous max-length baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+RUN_KEYS = ("requests", "finished", "prompt_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_hit_bound",
+            "preemptions", "utilisation", "usage_by_block", "usage_by_token", "wall_s")
+
+
+@command("run", "run a workload or a real trace through the paged serving engine (metadata mode) and print a "
+                "summary (text 2.2.6)", _run_args)
+def _run_cmd(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from kvlab.serve.metrics import format_table
+    from kvlab.serve.config import EngineConfig
+    from kvlab.serve.engine import Engine
+    from kvlab.workloads.traces import prefix_hit_bound
+
+    if args.trace is not None and args.rate is not None:
+        raise ConfigError("--rate sets a generated workload's arrivals; a trace brings its own timestamps")
+    workload = _workload(args, rate=200.0 if args.rate is None else args.rate)
+    cfg = EngineConfig(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy,
+                       preemption=args.preemption, max_model_len=args.max_model_len,
+                       max_batched_tokens=args.max_batched_tokens, prefix_caching=not args.no_prefix_caching,
+                       shared_prefill=args.shared_prefill)
+    rows: dict[str, dict[str, Any]] = {}
+    for memory in ("paged", "contiguous") if args.baseline else ("paged",):
+        t0 = time.perf_counter()
+        summary = Engine(workload, dataclasses.replace(cfg, memory=memory)).run(progress=not args.no_progress)
+        summary["wall_s"] = time.perf_counter() - t0
+        rows[memory] = summary
+    paged = rows["paged"]
+    paged["prompt_tokens"] = sum(r.prompt_len for r in workload)
+    paged["prefix_hit_bound"] = prefix_hit_bound(workload, args.block_size) if cfg.prefix_caching else 0
+    if not args.json:
+        print(format_table(rows))
+        return 0
+    out = {"workload": workload.name, **{k: paged[k] for k in RUN_KEYS}, "summary": paged}
+    if args.baseline:
+        out["contiguous"] = rows["contiguous"]
+    _print_json(out)
+    return 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: all; see --list)")
+    p.add_argument("--list", action="store_true", help="name the benchmarks and where they were found, run none")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke test that they run, not a measurement")
+    p.add_argument("--json", action="store_true", help="print the rows, machine and versions as one JSON object")
+    p.add_argument("--out", type=_output_file, default=None, metavar="JSON",
+                   help="also write that JSON object to this file (nothing is written unless asked)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("bench", "run the benchmarks (shipped with kvlab): one table of figures, baselines, ratios and goals",
+         _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    from kvlab.app import bench
+
+    if args.list:
+        print(f"# in {bench.benchmarks_dir()}")
+        print("\n".join(bench.available()))
+        return 0
+    result = bench.run_all(args.names or None, quick=args.quick, progress=not args.no_progress)
+    if args.json:
+        _print_json(result)
+    else:
+        print(bench.report(result))
+    if args.out:
+        bench.write_json(result, args.out)
+        print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _html_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--src", default=None, help="chapters folder (default: the chapters shipped with kvlab)")
+    p.add_argument("--out", type=_path, default="site", help="output folder (default: site)")
+    p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
+    p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
+    p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
+
+
+@command("html", "execute the chapters and render them to static HTML with widget state, for a course site "
+                 "that works offline (its scripts are pinned copies in the site's _kvlab/ folder)", _html_args)
+def _html(args: argparse.Namespace) -> int:
+    from kvlab.app.render import render_chapters
+
+    for path in render_chapters(args.src, args.out, fast=args.fast, solutions=not args.no_solutions,
+                                timeout=args.timeout):
+        print(path)
+    return 0
+
+
+def _chapters_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dest", type=_path, metavar="DEST", help="folder to copy the notebooks into (created if missing)")
+    p.add_argument("--no-solutions", action="store_true", help="leave out solutions/")
+    p.add_argument("--force", action="store_true", help="overwrite notebooks already in DEST")
+
+
+@command("chapters", "copy the course notebooks (shipped with kvlab) into a folder of your own", _chapters_args)
+def _chapters(args: argparse.Namespace) -> int:
+    from kvlab.app.resources import copy_chapters
+
+    written = copy_chapters(args.dest, solutions=not args.no_solutions, overwrite=args.force)
+    print(f"copied {len(written)} notebooks into {args.dest}; start with: kvlab lab {args.dest}")
+    return 0
+
+
+def _lab_args(p: argparse.ArgumentParser) -> None:
+    from kvlab.app.lab import DEFAULT_PORT
+
+    p.add_argument("folder", nargs="?", default=".", metavar="FOLDER",
+                   help="folder to serve: a kvlab checkout or one made by `kvlab chapters` (default: .)")
+    p.add_argument("--port", type=_positive_int, default=DEFAULT_PORT,
+                   help="port to listen on, or a free one if it is taken (default: %(default)s)")
+    p.add_argument("--ip", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--no-browser", action="store_true", default=None,
+                   help="do not open a browser (default: open one where a display is found)")
+    p.add_argument("--dry-run", action="store_true", help="print the jupyter command instead of running it")
+
+
+@command("lab", "JupyterLab on the chapters: serves FOLDER, opens the chapter index, prints the URL", _lab_args)
+def _lab(args: argparse.Namespace) -> int:
+    from kvlab.app.lab import launch
+
+    launch(args.folder, port=args.port, ip=args.ip, no_browser=args.no_browser, dry_run=args.dry_run)
+    return 0
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("demo", "run the default workload through a pool and print the engine's report and the text's "
+                 "2.2.6 claims beside kvlab's measurements", _demo_args)
+def _demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvlab.serve.claims import claims_report, measure_claims, prefetch_effect
+    from kvlab.serve.metrics import format_table
+    from kvlab.serve.config import EngineConfig
+    from kvlab.serve.engine import Engine
+    from kvlab.workloads.mixes import make_workload
+
+    w = make_workload("chat", 1000, 0, rate=200.0)
+    rows = {m: Engine(w, EngineConfig(memory=m)).run(progress=not args.no_progress) for m in ("paged", "contiguous")}
+    prefetch = prefetch_effect()
+    claims = measure_claims(progress=not args.no_progress)
+    if args.json:
+        _print_json({"workload": w.name, "engine": rows, "prefetch": prefetch,
+                     "claims": [dataclasses.asdict(c) for c in claims]})
+        return 0
+    print(format_table(rows))
+    print()
+    print("Prefetch (swap-in ahead of need) on a swap-heavy document workload, simulated seconds:")
+    print(format_table(prefetch, ["finished", "steps", "preemptions", "swap_ins", "prefetched_swap_ins",
+                                  "swap_stall_s", "swap_in_stall_s", "stall_steps", "latency_mean_s", "time_s"]))
+    print()
+    print(claims_report(claims))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- disagg
+def _disagg_args(p: argparse.ArgumentParser) -> None:
+    from kvlab.distributed.disagg import configure
+
+    configure(p)
+
+
+@command("disagg", "disaggregated prefill/decode on torch.distributed: two ranks (gloo on 127.0.0.1, or this "
+                   "rank of a torchrun group) ship prompts' KV blocks; prints the transfer report", _disagg_args)
+def _disagg(args: argparse.Namespace) -> int:
+    from kvlab.distributed.disagg import main as disagg_main
+
+    return disagg_main(args)
+
+
+# ---------------------------------------------------------------------------------------------------- chat
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="questions, answered in turn on one session")
+    p.add_argument("--model", type=_path, default="smollm2-135m", metavar="NAME|PATH",
+                   help="a known model (smollm2-135m, the default) or a Llama-architecture .gguf file")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="system prompt starting every prompt (default: the chat template's own)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
+                   help="longest answer in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 answers greedily (default); above 0 samples, softer as T grows")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only from the most likely tokens whose probability reaches P (default: 1, all)")
+    p.add_argument("--seed", type=_seed, default=None, metavar="S", help="seed of the sampling (default: random)")
+    p.add_argument("--history", action="store_true",
+                   help="each prompt follows the earlier questions and answers (a conversation)")
+    p.add_argument("--blocks", type=_positive_int, default=1024, help="pool blocks (default: %(default)s)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: %(default)s)")
+    p.add_argument("--device", type=_device, default=None, help="torch device (default: kvlab's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of the text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while the model loads")
+
+
+@command("chat", "chat with a real language model whose K/V live in kvlab's paged pool: answers each PROMPT in "
+                 "turn on one session (later prompts hit the prefix cache) and prints the cache report", _chat_args)
+def _chat(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvlab.serve.chat import ChatSession, check_temperature, check_top_p
+    from kvlab.serve.loader import load_model
+
+    temperature = check_temperature(args.temperature, "--temperature")
+    top_p = check_top_p(args.top_p, "--top-p")
+    model = load_model(args.model, device=args.device, progress=not args.no_progress)
+    session = ChatSession(model, num_blocks=args.blocks, block_size=args.block_size, system=args.system)
+    for prompt in args.prompts:
+        shown = ""
+
+        def stream(i: int, token: int, text: str) -> None:
+            nonlocal shown
+            if text.startswith(shown) and not text.endswith("\ufffd"):  # a character still incomplete: wait
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+
+        if not args.json:
+            print(f"> {prompt}")
+        reply = session.ask(prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,
+                            seed=args.seed, history=args.history, on_token=None if args.json else stream)
+        if args.json:
+            _print_json({"prompt": prompt, **dataclasses.asdict(reply), "pool": session.usage()})
+            continue
+        print(reply.text[len(shown):] if reply.text.startswith(shown) else f"\n{reply.text}")
+        print(f"[{reply.prompt_tokens} prompt tokens, {reply.prefix_hit_tokens} from the prefix cache; "
+              f"{len(reply.tokens)} generated ({reply.finish_reason}); {reply.blocks_used} blocks; first token "
+              f"{reply.ttft_s:.2f} s; {reply.decode_tokens_per_s:.1f} tokens/s]\n")
+    if not args.json:
+        print(session.report())
+    return 0

@@ -1,0 +1,547 @@
+"""Choosing the block size (text §2.2.1, "分块大小的确定原则"): the text's rule of thumb, then a measurement.
+
+:class:`ChunkSizeOptimizer` keeps the text's two methods. ``analyze_sequence_distribution`` summarises lengths
+(mean, median, p95, p99, max); ``recommend_chunk_size`` maps the p95 to a block size for one of three goals.
+That mapping is a rule of thumb with fixed numbers, and kvlab keeps it as the text wrote it except where it
+crashes:
+
+* ``'balanced'`` picks from 64/128/256/512/1024 by ``log2(p95 // 100)``. For p95 < 100 that is ``log2(0)``,
+  minus infinity, and turning it into an index raises ``OverflowError``: every short-request workload (a chat
+  service) crashed it. Here any p95 below 200 picks 64, so the table is: p95 < 200 -> 64, < 400 -> 128,
+  < 800 -> 256, < 1600 -> 512, else 1024.
+* ``'memory_efficient'`` is ``clamp(p95 // 4, 512, 2048)``: its floor makes it 512 for every p95 below 2048,
+  whatever the data, and a larger block *adds* internal waste to short sequences (the last block of each is
+  on average half empty), the opposite of what the goal's name promises.
+* ``'performance_optimal'`` is ``clamp(p95 // 6, 256, 1024)``: 256 for every p95 below 1536.
+* Both clamps return sizes that need not be powers of two (p95 = 3000 gives 750).
+
+What the rule of thumb says for the text's scenarios (``make_workload(name, 2000, seed=0)``, prompt + output
+per request; tested in ``tests/test_sizing.py``):
+
+=====================================  ======  ================  ===================  ========
+lengths                                p95     memory_efficient  performance_optimal  balanced
+=====================================  ======  ================  ===================  ========
+``chat``                               390     512               256                  128
+``document``                           3344    836               557                  1024
+``code``                               1873    512               312                  1024
+``retrieval``                          7251    1812              1024                 1024
+retrieval queries alone (10-100)       ~71     512               256                  64 (text: crash)
+=====================================  ======  ================  ===================  ========
+
+The measured sweep disagrees: on these workloads the balanced cost is lowest at 32-128 tokens (run
+``kvlab sweep --workload NAME``), because internal waste, prefix-sharing loss and the slots a block-wise
+attention read touches grow with the block while the per-block overhead shrinks only as ``1/B``. Every term of
+the cost is a count, so the recommendation is the same on every machine and in every run.
+
+:func:`sweep` replaces the guess by a measurement. It runs a workload through a :class:`~kvlab.BlockPool` of
+each block size, every request resident at its final length (the moment a batch holds the most), and reads:
+
+* **waste** -- internal waste: allocated token slots holding no token / allocated slots (shared blocks once);
+* **table entries** -- block-table entries over all requests (per-block bookkeeping, slot-mapping work);
+* **alloc calls** -- ``pool.allocate`` calls: one batched call for a request's own prompt blocks, then one per
+  block its decode opens, as a paged engine grows a sequence;
+* **prefix loss** -- of the shared-prefix tokens in requests that find their prefix already cached, the share
+  sitting in the prefix's last, partly filled block: only full blocks can be shared, so those tokens are
+  stored (and computed) again by every request;
+* **attention slots** -- token slots one decode step over every resident request reads when attention fetches
+  whole blocks (kvlab's gather path copies each block of a sequence's table, ``ceil(n / B) * B`` slots for an
+  ``n``-token sequence; a shared block is read once per request that uses it). Slots past a sequence's length
+  are read and masked, so this grows with ``B`` while the tokens stay the same;
+* **attention ms** (shown, not in the cost) -- one decode step of :func:`kvlab.core.attention.paged_attention` over a
+  sample of the workload's sequences (evenly spaced quantiles of their lengths): the median of several rounds
+  that visit the sizes in turn, with the fastest and slowest round. On a CPU shared with other work the spread
+  between rounds is larger than the differences between sizes, which is why timings do not drive the choice.
+
+:func:`measure_decode_ms` times what those milliseconds are a part of: one decode step of a whole model
+(:class:`kvlab.serve.model.Llama`, e.g. SmolLM2-135M) on the same sample of sequences, and that step's attention alone.
+
+Cost model (lower is better), each term in [0, 1]::
+
+    cost(B) = a * waste(B) + b * prefix_loss(B)
+            + c * (entries(B) + calls(B)) / max over swept B
+            + d * attention_slots(B) / max over swept B
+
+with ``(a, b, c, d)`` per goal in :data:`WEIGHTS` (:meth:`SweepResult.with_weights` tries others). The two
+overhead terms are normalised by the worst size in the sweep, so the recommendation is relative to the sizes
+swept. Memory terms are fractions already.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvlab.core.device import default_device
+from kvlab.core.errors import ConfigError
+from kvlab.core.checks import INT32_MAX, check_choice, check_device, check_flag, check_seed, is_int, is_real
+from kvlab.core.pool import BlockPool
+from kvlab.core.spec import KVSpec
+from kvlab.workloads.mixes import Workload
+
+if TYPE_CHECKING:
+    from kvlab.serve.model import Llama
+
+GOALS = ("memory_efficient", "performance_optimal", "balanced")
+BALANCED_SIZES = (64, 128, 256, 512, 1024)
+DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# (waste, prefix loss, per-block overhead, attention slots) weights of the cost model, per goal.
+WEIGHTS: dict[str, tuple[float, float, float, float]] = {
+    "memory_efficient": (1.0, 1.0, 0.1, 0.1),
+    "performance_optimal": (0.25, 0.25, 0.5, 1.0),
+    "balanced": (1.0, 0.5, 0.5, 0.5),
+}
+#: the settings of :func:`measure_attention_ms` that :func:`sweep` passes on, with their defaults
+TIMING: dict[str, Any] = {"batch": 8, "max_len": 4096, "num_heads": 8, "head_dim": 64, "rounds": 5, "device": None,
+                          "seed": 0}
+T = TypeVar("T")
+
+
+class ChunkSizeOptimizer:
+    """The text's optimizer: length statistics, its rule-of-thumb recommendation, and the measured sweep."""
+
+    def __init__(self) -> None:
+        self.sequence_length_stats: dict[str, float] = {}
+        self.performance_metrics: dict[int, SweepRow] = {}  # filled by :meth:`sweep`, one row per block size
+
+    def analyze_sequence_distribution(self, sequences: Workload | Iterable[Any]) -> dict[str, float]:
+        """Mean, median, p95, p99 and max of the lengths of ``sequences``: a :class:`Workload` (its requests'
+        prompt + output), token sequences (their ``len``) or plain lengths (ints)."""
+        if isinstance(sequences, Workload):
+            lengths = sequences.sequence_lengths().tolist()
+        elif isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+            raise ConfigError(f"sequences must be a Workload, token sequences or lengths, got {sequences!r:.80}")
+        else:
+            lengths = []
+            for s in sequences:
+                n = len(s) if hasattr(s, "__len__") else s
+                if not is_int(n) or n < 0:
+                    raise ConfigError(f"a sequence length must be an int >= 0 (or a sized sequence), got {s!r}")
+                lengths.append(int(n))
+        if not lengths:
+            raise ConfigError("analyze_sequence_distribution needs at least one sequence")
+        a = np.asarray(lengths, dtype=np.float64)
+        self.sequence_length_stats = {"mean": float(a.mean()), "median": float(np.median(a)),
+                                      "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99)),
+                                      "max": int(a.max())}
+        return self.sequence_length_stats
+
+    def recommend_chunk_size(self, optimization_goal: str = "balanced") -> int:
+        """The text's rule of thumb on the analysed p95 (see the module docstring for what is arbitrary)."""
+        # the text silently treated any unknown goal as 'balanced'
+        goal = check_choice(optimization_goal, "optimization goal", GOALS)
+        if not self.sequence_length_stats:
+            raise ConfigError("no statistics yet: call analyze_sequence_distribution(sequences) first")
+        p95 = self.sequence_length_stats["p95"]
+        if goal == "memory_efficient":
+            return int(min(max(p95 // 4, 512), 2048))
+        if goal == "performance_optimal":
+            return int(min(max(p95 // 6, 256), 1024))
+        k = int(p95 // 100)  # floor(log2(k)) is k.bit_length() - 1, exact; k < 1 was the text's crash
+        return BALANCED_SIZES[0 if k < 1 else min(len(BALANCED_SIZES) - 1, k.bit_length() - 1)]
+
+    def sweep(self, workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, **kwargs: Any) -> SweepResult:
+        """:func:`sweep`, also analysing the workload's lengths and keeping the rows in ``performance_metrics``."""
+        result = sweep(workload, block_sizes, **kwargs)  # first: a refused sweep leaves the analysis as it was
+        self.analyze_sequence_distribution(workload)
+        self.performance_metrics = {row.block_size: row for row in result.rows}
+        return result
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+@dataclass(frozen=True, slots=True)
+class SweepRow:
+    """What one block size cost on the workload (see the module docstring for each measure)."""
+
+    block_size: int
+    blocks: int  # distinct blocks held with every request resident
+    tokens: int  # token slots holding a token
+    table_entries: int
+    alloc_calls: int
+    prefix_tokens: int  # shared-prefix tokens of requests whose prefix was already cached
+    prefix_lost: int  # of those, tokens in the prefix's partly filled last block (stored again)
+    attention_slots: int  # slots a whole-block attention read touches, one decode step over every request
+    attention_ms: float = math.nan  # median over rounds (shown, not in the cost)
+    attention_spread: tuple[float, float] = (math.nan, math.nan)  # fastest and slowest round
+
+    @property
+    def slots(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def waste(self) -> float:
+        return 1 - self.tokens / self.slots if self.slots else 0.0
+
+    @property
+    def prefix_loss(self) -> float:
+        return self.prefix_lost / self.prefix_tokens if self.prefix_tokens else 0.0
+
+
+def measure_block_size(workload: Workload, block_size: int, *, check: bool = False) -> SweepRow:
+    """Run every request of ``workload`` through a metadata-only pool of ``block_size`` and count (no attention).
+
+    Requests arrive in order; the first request naming a prefix keeps the prefix's full blocks as reusable, and
+    later ones take a reference to them instead of allocating. With all requests at their final length the
+    pool's own metadata gives blocks held and tokens stored; then every request is released, which must leave
+    only the cached prefix blocks behind (``check=True`` also runs ``pool.check_invariants()``).
+    """
+    B = _check_sizes([block_size])[0]
+    _check_workload(workload)
+    check_flag(check, "check")
+    need = int(sum(-(-r.total_len // B) for r in workload))
+    pool = BlockPool(need, spec=KVSpec(block_size=B, device=torch.device("cpu")), with_storage=False)
+    prefixes: dict[str, list[int]] = {}  # prefix id -> its full blocks, owned by the first request naming it
+    tables: list[list[int]] = []
+    entries = calls = prefix_tokens = prefix_lost = 0
+    for r in workload:
+        shared = prefixes.get(r.prefix_id) if r.prefix_id else None
+        table = list(shared or ())
+        if shared is not None:
+            pool.incref(shared)
+            prefix_tokens += r.prefix_len
+            prefix_lost += r.prefix_len - len(shared) * B
+        own_prompt = -(-r.prompt_len // B) - len(table)
+        if own_prompt:
+            table += pool.allocate(own_prompt, owner=r.id)
+            calls += 1
+        if r.prefix_id and shared is None:
+            prefixes[r.prefix_id] = table[:r.prefix_len // B]
+            if prefixes[r.prefix_id]:
+                pool.mark_reusable(prefixes[r.prefix_id])
+        for _ in range(-(-r.total_len // B) - len(table)):  # decode opens one block at a time
+            table += pool.allocate(1, owner=r.id)
+            calls += 1
+        for i in range(len(shared or ()), len(table)):
+            pool.set_token_count(table[i], min(B, r.total_len - i * B))
+        entries += len(table)
+        tables.append(table)
+    row = SweepRow(B, pool.num_blocks - pool.num_free_blocks, int(pool.arrays.tokens.sum()), entries, calls,
+                   prefix_tokens, prefix_lost, entries * B)
+    for table in tables:
+        pool.free(table)
+    assert pool.num_free_blocks + pool.num_cached_blocks == pool.num_blocks, "a request leaked blocks"
+    if check:
+        pool.check_invariants()
+    return row
+
+
+def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batch: int = 8, max_len: int = 4096,
+                         num_heads: int = 8, head_dim: int = 64, rounds: int = 5, device: Any = None,
+                         seed: int = 0, on_step: Callable[[], Any] | None = None
+                         ) -> dict[int, tuple[float, float, float]]:
+    """(median, fastest, slowest) over ``rounds`` of the milliseconds of one decode step of
+    :func:`kvlab.core.attention.paged_attention` (fp32, one layer, ``num_heads`` x ``head_dim``) at each block size,
+    over ``batch`` sequences whose lengths are evenly spaced quantiles of the workload's (clipped to
+    ``max_len``), their blocks scattered over the pool in a seeded random order. Each round visits every size in
+    turn, so a burst of load elsewhere on the machine slows all sizes alike instead of one. ``on_step()`` is
+    called after each timing (progress bars)."""
+    _check_workload(workload)
+    sizes = _check_sizes(block_sizes)
+    kw = _check_timing(dict(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim, rounds=rounds,
+                            device=device, seed=seed))
+    _check_on_step(on_step)
+    lens = _sample_lengths(workload, kw["batch"], kw["max_len"])
+    times = _interleaved(sizes, kw["rounds"], on_step, lambda bs: _decode_step_ms(
+        lens, bs, kw["num_heads"], kw["head_dim"], device, kw["seed"]))
+    return {bs: _spread(t) for bs, t in times.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiming:
+    """:func:`measure_decode_ms` at one block size. ``step`` and ``attention`` are (median, fastest, slowest)
+    milliseconds over the rounds."""
+
+    step: tuple[float, float, float]  # one whole-model decode step
+    attention: tuple[float, float, float]  # that step's paged_attention calls (one per layer), timed again alone
+    attention_share: float  # median over rounds of attention / step, both from the same round
+
+
+def measure_decode_ms(model: Llama, workload: Workload, block_sizes: Sequence[int], *, batch: int = 8,
+                      max_len: int = 4096, rounds: int = 3, seed: int = 0,
+                      on_step: Callable[[], Any] | None = None) -> dict[int, DecodeTiming]:
+    """Time one decode step of a whole :class:`kvlab.serve.model.Llama` (``model.step``: every layer's matmuls, the K/V
+    writes, paged attention and the output layer) at each block size, over the same ``batch`` sequences as
+    :func:`measure_attention_ms` (evenly spaced quantiles of the workload's lengths, clipped to ``max_len``),
+    one new token each (the timed step's is their second: the warm-up step fed the first). Rounds visit the
+    sizes in turn, as there.
+
+    Each timing starts from a fresh pool (``model.cfg.kv_spec``, the model's dtype and device) whose blocks are
+    handed out in a seeded random order (scattered, as a long-running pool's are). The sequences' tokens are
+    appended without computing them (no prefill: on a CPU it would cost far more than the steps), so their K/V
+    stay the pool's zeros: that does not change the work the kernels do. One warm-up step, then the timed step;
+    then the step's attention alone: one :func:`~kvlab.core.attention.paged_attention` call per layer on the same
+    block tables and lengths, with the model's head counts and workspace (timed outside the step, so its caches
+    may be warmer than between the step's matmuls). The thread count is the caller's (e.g. inside
+    :func:`kvlab.torch_threads`). Every argument is checked before any work."""
+    from kvlab.serve.model import Llama  # imported here: counting needs no model
+
+    if not isinstance(model, Llama):
+        raise ConfigError(f"model must be a kvlab.Llama (TinyLlama, or kvlab.load_model's), got {model!r:.80}")
+    _check_workload(workload)
+    sizes = _check_sizes(block_sizes)
+    kw = _check_timing(dict(batch=batch, max_len=max_len, rounds=rounds, seed=seed))
+    _check_on_step(on_step)
+    lens = _sample_lengths(workload, kw["batch"], kw["max_len"])
+    runs = _interleaved(sizes, kw["rounds"], on_step, lambda bs: _model_step_ms(model, lens, bs, kw["seed"]))
+    return {bs: DecodeTiming(_spread([s for s, _ in r]), _spread([a for _, a in r]),
+                             float(np.median([a / s for s, a in r]))) for bs, r in runs.items()}
+
+
+def _sample_lengths(workload: Workload, batch: int, max_len: int) -> list[int]:
+    """``batch`` evenly spaced quantiles of the workload's sequence lengths (all of them if fewer), each clipped to
+    ``max_len``: the timed batch, short to long."""
+    lens = np.sort(workload.sequence_lengths())
+    return np.minimum(lens[np.linspace(0, lens.size - 1, min(batch, lens.size)).round().astype(int)],
+                      max_len).tolist()
+
+
+def _interleaved(sizes: list[int], rounds: int, on_step: Callable[[], Any] | None,
+                 measure: Callable[[int], T]) -> dict[int, list[T]]:
+    """``measure(size)`` for every size, ``rounds`` times, each round visiting every size in turn (a burst of load
+    elsewhere slows all sizes alike instead of one); ``on_step()`` after each."""
+    seen: dict[int, list[T]] = {bs: [] for bs in sizes}
+    for _ in range(rounds):
+        for bs, got in seen.items():
+            got.append(measure(bs))
+            if on_step is not None:
+                on_step()
+    return seen
+
+
+def _spread(ms: list[float]) -> tuple[float, float, float]:
+    """(median, fastest, slowest)."""
+    return float(np.median(ms)), min(ms), max(ms)
+
+
+def _check_on_step(on_step: Any) -> None:
+    if on_step is not None and not callable(on_step):
+        raise ConfigError(f"on_step must be callable or None, got {on_step!r:.80}")
+
+
+def _check_workload(workload: Workload) -> None:
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"workload must be a Workload, got {workload!r:.80}")
+    if not len(workload):
+        raise ConfigError(f"workload {workload.name!r} has no requests")
+
+
+def _check_sizes(block_sizes: Iterable[int]) -> list[int]:
+    """``block_sizes`` (at least one; numpy integers count as ints) as distinct plain ints, ascending; the error
+    names the size at fault."""
+    what = f"block sizes must be distinct ints in 1..{INT32_MAX}"
+    if isinstance(block_sizes, str) or not isinstance(block_sizes, Iterable):
+        raise ConfigError(f"{what}, got {block_sizes!r:.80}")
+    sizes = list(block_sizes)
+    bad = [s for s in sizes if not (is_int(s) and 1 <= s <= INT32_MAX)]
+    if bad or not sizes or len(set(sizes)) != len(sizes):  # (set() only once they are ints: hashable)
+        raise ConfigError(f"{what}, got {bad[0] if bad else sizes!r:.80}")
+    return sorted(int(s) for s in sizes)
+
+
+def _check_timing(settings: dict[str, Any]) -> dict[str, Any]:
+    """:data:`TIMING` updated by ``settings`` (:func:`measure_attention_ms`'s), each checked before any work."""
+    unknown = sorted(set(settings) - set(TIMING))
+    if unknown:
+        raise ConfigError(f"unknown attention setting {unknown[0]!r}; known: {', '.join(TIMING)}")
+    kw = {**TIMING, **settings}
+    for name in ("batch", "max_len", "num_heads", "head_dim", "rounds"):
+        if not is_int(kw[name]) or not 1 <= kw[name] <= INT32_MAX:
+            raise ConfigError(f"{name} must be a positive int, got {kw[name]!r:.80}")
+        kw[name] = int(kw[name])
+    kw["seed"] = check_seed(kw["seed"])
+    if kw["device"] is not None:
+        check_device(kw["device"], "device")
+    return kw
+
+
+def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, device: Any, seed: int) -> float:
+    """One timed decode step after one warm-up, on a fresh pool. The K/V values stay the pool's zeros: they do
+    not change the work the kernels do."""
+    from kvlab.core.attention import AttentionWorkspace, paged_attention  # imported here: counting needs no attention
+
+    spec = KVSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, block_size=block_size, dtype=torch.float32,
+                  **({} if device is None else {"device": device}))
+    counts = [-(-n // block_size) for n in lens]
+    pool = _scattered_pool(sum(counts), spec, seed)
+    ids = pool.allocate(sum(counts))
+    tables = [ids[a - c:a] for a, c in zip(np.cumsum(counts).tolist(), counts)]
+    gen = torch.Generator(device=spec.device).manual_seed(seed)
+    q = torch.randn(len(lens), heads, dim, generator=gen, device=spec.device)
+    ws = AttentionWorkspace()
+    paged_attention(q, pool, 0, tables, lens, workspace=ws)  # warm-up: workspace, caches, lazy kernels
+    return _timed(spec.device, lambda: paged_attention(q, pool, 0, tables, lens, workspace=ws))
+
+
+def _model_step_ms(model: Llama, lens: list[int], block_size: int, seed: int) -> tuple[float, float]:
+    """(ms of one ``model.step``, ms of its attention calls alone): see :func:`measure_decode_ms`."""
+    from kvlab.core.attention import paged_attention
+    from kvlab.core.sequence import SequenceManager
+
+    c = model.cfg
+    # each sequence gains two tokens (warm-up and timed step): room for their blocks, no more
+    pool = _scattered_pool(sum(-(-(n + 2) // block_size) for n in lens),
+                           c.kv_spec(block_size, model.dtype, model.device), seed)
+    manager = SequenceManager(pool)
+    seqs = [manager.create() for _ in lens]
+    manager.append_tokens(seqs, lens)  # blocks and token counts only: no K/V computed
+    feed = [[0] for _ in seqs]  # which token makes no difference to the work
+    model.step(manager, seqs, feed)  # warm-up: workspace, caches, lazy kernels
+    step = _timed(model.device, lambda: model.step(manager, seqs, feed))
+    tables, seq_lens = manager.block_tables(seqs).to(model.device), [s.num_tokens for s in seqs]
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    q = torch.randn(len(lens), c.num_heads, c.head_dim, generator=gen, device=model.device, dtype=model.dtype)
+
+    def attend() -> None:
+        for layer in range(c.num_layers):
+            paged_attention(q, pool, layer, tables, seq_lens, workspace=model.workspace)
+    return step, _timed(model.device, attend)
+
+
+def _scattered_pool(n: int, spec: KVSpec, seed: int) -> BlockPool:
+    """A pool of ``n`` blocks whose free stack hands them out in a seeded random order: scattered, as in a pool
+    that has served for a while (``free`` pushes so that the first id freed comes out first)."""
+    pool = BlockPool(n, spec=spec)
+    pool.free(np.random.default_rng(seed).permutation(pool.allocate(n)).tolist())
+    return pool
+
+
+def _timed(device: torch.device, run: Callable[[], Any]) -> float:
+    """Milliseconds of ``run()``, waiting for a CUDA device's queued work before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    t0 = time.perf_counter()
+    run()
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0)
+
+
+@dataclass
+class SweepResult:
+    """Rows of a sweep (one per block size, ascending) and how attention was timed."""
+
+    workload: str
+    requests: int
+    rows: list[SweepRow]
+    attention: str = "not measured"
+    weights: dict[str, tuple[float, float, float, float]] = field(default_factory=lambda: dict(WEIGHTS))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, list) or not self.rows or not all(isinstance(r, SweepRow) for r in self.rows):
+            raise ConfigError(f"a sweep result needs a non-empty list of SweepRow, got {self.rows!r:.80}")
+
+    def costs(self, goal: str = "balanced") -> dict[int, float]:
+        """``cost(B)`` of the module docstring's model for every swept block size."""
+        a, b, c, d = self.weights[check_choice(goal, "optimization goal", GOALS)]
+        over = _relative([r.table_entries + r.alloc_calls for r in self.rows])
+        reads = _relative([r.attention_slots for r in self.rows])
+        return {r.block_size: float(a * r.waste + b * r.prefix_loss + c * o + d * t)
+                for r, o, t in zip(self.rows, over, reads)}
+
+    def with_weights(self, goal: str, weights: Sequence[float]) -> SweepResult:
+        """The same rows with ``goal``'s cost weights (waste, prefix loss, overhead, attention slots) replaced:
+        what a student moves to watch the recommendation change. Weights are finite numbers >= 0, not all 0."""
+        check_choice(goal, "optimization goal", GOALS)
+        w = tuple(weights)
+        if len(w) != 4 or any(not is_real(x) or x < 0 for x in w) \
+                or not any(w):
+            raise ConfigError(f"weights for {goal!r} must be 4 finite numbers >= 0, not all 0; got {weights!r}")
+        a, b, c, d = (float(x) for x in w)
+        return replace(self, weights={**self.weights, goal: (a, b, c, d)})
+
+    def recommend(self, goal: str = "balanced") -> int:
+        """The swept block size of lowest cost for ``goal`` (the smaller size on a tie)."""
+        costs = self.costs(goal)
+        return min(costs, key=lambda bs: (costs[bs], bs))
+
+    def to_markdown(self, goal: str = "balanced") -> str:
+        """The measured table as Markdown, with the cost for ``goal`` and the recommended size marked."""
+        costs, best = self.costs(goal), self.recommend(goal)
+        lines = [f"workload `{self.workload}`, {self.requests} requests; attention: {self.attention}", "",
+                 "| block | blocks | waste % | table entries | alloc calls | prefix loss % | attention slots | "
+                 f"attention ms, median [min-max] | cost ({goal}) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in self.rows:
+            lo, hi = r.attention_spread
+            ms = "-" if math.isnan(r.attention_ms) else f"{r.attention_ms:.3f} [{lo:.3f}-{hi:.3f}]"
+            mark = " **<-**" if r.block_size == best else ""
+            lines.append(f"| {r.block_size} | {r.blocks} | {100 * r.waste:.1f} | {r.table_entries} | "
+                         f"{r.alloc_calls} | {100 * r.prefix_loss:.1f} | {r.attention_slots} | {ms} | "
+                         f"{costs[r.block_size]:.3f}{mark} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def _relative(counts: Sequence[int]) -> np.ndarray:
+    """``counts`` / their max; all 0 when the max is 0 (no size costs anything there, rather than 0/0 = NaN)."""
+    x = np.asarray(counts, dtype=float)
+    return x / max(x.max(), 1.0)
+
+
+def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, attention: bool = True,
+          progress: bool = True, **attention_kwargs: Any) -> SweepResult:
+    """Measure ``workload`` at every block size (see the module docstring). Attention timing needs the KV
+    tensor, is shown beside the cost but does not enter it, and can be turned off (``attention=False``);
+    ``attention_kwargs`` go to :func:`measure_attention_ms`."""
+    from tqdm.auto import tqdm
+
+    sizes = _check_sizes(block_sizes)
+    _check_workload(workload)
+    kw = _check_timing(attention_kwargs)
+    with tqdm(total=len(sizes) * (1 + kw["rounds"] if attention else 1), desc=f"sweep {workload.name}",
+              unit="step", disable=None if progress else True) as bar:  # None: off in logs
+        rows = []
+        for bs in sizes:
+            rows.append(measure_block_size(workload, bs))
+            bar.update()
+        if not attention:
+            return SweepResult(workload.name, len(workload), rows)
+        ms = measure_attention_ms(workload, sizes, on_step=bar.update, **kw)
+    how = (f"paged_attention decode, {kw['batch']} seqs (<= {kw['max_len']} tokens), "
+           f"{kw['num_heads']}x{kw['head_dim']} fp32, {kw['device'] or default_device()}, "
+           f"median of {kw['rounds']} rounds")
+    rows = [replace(r, attention_ms=ms[r.block_size][0], attention_spread=ms[r.block_size][1:]) for r in rows]
+    return SweepResult(workload.name, len(workload), rows, how)
+
+
+def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
+    """A 2x2 matplotlib figure of a sweep: memory (waste, prefix loss), bookkeeping (entries, calls),
+    attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure."""
+    from kvlab.viz.static import Picture  # a figure that displays as an image in any kernel
+
+    if not isinstance(result, SweepResult):
+        raise ConfigError(f"plot_sweep draws a SweepResult, got {result!r:.80}")
+    costs, best = result.costs(goal), result.recommend(goal)  # first: a bad goal is refused before any drawing
+    sizes = [r.block_size for r in result.rows]
+    fig = Picture(figsize=(10, 6.5), layout="constrained")
+    ax = fig.subplots(2, 2).ravel()
+    ax[0].plot(sizes, [100 * r.waste for r in result.rows], "o-", label="internal waste")
+    ax[0].plot(sizes, [100 * r.prefix_loss for r in result.rows], "s--", label="prefix-sharing loss")
+    ax[0].set(ylabel="% of slots / of shared-prefix tokens", title="memory")
+    ax[1].plot(sizes, [r.table_entries for r in result.rows], "o-", label="block-table entries")
+    ax[1].plot(sizes, [r.alloc_calls for r in result.rows], "s--", label="allocation calls")
+    ax[1].set(yscale="log", title="bookkeeping")
+    reads = _relative([r.attention_slots for r in result.rows])
+    ax[2].plot(sizes, reads, "o-", color="C2", label="slots read (in the cost), / max")
+    if not any(math.isnan(r.attention_ms) for r in result.rows):
+        top = max(r.attention_spread[1] for r in result.rows)
+        ax[2].errorbar(sizes, [r.attention_ms / top for r in result.rows],
+                       yerr=[[(r.attention_ms - r.attention_spread[0]) / top for r in result.rows],
+                             [(r.attention_spread[1] - r.attention_ms) / top for r in result.rows]],
+                       fmt="s--", color="C4", capsize=3, label="measured ms, median [min-max], / max")
+    ax[2].set(ylabel="relative to the largest", title="paged attention (one decode step)")
+    ax[3].plot(sizes, [costs[s] for s in sizes], "o-", color="C3")
+    ax[3].axvline(best, color="k", ls=":", label=f"recommended: {best}")
+    ax[3].set(title=f"cost ({goal})")
+    for a in ax:
+        a.set_xscale("log", base=2)
+        a.set_xticks(sizes, [str(s) for s in sizes])
+        a.set_xlabel("block size (tokens)")
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.suptitle(f"block-size sweep: {result.workload} ({result.requests} requests)")
+    return fig
