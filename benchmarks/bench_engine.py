@@ -4,10 +4,10 @@ throughput on the same workload, prefetch's effect on swap-in stalls, and two co
 
 * **Replay against nano-vllm** (goal: <= 1.0x). One engine run of 10,000 chat requests is recorded as the
   operations its block manager saw (admit a prompt, append n tokens per sequence per step, free), then replayed
-  through kvlab (what the engine uses: ``FastSequenceManager`` + ``FastPrefixCache`` on ``FastBlockPool``,
-  metadata mode, registering as the engine does: a prefill's full blocks at once, a request's generated ones
-  when it is freed) and through :class:`NanoReplayManager`, on the same pool size, interleaved, best of several
-  rounds. :class:`NanoReplayManager` and :class:`NanoSeq` are a model of nano-vllm's
+  through kvlab (what the engine uses, :func:`kvlab.fast.choose`: ``FastSequenceManager`` + ``FastPrefixCache``
+  on ``FastBlockPool``, metadata mode, registering as the engine does: a prefill's full blocks at once, a
+  request's generated ones when it is freed) and through :class:`NanoReplayManager`, on the same pool size,
+  interleaved, best of several rounds. :class:`NanoReplayManager` and :class:`NanoSeq` are a model of nano-vllm's
   ``nanovllm/engine/block_manager.py`` and ``sequence.py`` at commit ``bb823b3`` (GeeeekExplorer/nano-vllm,
   MIT), written here because nano-vllm is not on the package registries this project installs from: the same
   data structures, hashing (xxhash64 over the prefix hash and the token ids as numpy bytes), checks, deque and
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlab import Engine, EngineConfig, FastBlockPool, KVSpec
+from kvlab import Engine, EngineConfig, KVSpec
 from kvlab.app.bench import load
 from kvlab.serve.claims import prefetch_effect
-from kvlab.fast.pool import FastSequenceManager
+from kvlab.fast import choose
 from kvlab.workloads.traces import load_trace, prefix_hit_bound
 from kvlab.workloads.mixes import make_workload
 
@@ -88,8 +88,9 @@ def record(n: int, seed: int = 0, rate: float = 200.0) -> tuple[Ops, EngineConfi
 def replay_kvlab(ops: Ops, num_blocks: int, block_size: int) -> int:
     """The operations through what the engine uses, registering as it does: a prefill's full blocks at once, a
     request's generated ones when it is freed. Returns the prompt tokens served from the cache."""
-    pool = FastBlockPool(num_blocks, spec=KVSpec(block_size=block_size), with_storage=False)
-    mgr = FastSequenceManager(pool, prefix_cache=True)
+    fast = choose()  # what the engine runs (KVLAB_REFERENCE may name parts to run on the reference)
+    pool = fast.pool(num_blocks, spec=KVSpec(block_size=block_size), with_storage=False)
+    mgr = fast.manager(pool, prefix_cache=fast.prefix_cache(pool))
     seqs, prompt_left = {}, {}
     append, cache_full = mgr.append_tokens, mgr.cache_full_blocks
     for op in ops:

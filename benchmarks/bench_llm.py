@@ -57,9 +57,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvlab import Engine, EngineConfig, FastBlockPool, Llama, Request, load_model, load_trace, torch_threads
+from kvlab import Engine, EngineConfig, Llama, Request, SequenceManager, load_model, load_trace, torch_threads
 from kvlab.serve.loader import model_path
-from kvlab.fast.pool import FastSequenceManager
+from kvlab.fast import choose
 
 MODEL = "smollm2-135m"
 THREADS = (1, 2)
@@ -133,11 +133,11 @@ def token_stream(model: Llama, tokens: int) -> list[int]:
         reps = 2 * reps
 
 
-def fresh_manager(model: Llama, blocks: int) -> FastSequenceManager:
-    """A pool of ``blocks`` for the model's K/V and the engine's sequence manager on it, no prefix cache (a cached
-    prompt would skip work the other side does)."""
-    pool = FastBlockPool(blocks, spec=model.cfg.kv_spec(BLOCK, model.dtype, model.device))
-    return FastSequenceManager(pool, prefix_cache=False)
+def fresh_manager(model: Llama, blocks: int) -> SequenceManager:
+    """A pool of ``blocks`` for the model's K/V and the engine's sequence manager on it (:func:`kvlab.fast.choose`),
+    no prefix cache (a cached prompt would skip work the other side does)."""
+    fast = choose()
+    return fast.manager(fast.pool(blocks, spec=model.cfg.kv_spec(BLOCK, model.dtype, model.device)))
 
 
 def best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

@@ -48,7 +48,8 @@ from kvlab.serve.engine import Engine, run_workload
 from kvlab.serve.model import Llama, LlamaConfig, TinyConfig, TinyLlama
 from kvlab.serve.loader import load_model
 from kvlab.serve.tokenizer import ChatTokenizer
-from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream, sample
+from kvlab.serve.sampling import sample
+from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream
 from kvlab.serve.claims import (BASELINES, Claim, claims_report, measure_claims, prefetch_effect, prefix_hit_share,
                                 verdicts)
 # exercises/: the chapters' exercises and their checks.

@@ -19,9 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-import kvlab.core.attention as attention
+import kvlab.fast.attention as attention
 from kvlab import BlockPool, ConfigError, KVDataError, KVLabError, KVSpec, torch_threads
-from kvlab.core.attention import DECODE_KERNEL_COMPILED, AttentionWorkspace, contiguous_attention, paged_attention
+from kvlab.core.attention import AttentionWorkspace, contiguous_attention
+from kvlab.core.attention import paged_attention as reference_attention
+from kvlab.fast.attention import DECODE_KERNEL_COMPILED, paged_attention
 from kvlab.core.sequence import SequenceManager
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -150,15 +152,16 @@ BAD_ARGS = {  # keyword -> value: paged_attention must refuse it with a typed er
 }
 
 
-@pytest.mark.parametrize("impl", ["torch", "auto"])
+@pytest.mark.parametrize("impl", ["reference", "torch", "auto"])
 @pytest.mark.parametrize("kwargs, named", BAD_ARGS.values(), ids=BAD_ARGS)
 def test_arguments_are_never_coerced(kwargs, named, impl):
-    """Floats were truncated, bools counted as ints, a NaN scale gave NaN on the kernel and 0 on torch."""
+    """Floats were truncated, bools counted as ints, a NaN scale gave NaN on the kernel and 0 on torch. The
+    reference (kvlab.core.attention) and the fast twin (kvlab.fast.attention) share one check."""
     pool = small_pool()
     before = pool.storage.kv.clone()
     args = {"q": torch.randn(1, 2, 4), "kv": pool, "layer": 0, "block_tables": [[0, 1]], "seq_lens": [5], **kwargs}
     with pytest.raises(KVLabError, match=named):
-        paged_attention(**args, impl=impl)
+        reference_attention(**args) if impl == "reference" else paged_attention(**args, impl=impl)
     assert torch.equal(pool.storage.kv, before)
 
 
@@ -353,11 +356,11 @@ def test_compiled_refuses_what_it_does_not_serve():
 @needs_kernel
 def test_a_bool_layer_never_reaches_the_kernel():
     """Run apart: before the fix ``layer=False`` crashed the interpreter (SIGSEGV) on the compiled path."""
-    code = ("import torch, kvlab; from kvlab import BlockPool, KVSpec\n"
+    code = ("import torch, kvlab, kvlab.fast.attention as a; from kvlab import BlockPool, KVSpec\n"
             "p = BlockPool(8, spec=KVSpec(2, 2, 4, 4, device='cpu'))\n"
             "for layer in (False, True):\n"
             "    try:\n"
-            "        kvlab.paged_attention(torch.randn(1, 2, 4), p, layer, [[0, 1]], [5], impl='compiled')\n"
+            "        a.paged_attention(torch.randn(1, 2, 4), p, layer, [[0, 1]], [5], impl='compiled')\n"
             "    except kvlab.ConfigError as e:\n"
             "        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -380,7 +383,7 @@ def test_the_c_entry_point_checks_what_it_reads():
 
 
 def test_pure_python_switch_keeps_the_torch_path():
-    code = ("import torch, kvlab.core.attention as a; from kvlab import BlockPool, KVSpec\n"
+    code = ("import torch, kvlab.fast.attention as a; from kvlab import BlockPool, KVSpec\n"
             "p = BlockPool(4, spec=KVSpec(1, 1, 8, 4, device='cpu')); print(a.DECODE_KERNEL_COMPILED, "
             "a.paged_attention(torch.ones(1, 1, 8), p, 0, [[2]], [3]).shape)")
     env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
@@ -395,7 +398,7 @@ def test_a_kernel_older_than_its_source_is_refused_with_one_warning(tmp_path):
     shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     c_file = pkg / "fast" / "_paged_attention.c"
     c_file.write_text(c_file.read_text() + "\n/* edited */\n")
-    code = ("import warnings; warnings.simplefilter('always'); import kvlab.core.attention as a; "
+    code = ("import warnings; warnings.simplefilter('always'); import kvlab.fast.attention as a; "
             "print(a.DECODE_KERNEL_COMPILED)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
     assert out.stdout.strip() == "False"

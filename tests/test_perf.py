@@ -27,7 +27,6 @@ from kvlab import (Allocated, BlockPool, Cached, Evicted, DoubleFreeError, Event
 from kvlab.core.eviction import OPTPolicy
 from kvlab.fast.pool import COMPILED, FastPrefixCache, FastSequenceManager, PyFastBlockPool, PyFastSequenceManager
 import kvlab.core.prefix as prefix_mod
-from kvlab.core.checks import token_bytes
 from kvlab.core.prefix import PrefixCache
 from kvlab.core.sequence import Sequence, SequenceManager
 
@@ -290,20 +289,6 @@ def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, d
         if listen:
             assert recs[0].events == recs[1].events
         mgrs[0].check_invariants()
-
-
-@given(st.lists(st.one_of(st.integers(0, 2**63 - 1), st.integers(0, 40), st.integers(-3, -1), st.integers(2**63, 2**65),
-                          st.booleans(), st.floats(), st.none(), st.just(np.int64(3)), st.text(max_size=1)),
-                max_size=70))
-def test_the_fast_prefix_cache_checks_token_ids_as_the_reference(ids):
-    """Compiled or not, FastPrefixCache converts a list of token ids to the same bytes as ``token_bytes`` and
-    refuses a bad one with the same error."""
-    def outcome(f):
-        try:
-            return f(ids, "where")
-        except KVLabError as e:
-            return type(e), str(e)
-    assert outcome(FastPrefixCache.tokens_of) == outcome(token_bytes)
 
 
 class BlindHasher:

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Raw: the --version line is printed as written, not wrapped at the terminal's width
     parser = _Parser(prog="kvlab", description="See how a paged KV cache works.",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    from kvlab.core.attention import DECODE_KERNEL_COMPILED
+    from kvlab.fast.attention import DECODE_KERNEL_COMPILED
 
     c_file = "kvlab/fast/_fastpath.c"
     fast = f"compiled ({c_file})" if hotpath_compiled else f"pure Python (no compiled {c_file})"
@@ -508,7 +508,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 def _chat(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from kvlab.serve.chat import ChatSession, check_temperature, check_top_p
+    from kvlab.serve.chat import ChatSession
+    from kvlab.serve.sampling import check_temperature, check_top_p
     from kvlab.serve.loader import load_model
 
     temperature = check_temperature(args.temperature, "--temperature")

@@ -16,30 +16,26 @@ are its *last* ``query_lens[i]`` positions. Decode is ``query_lens == 1``; prefi
 prompt that hit the prefix cache is in between (causal with an offset). :func:`contiguous_attention` is the
 reference on plain tensors, written with explicit matmuls and softmax so it shares no code path with SDPA.
 
-Speed trick, kept apart at the end of this file: for decode on CPU in fp32 the gather is most of the cost (it
-reads and writes every byte of K/V once more before SDPA reads it). There ``paged_attention`` calls a compiled
-kernel instead (``kvlab/fast/_paged_attention.c``: an online softmax that reads each block where it lies, through the
-block table, on ``torch.get_num_threads()`` threads). It computes what the gather + SDPA path above computes, and
-``tests/test_attention.py`` holds the two equal; ``impl="torch"`` forces the reference path.
+The speed trick lives apart, in :mod:`kvlab.fast.attention`: for decode on CPU in fp32 the gather is most of the
+cost, so there a compiled kernel reads each block where it lies. It takes the same arguments, validated by
+:func:`check_paged` below, and ``tests/test_attention.py`` holds it equal to :func:`paged_attention`.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvlab.fast.compiled import load_extension
 from kvlab.core.errors import ConfigError, KVDataError
-from kvlab.core.checks import check_choice, check_real
+from kvlab.core.checks import check_real
 from kvlab.core.pool import BlockPool
 from kvlab.core.storage import KVStorage, int_tensor
 
 TableLike = torch.Tensor | Sequence[Sequence[int]]
-Impl = Literal["auto", "torch", "compiled"]
 
 
 class AttentionWorkspace:
@@ -105,26 +101,21 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor 
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
 
 
-def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
-                    seq_lens: Sequence[int] | torch.Tensor, query_lens: Sequence[int] | torch.Tensor | None = None,
-                    *, scale: float | None = None, workspace: AttentionWorkspace | None = None,
-                    impl: Impl = "auto") -> torch.Tensor:
-    """Causal attention of packed queries ``q`` ``[num_tokens, q_heads, dim]`` over the paged K/V of ``layer``.
+class PagedCall(NamedTuple):
+    """A :func:`paged_attention` call's arguments, checked and normalised (what every implementation reads)."""
+    storage: KVStorage
+    layer: int
+    tables: torch.Tensor  # [batch, max_blocks] int64 on the pool's device
+    lens: list[int]  # tokens of each sequence in the cache
+    qlens: list[int]  # query rows of each sequence, its last positions
+    first: list[int]  # each sequence's first row of q
+    scale: float | None
 
-    Args:
-        kv: a :class:`BlockPool` with storage, or its :class:`KVStorage`.
-        block_tables: ``[batch, max_blocks]`` physical block ids (or a list of lists); row ``i`` covers
-            ``seq_lens[i]`` tokens whose K/V are already written (including this step's tokens).
-        seq_lens: tokens of each sequence in the cache.
-        query_lens: query rows per sequence (default 1 each: decode); they are the sequence's last positions.
-        workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise. The
-            compiled kernel gathers nothing and leaves it alone.
-        impl: ``"torch"``: the gather + SDPA path below; ``"compiled"``: the compiled decode kernel (a
-            :class:`ConfigError` where it does not apply, see :func:`compiled_decode_refusal`); ``"auto"``: the
-            kernel where it applies, else torch.
-    Returns ``[num_tokens, q_heads, dim]`` in ``q``'s dtype.
-    """
-    check_choice(impl, "impl", ("auto", "torch", "compiled"))
+
+def check_paged(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
+                seq_lens: Sequence[int] | torch.Tensor, query_lens: Sequence[int] | torch.Tensor | None,
+                scale: float | None, workspace: AttentionWorkspace | None) -> PagedCall:
+    """:func:`paged_attention`'s arguments checked (a typed error naming the bad one) and normalised."""
     if workspace is not None and not isinstance(workspace, AttentionWorkspace):
         raise ConfigError(f"workspace must be an AttentionWorkspace or None, got {workspace!r}")
     scale = _scale(scale)
@@ -132,7 +123,7 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
     if not isinstance(storage, KVStorage):
         raise ConfigError(f"kv must be a BlockPool or a KVStorage, got {kv!r}")
     s = storage.spec
-    layer = storage.check_layer(layer)  # a bool or float layer would hand the kernel a temporary copy
+    layer = storage.check_layer(layer)  # a bool or float layer would hand a kernel a temporary copy
     if not isinstance(q, torch.Tensor):
         raise KVDataError(f"q must be a torch.Tensor, got {q!r}")
     if q.dim() != 3 or q.shape[2] != s.head_dim or not q.shape[1] or q.shape[1] % s.num_kv_heads:
@@ -154,21 +145,34 @@ def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, bloc
                               f"blocks of {B} (queries must be <= tokens <= table capacity)")
     if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
         raise ConfigError(f"block tables name blocks outside 0..{storage.num_blocks - 1}")
-    first = np.cumsum([0, *qlens]).tolist()  # each sequence's first row of q
-    todo: Sequence[int] = range(len(lens))
-    out = torch.empty_like(q)
-    if impl != "torch":
-        refusal = compiled_decode_refusal(q, storage, qlens)
-        if refusal is None:
-            return _compiled_decode(q, storage, layer, tables, lens, scale)
-        if impl == "compiled":
-            raise ConfigError(f"impl='compiled', but the compiled decode kernel does not apply: {refusal}")
-        decode = [i for i, m in enumerate(qlens) if m == 1]
-        if decode and compiled_decode_refusal(q, storage, [1]) is None:  # a step mixing prefill chunks and decode
-            rows = torch.tensor([first[i] for i in decode], device=q.device)
-            out[rows] = _compiled_decode(q[rows], storage, layer, tables[decode], [lens[i] for i in decode], scale)
-            todo = [i for i, m in enumerate(qlens) if m != 1]
+    return PagedCall(storage, layer, tables, lens, qlens, np.cumsum([0, *qlens]).tolist(), scale)
 
+
+def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
+                    seq_lens: Sequence[int] | torch.Tensor, query_lens: Sequence[int] | torch.Tensor | None = None,
+                    *, scale: float | None = None, workspace: AttentionWorkspace | None = None) -> torch.Tensor:
+    """Causal attention of packed queries ``q`` ``[num_tokens, q_heads, dim]`` over the paged K/V of ``layer``.
+
+    Args:
+        kv: a :class:`BlockPool` with storage, or its :class:`KVStorage`.
+        block_tables: ``[batch, max_blocks]`` physical block ids (or a list of lists); row ``i`` covers
+            ``seq_lens[i]`` tokens whose K/V are already written (including this step's tokens).
+        seq_lens: tokens of each sequence in the cache.
+        query_lens: query rows per sequence (default 1 each: decode); they are the sequence's last positions.
+        workspace: reuse the gather buffer across calls (the model keeps one); a fresh one otherwise.
+    Returns ``[num_tokens, q_heads, dim]`` in ``q``'s dtype.
+    """
+    call = check_paged(q, kv, layer, block_tables, seq_lens, query_lens, scale, workspace)
+    return gather_attention(q, call, range(len(call.lens)), workspace, torch.empty_like(q))
+
+
+def gather_attention(q: torch.Tensor, call: PagedCall, todo: Sequence[int], workspace: AttentionWorkspace | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out``'s rows of the sequences ``todo`` of a checked call: gather each one's blocks into the
+    workspace, then SDPA over them. Returns ``out``."""
+    storage, layer, tables, lens, qlens, first, scale = call
+    s = storage.spec
+    B = s.block_size
     ws = (workspace or AttentionWorkspace()).get(-(-max(lens, default=0) // B), storage.kv[0, layer, 0])
     # Gather rows of ``sub`` tokens (a block is ``per`` rows): index_select's CPU speed depends on the row size
     # (128 KB rows, B=64 at 8 heads x 64, copied at half the speed of 32 KB ones here), so rows stay <= 16 tokens.
@@ -225,45 +229,4 @@ def contiguous_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: 
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[row:row + m] = torch.einsum("hgij,jhd->ihgd", probs, v.double()).reshape(m, -1, d).to(q.dtype)
         row += m
-    return out
-
-
-# --- Speed trick: the compiled decode kernel (kvlab/fast/_paged_attention.c) ------------------------------------
-
-_decode: Callable[..., None] | None = load_extension(
-    "_paged_attention", "decode", "paged_attention gathers blocks for SDPA meanwhile.")
-DECODE_KERNEL_COMPILED = _decode is not None
-_THREAD_FLOATS = 1 << 19  # K/V floats (2 MB, ~0.1 ms of work) per extra kernel thread: starting one costs 20-50 us
-
-
-def compiled_decode_refusal(q: torch.Tensor, storage: KVStorage, query_lens: Sequence[int]) -> str | None:
-    """Why the compiled decode kernel cannot serve this (already validated) call, or None when it can: it
-    handles one query per sequence, fp32, on the CPU."""
-    if _decode is None:
-        return "it is not built (KVLAB_PURE_PYTHON is set, or kvlab was installed without a C compiler)"
-    if q.device.type != "cpu":
-        return f"q is on {q.device}, not the CPU"
-    if q.dtype != torch.float32:
-        return f"q is {q.dtype}, not torch.float32"
-    if any(m != 1 for m in query_lens):
-        return f"query_lens are {list(query_lens)}; it decodes one query per sequence"
-    if not storage.kv.is_contiguous():
-        return "the pool's K/V tensor is not contiguous"
-    return None
-
-
-def _compiled_decode(q: torch.Tensor, storage: KVStorage, layer: int, tables: torch.Tensor, lens: list[int],
-                     scale: float | None) -> torch.Tensor:
-    """Decode attention by the compiled kernel, on the arguments :func:`paged_attention` validated; it reads
-    K/V in place (no workspace) and splits the work over ``torch.get_num_threads()`` threads."""
-    s = storage.spec
-    assert _decode is not None
-    q = q.contiguous()
-    tables = tables.contiguous()
-    seq_lens = torch.tensor(lens, dtype=torch.long)
-    out = torch.empty_like(q)
-    _decode(out.data_ptr(), q.data_ptr(), storage.kv[0, layer].data_ptr(), storage.kv[1, layer].data_ptr(),
-            tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), len(lens), q.shape[1], s.num_kv_heads,
-            s.head_dim, s.block_size, storage.num_blocks, s.head_dim ** -0.5 if scale is None else scale,
-            torch.get_num_threads(), _THREAD_FLOATS)
     return out

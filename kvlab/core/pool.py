@@ -17,7 +17,7 @@ Invariants (:meth:`BlockPool.check_invariants`, asserted after every step of the
 
 Every public mutation validates all of its input first (a rejected call changes nothing, not even the clock),
 then takes the lock once, ticks the clock once and publishes one event per effect (:mod:`kvlab.core.events`).
-The parts: per-block fields in :mod:`kvlab.core.meta`, free stacks and buddies in :mod:`kvlab.memory.freelists`,
+The parts: per-block fields in :mod:`kvlab.core.meta`, free stacks and buddies in :mod:`kvlab.core.freelists`,
 victims from :mod:`kvlab.core.eviction`, input rules in :mod:`kvlab.core.checks`. Speed lives apart
 (:mod:`kvlab.fast.pool`, held equal to this class by tests); the text's own method names are an adapter around it
 (:mod:`kvlab.textbook.pool`).
@@ -42,7 +42,7 @@ from kvlab.core.errors import (ConfigError, DoubleFreeError, IllegalTransitionEr
                                RefcountUnderflowError, UnknownBlockError)
 from kvlab.core.events import notify
 from kvlab.core.eviction import EvictionPolicy, make_policy
-from kvlab.memory.freelists import FreeLists
+from kvlab.core.freelists import FreeLists
 from kvlab.core.meta import FIELDS, NO_OWNER, BlockMeta
 from kvlab.core.spec import KVSpec
 from kvlab.core.storage import KVStorage

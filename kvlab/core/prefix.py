@@ -52,7 +52,6 @@ def _check_parent(parent: object) -> bytes | None:
 class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 
-    tokens_of = staticmethod(token_bytes)  # how lookups and stores check and convert token ids (to int64 bytes)
 
     def __init__(self, pool: BlockPool) -> None:
         if not isinstance(pool, BlockPool):
@@ -119,7 +118,7 @@ class PrefixCache:
         same hash counts as registered. Everything is checked before anything changes."""
         pool, B = self.pool, self.block_size
         blocks = pool.check_ids(block_ids)
-        tokens = self.tokens_of(token_ids, "prefix store")
+        tokens = token_bytes(token_ids, "prefix store")
         parent, salted = _check_parent(parent), _salted(check_tenant(tenant))
         status, refs = self._status, self._refs
         for b in blocks:
@@ -224,7 +223,7 @@ class PrefixCache:
         None (nothing registered there, or a hash collision)."""
         if not isinstance(digest, bytes):
             raise ConfigError(f"a block hash is bytes, got {digest!r}")
-        tokens = self.tokens_of(token_ids, "cached_block")
+        tokens = token_bytes(token_ids, "cached_block")
         b = self._block.get(digest)
         return b if b is not None and self._valid(b) and self._tokens[b] == tokens else None
 
@@ -269,7 +268,7 @@ class PrefixCache:
                max_blocks: int | None) -> tuple[bytes, hashlib.blake2b, int]:
         """The validated arguments of :meth:`match`/:meth:`peek` (tokens, the tenant's hasher, full blocks to
         look up): all of them before any lookup is counted."""
-        tokens = self.tokens_of(token_ids, "prefix lookup")
+        tokens = token_bytes(token_ids, "prefix lookup")
         salted = _salted(check_tenant(tenant))
         if max_blocks is not None and not (is_int(max_blocks) and max_blocks >= 0):
             raise ConfigError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")

@@ -32,7 +32,7 @@ import torch
 from kvlab.core.block import ALLOCATED
 from kvlab.core.errors import ConfigError, IllegalTransitionError, KVDataError
 from kvlab.core.events import Event
-from kvlab.core.checks import TOKEN_MAX, check_flag, check_tenant, is_int, token_list
+from kvlab.core.checks import TOKEN_MAX, check_flag, check_tenant, is_int, token_bytes, token_list
 from kvlab.core.pool import BlockPool
 from kvlab.core.prefix import PrefixCache
 
@@ -44,15 +44,13 @@ class SequenceManager:
     :class:`PrefixCache` (``prefix_cache=True`` builds one). Registers a relocation hook so ``pool.migrate``
     rewrites every table."""
 
-    _cache_class: type[PrefixCache] = PrefixCache  # what prefix_cache=True builds (the fast manager: its fast one)
-
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
         if not isinstance(pool, BlockPool):
             raise ConfigError(f"a SequenceManager needs a BlockPool, got {pool!r}")
         if isinstance(prefix_cache, PrefixCache) and prefix_cache.pool is not pool:
             raise ConfigError(f"the prefix cache {prefix_cache!r} belongs to another pool")
         if isinstance(prefix_cache, (bool, np.bool_)):
-            prefix_cache = self._cache_class(pool) if prefix_cache else None
+            prefix_cache = PrefixCache(pool) if prefix_cache else None
         elif prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise ConfigError(f"prefix_cache must be a PrefixCache, True, False or None, not {prefix_cache!r}")
         self.pool, self.block_size = pool, pool.block_size
@@ -74,9 +72,8 @@ class SequenceManager:
         prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
         token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
         tenant = check_tenant(tenant)
-        if prompt is not None:  # checked with or without a cache (by the cache's own check, which a fast cache
-            # runs in C): the same prompt must not pass only sometimes
-            data = self._cache_class.tokens_of(prompt, f"sequence {self._next_id}")
+        if prompt is not None:  # checked with or without a cache: the same prompt must not pass only sometimes
+            data = token_bytes(prompt, f"sequence {self._next_id}")
             exact = type(prompt) is list and set(map(type, prompt)) <= {int}  # as they are (cheaper than rebuilt)
             prompt = list(prompt) if exact else array("q", data).tolist()
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)

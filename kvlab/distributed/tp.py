@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvlab.core.attention import AttentionWorkspace, paged_attention
+from kvlab.core.attention import AttentionWorkspace
 from kvlab.core.errors import ConfigError
 from kvlab.serve.model import (LlamaConfig, TinyConfig, TinyLlama, check_prompts, generate as generate_seqs, rms_norm,
                                rope)
@@ -96,8 +96,8 @@ class TPShard:
             k = rope((h @ p["wk"].T).view(-1, hk, c.head_dim), batch.positions, c.rope_theta)
             v = (h @ p["wv"].T).view(-1, hk, c.head_dim)
             storage.write_slots(layer, batch.slots, k, v)
-            attn = paged_attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
-                                   workspace=self.workspace)
+            attn = m.attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
+                               workspace=self.workspace)
             part = (attn.reshape(x.shape[0], -1) @ p["wo"].T).contiguous()
             link.all_reduce(part)  # the row-parallel output projection: sum of every rank's heads
             x = x + part

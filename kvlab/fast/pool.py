@@ -38,7 +38,7 @@ from kvlab.fast.compiled import load_extension
 from kvlab.core.errors import OutOfBlocksError
 from kvlab.core.eviction import LRUPolicy
 from kvlab.core.block import ALLOCATED, FREE, PENDING
-from kvlab.core.checks import INT32_MAX, TOKEN_MAX, token_bytes
+from kvlab.core.checks import INT32_MAX, TOKEN_MAX
 from kvlab.core.events import notify
 from kvlab.core.pool import RANKED, BlockPool, Ids
 from kvlab.core.prefix import ChainGuard, PrefixCache
@@ -527,7 +527,6 @@ if _FastPath is not None:
     from kvlab.fast._fastpath import PoolLock as _PoolLock  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from kvlab.fast._fastpath import apply_append as _apply_append
     from kvlab.fast._fastpath import plan_append as _plan_append
-    from kvlab.fast._fastpath import token_bytes as _token_bytes
     from kvlab.fast._fastpath import walk_chain as _walk_chain
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
@@ -567,15 +566,8 @@ if _FastPath is not None:
         def counts(self, value: dict[str, int]) -> None:
             self._counts = value
     class FastPrefixCache(PrefixCache):
-        """A :class:`PrefixCache` whose lookups and stores check and convert a list of token ids in C
-        (``kvlab/fast/_fastpath.c``'s ``token_bytes``; anything else, and every error, is :func:`token_bytes`'s) and
-        whose lookups walk the hash chain in C (``walk_chain``: the same hashes, checks and stop, the Python
-        ``_walk``'s loop)."""
-
-        @staticmethod
-        def tokens_of(x: object, where: str) -> bytes:
-            data = _token_bytes(x) if type(x) is list else None
-            return token_bytes(x, where) if data is None else data
+        """A :class:`PrefixCache` whose lookups walk the hash chain in C (``kvlab/fast/_fastpath.c``'s
+        ``walk_chain``: the same hashes, checks and stop as the Python ``_walk``'s loop)."""
 
         def _walk(self, tokens: bytes, salted: Any, n: int) -> tuple[list[int], bytes | None]:
             ids, last, stale = _walk_chain(tokens, n, 8 * self.block_size, salted, self._block, self._tokens,
@@ -587,9 +579,12 @@ if _FastPath is not None:
     class FastSequenceManager(PyFastSequenceManager):
         """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/fast/_fastpath.c``'s
         ``plan_append`` and ``apply_append``, which read and write the same fields); the pool calls between them
-        stay the pool's. Its prefix cache is a :class:`FastPrefixCache`."""
+        stay the pool's. ``prefix_cache=True`` builds a :class:`FastPrefixCache`."""
 
-        _cache_class = FastPrefixCache
+        def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
+            if isinstance(prefix_cache, (bool, np.bool_)) and prefix_cache and isinstance(pool, BlockPool):
+                prefix_cache = FastPrefixCache(pool)
+            super().__init__(pool, prefix_cache)
 
         def _plan_append(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> int | None:
             return _plan_append(seqs, new, self.seqs, Sequence, self.block_size, self.pool.fields.refcount)

@@ -1,5 +1,4 @@
 """Memory management around the pool: ``allocator`` (how one request for blocks is served, §2.2.3),
-``freelists`` (free lists and the buddy system), ``fragmentation`` (measuring and undoing it, §2.2.4),
-``preallocation`` (§2.2.5), ``sizing`` (choosing the block size, §2.2.1) and ``baseline`` (the contiguous,
-pre-paging allocator that §2.2.6 compares against).
+``fragmentation`` (measuring and undoing it, §2.2.4), ``preallocation`` (§2.2.5), ``sizing`` (choosing the block
+size, §2.2.1) and ``baseline`` (the contiguous, pre-paging allocator that §2.2.6 compares against).
 """

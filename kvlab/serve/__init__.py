@@ -9,6 +9,7 @@
 
 Then the model whose K/V the cache holds: :mod:`~kvlab.serve.model` (a Llama decoder writing into the pool),
 :mod:`~kvlab.serve.loader` (a real model from its GGUF file), :mod:`~kvlab.serve.tokenizer`,
+:mod:`~kvlab.serve.sampling` (choosing each next token),
 :mod:`~kvlab.serve.chat` (chatting with it while the cache works), and :mod:`~kvlab.serve.claims` (§2.2.6's
 results measured against a baseline).
 """

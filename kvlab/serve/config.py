@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvlab.serve.chat import check_temperature, check_top_p
+from kvlab.serve.sampling import check_temperature, check_top_p
 from kvlab.core.checks import check_choice, check_flag, check_positive, check_real, check_seed, is_int
 from kvlab.core.errors import ConfigError
 from kvlab.core.eviction import POLICIES

@@ -18,7 +18,7 @@ One step of :meth:`Engine.step`:
    (a prefix-cache hit skips the cached part of the prompt; :meth:`PrefixCache.peek` prices it first);
 5. the batch runs: metadata mode appends token counts (:meth:`SequenceManager.append_tokens`), real mode runs
    the model through the paged KV tensor (:meth:`Llama.step <kvlab.serve.model.Llama.step>`) and samples each
-   request's next token (:func:`kvlab.serve.chat.sample`: greedy, or temperature and top-p with a seeded generator);
+   request's next token (:func:`kvlab.serve.sampling.sample`: greedy, or temperature and top-p with a seeded generator);
    a request ends at its ``output_len`` or, with a real model, when it samples the end-of-turn token;
 6. finished requests release their blocks (full blocks stay cached for later prefix hits);
 7. with ``prefetch`` swapped requests come back now, while blocks are free (see *Time*).
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from kvlab.serve.chat import sample
+from kvlab.serve.sampling import sample
 from kvlab.core.checks import is_int
 from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event

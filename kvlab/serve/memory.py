@@ -31,7 +31,7 @@ from kvlab.core.events import EventBus
 from kvlab.core.eviction import FutureUses, OPTPolicy
 from kvlab.memory.fragmentation import unusable_free_percent
 from kvlab.serve.metrics import BlockLifetimes, distribution
-from kvlab.fast.pool import FastBlockPool, FastSequenceManager
+from kvlab.fast import choose
 from kvlab.core.prefix import PrefixCache
 from kvlab.core.sequence import Sequence, SwapState
 from kvlab.core.spec import KVSpec
@@ -132,9 +132,10 @@ class PagedMemory:
                                                   [r.tenant for r in reqs])
             self.arrival_index = {r.id: i for i, r in enumerate(reqs)}
             policy = OPTPolicy(self._next_use)
-        self.pool = FastBlockPool(cfg.num_blocks, spec=spec, eviction_policy=policy,
-                                  with_storage=model is not None)
-        self.manager = FastSequenceManager(self.pool, prefix_cache=cfg.prefix_caching)
+        fast = choose()  # the fast twins (KVLAB_REFERENCE names parts to run on the reference instead)
+        self.pool = fast.pool(cfg.num_blocks, spec=spec, eviction_policy=policy, with_storage=model is not None)
+        self.manager = fast.manager(self.pool, prefix_cache=fast.prefix_cache(self.pool) if cfg.prefix_caching
+                                    else None)
         self.cache: PrefixCache | None = self.manager.prefix_cache
         self.lifetimes = BlockLifetimes(self.pool)
         self.events, self.clock = self.pool.events, self.pool.clock

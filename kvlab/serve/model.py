@@ -12,7 +12,8 @@ Two ways to run either:
   :func:`kvlab.core.attention.contiguous_attention` (no cache at all);
 * :meth:`Llama.step` runs only the new tokens of a batch of sequences: it appends them through
   :class:`kvlab.SequenceManager` (blocks on demand, copy-on-write, prefix-cache hits), writes their K/V into the
-  pool's slots (one ``index_copy_`` per layer) and attends with :func:`kvlab.paged_attention`.
+  pool's slots (one ``index_copy_`` per layer) and attends with :func:`kvlab.paged_attention` (on the CPU
+  in fp32, its decode rows by the compiled kernel of :mod:`kvlab.fast.attention`).
 
 Greedy generation through :meth:`step` gives exactly the tokens of :meth:`forward_full`: the cache changes
 where K/V live, never what attention computes.
@@ -26,10 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvlab.core.attention import AttentionWorkspace, contiguous_attention, paged_attention
+from kvlab.core.attention import AttentionWorkspace, contiguous_attention
 from kvlab.core.checks import check_count, check_positive, check_real, check_seed, check_token_ids
 from kvlab.core.errors import ConfigError, KVLabError
 from kvlab.core.sequence import Sequence, SequenceManager
+from kvlab.fast import choose
 from kvlab.core.spec import KVSpec
 from kvlab.core.storage import KVStorage
 
@@ -188,6 +190,7 @@ class Llama:
         self.norm = put(norm, (d,), "norm")
         self.lm_head = self.embed if lm_head is embed else put(lm_head, (v, d), "lm_head")
         self.workspace = AttentionWorkspace()
+        self.attention = choose().attention  # paged attention: the fast twin unless KVLAB_REFERENCE says decode
 
     def __repr__(self) -> str:
         c = self.cfg
@@ -253,8 +256,8 @@ class Llama:
         for layer, p in enumerate(self.layers):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = layer) -> torch.Tensor:
                 storage.write_slots(layer, batch.slots, k, v)
-                return paged_attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
-                                       workspace=self.workspace)
+                return self.attention(q, storage, layer, batch.block_tables, batch.seq_lens, batch.query_lens,
+                                      workspace=self.workspace)
             x = self._layer(p, x, rot, attend)
         for seq in seqs:
             manager.cache_full_blocks(seq)

@@ -1,0 +1,174 @@
+"""What each part of ``kvlab/fast`` earns end to end: every benchmark below runs with all parts fast, then with one
+part on its reference (``KVLAB_REFERENCE=<part>``, read by :func:`kvlab.fast.choose`), interleaved, best of the
+rounds. A part's gain is ``seconds with it on the reference / seconds all fast``; a part earns its lines with a
+gain >= 1.10x on at least one benchmark (the goal of the issue that split ``kvlab/fast`` out).
+
+The parts (:data:`kvlab.fast.PARTS`) and the benchmarks that run them:
+
+* ``replay``: the 10,000-request replay of ``bench_engine.py`` (what kvlab's block manager did in one engine run,
+  replayed: ``pool``, ``append``, ``prefix``);
+* ``engine``: 10,000 chat requests through :class:`kvlab.Engine` in metadata mode (``pool``, ``append``,
+  ``prefix``);
+* ``decode``: the real model (SmolLM2-135M, ``kvlab.load_model``) decoding 64 tokens after a 43-token prompt,
+  batch 1 (``pool``, ``append``, ``decode``); TinyLlama where the model is not installed, and the row says so;
+* ``mooncake`` (``--mooncake`` only, minutes): the whole Mooncake conversation trace through the engine, as
+  ``kvlab run --trace mooncake-conversation`` runs it.
+
+The pool part is also measured on its Python twin: :class:`~kvlab.fast.pool.PyFastBlockPool` against the reference
+(``KVLAB_PURE_PYTHON=1``, in a child process, since the switch is read when kvlab is imported). The widget frame
+(``bench_widgets.py``) runs no part of ``kvlab/fast``. ``python benchmarks/bench_parts.py [--quick] [--mooncake]``.
+"""
+from __future__ import annotations
+
+import ast
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvlab.fast
+from kvlab import Engine, EngineConfig, ModelFileError, TinyConfig, TinyLlama, load_model, load_trace
+from kvlab.app.bench import load
+from kvlab.fast import choose
+from kvlab.workloads.mixes import make_workload
+
+FAST = Path(kvlab.fast.__file__).parent
+USES = {"replay": ("pool", "append", "prefix"), "engine": ("pool", "append", "prefix"),
+        "decode": ("pool", "append", "decode"), "mooncake": ("pool", "append", "prefix")}
+
+
+def c_lines() -> dict[str, int]:
+    """Lines of ``_fastpath.c`` by part: its append-loop and chain-walk sections; the rest is the pool's."""
+    c = (FAST / "_fastpath.c").read_text()
+    append_at, walk_at = c.index("static PyObject *s_seq_id"), c.index("/* walk_chain(")
+    tables_at = c.index("static PyMethodDef module_functions")
+    append, prefix = c[append_at:walk_at].count("\n"), c[walk_at:tables_at].count("\n")
+    return {"pool": c.count("\n") - append - prefix, "append": append, "prefix": prefix}
+
+
+def part_lines(compiled: bool = True) -> dict[str, int]:
+    """Lines (comments and docstrings included: what a reader reads) of each part: its Python classes or module,
+    plus, when ``compiled``, its C (for the Python twins, without it)."""
+    spans = {node.name: (node.end_lineno or node.lineno) - node.lineno + 1
+             for node in ast.walk(ast.parse((FAST / "pool.py").read_text())) if isinstance(node, ast.ClassDef)}
+    c = c_lines() if compiled else {"pool": 0, "append": 0, "prefix": 0}
+    return {"pool": spans["PyFastBlockPool"] + (spans["FastBlockPool"] + c["pool"] if compiled else 0),
+            "append": spans["PyFastSequenceManager"] + (spans["FastSequenceManager"] + c["append"] if compiled else 0),
+            "prefix": spans["FastPrefixCache"] + c["prefix"],
+            "decode": sum(len((FAST / f).read_text().splitlines()) for f in ("attention.py", "_paged_attention.c"))}
+
+
+# ---------------------------------------------------------------- the benchmarks, each returning a timed callable
+def replay_bench(n: int) -> Callable[[], None]:
+    engine_bench = load("bench_engine")
+    ops, cfg = engine_bench.record(n)
+    return lambda: engine_bench.replay_kvlab(ops, cfg.num_blocks, cfg.block_size)
+
+
+def engine_bench(n: int) -> Callable[[], None]:
+    w = make_workload("chat", n, 0, rate=200.0)
+    return lambda: Engine(w, EngineConfig()).run()
+
+
+def decode_bench(tokens: int) -> tuple[Callable[[], None], str]:
+    try:
+        model: Any = load_model("smollm2-135m", progress=False)
+        label = "SmolLM2-135M"
+    except ModelFileError:
+        model, label = TinyLlama(TinyConfig()), "TinyLlama (SmolLM2-135M is not installed)"
+    prompt = list(range(1, 44))
+
+    def run() -> None:
+        fast = choose()
+        pool = fast.pool(-(-(len(prompt) + tokens) // 16), spec=model.cfg.kv_spec(16, model.dtype, model.device))
+        model.attention = fast.attention  # the model took its attention when built: choose again for this run
+        model.generate(fast.manager(pool), [prompt], tokens)
+    return run, label
+
+
+def mooncake_bench() -> Callable[[], None]:
+    w, B = load_trace("mooncake-conversation"), 16
+    keep = sum(-(-r.total_len // B) for r in w.requests)
+    cfg = EngineConfig(num_blocks=keep, block_size=B, max_model_len=max(r.total_len for r in w.requests),
+                       max_batched_tokens=8192)
+    return lambda: Engine(w, cfg).run()
+
+
+def best_seconds(fn: Callable[[], None], configs: list[str], rounds: int) -> dict[str, float]:
+    """Best wall seconds of ``fn`` under each ``KVLAB_REFERENCE`` value, the configurations in turn within each
+    round (rotated each round) so a noisy spell slows all of them; the garbage collector is off while one runs."""
+    best = {c: float("inf") for c in configs}
+    before = os.environ.get("KVLAB_REFERENCE")
+    try:
+        for r in range(rounds):
+            for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+                os.environ["KVLAB_REFERENCE"] = c
+                gc.collect()
+                gc.disable()
+                try:
+                    t = time.perf_counter()
+                    fn()
+                    best[c] = min(best[c], time.perf_counter() - t)
+                finally:
+                    gc.enable()
+    finally:
+        if before is None:
+            os.environ.pop("KVLAB_REFERENCE", None)
+        else:
+            os.environ["KVLAB_REFERENCE"] = before
+    return best
+
+
+def measure(quick: bool, mooncake: bool) -> tuple[dict[str, dict[str, float]], str]:
+    """Seconds per benchmark and configuration ("" = all fast, else the part on the reference), and which model
+    decoded."""
+    n, rounds, tokens = (300, 1, 4) if quick else (10_000, 3, 64)
+    benches: dict[str, Callable[[], None]] = {"replay": replay_bench(n), "engine": engine_bench(n)}
+    benches["decode"], label = decode_bench(tokens)
+    if mooncake:
+        benches["mooncake"] = mooncake_bench()
+    return {name: best_seconds(fn, ["", *USES[name]], 1 if name == "mooncake" else rounds)
+            for name, fn in benches.items()}, label
+
+
+def python_twin(quick: bool) -> dict[str, dict[str, float]]:
+    """The replay and the engine with the Python twins (``KVLAB_PURE_PYTHON=1``), all fast and with the pool on
+    the reference: what :class:`~kvlab.fast.pool.PyFastBlockPool` gains. Runs in a child process."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_parts as b; "
+            "n, rounds = (300, 1) if sys.argv[2] == 'quick' else (10_000, 3); "
+            "print(json.dumps({k: b.best_seconds(f(n), ['', 'pool'], rounds) for k, f in "
+            "(('replay', b.replay_bench), ('engine', b.engine_bench))}))")
+    env = {**os.environ, "KVLAB_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), "quick" if quick else "full"],
+                         capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rows_of(times: dict[str, dict[str, float]], lines: dict[str, int], twin: str, label: str) -> list[dict]:
+    rows = []
+    for bench, by in times.items():
+        for part in by:
+            if not part:
+                continue
+            gain = by[part] / by[""]
+            rows.append({"name": f"{twin}{part} ({lines[part]} lines): {label if bench == 'decode' else bench}, "
+                                 f"part on the reference / all fast",
+                         "value": by[part], "unit": "s", "baseline": by[""], "ratio": gain,
+                         "goal": ">= 1.10x to earn its lines"})
+    return rows
+
+
+def run(quick: bool, mooncake: bool = False) -> list[dict]:
+    times, label = measure(quick, mooncake)
+    return (rows_of(times, part_lines(), "", f"decode, {label}")
+            + rows_of(python_twin(quick), part_lines(compiled=False), "Python twin: ", ""))
+
+
+if __name__ == "__main__":
+    for row in run("--quick" in sys.argv, "--mooncake" in sys.argv):
+        print(f"{row['name']:<100} {row['value']:8.3f} s  all fast {row['baseline']:8.3f} s  {row['ratio']:.2f}x")
