@@ -1,5 +1,6 @@
 """Live widgets at 65,536 blocks: Python cost to build a frame (goal <= 1 ms) against a baseline that builds the
-same bytes from ``pool.snapshot()``; bytes per frame against a JSON encoding of the same fields; in headless
+same bytes from ``pool.snapshot()``; what following the pool's events adds to a workload step (the builder keeps
+its bytes up to date from them); bytes per frame against a JSON encoding of the same fields; in headless
 Chromium (Debian's, when present), the PoolView drawing frames pushed at 30 fps into the harness page: achieved
 fps (goal >= 30), render time per frame against the 33 ms budget of one frame, and dropped frames (goal 0); and
 the whole live path through JupyterLab: a kernel runs a workload on a 65,536-block pool as a ``LiveRun`` task and
@@ -26,7 +27,7 @@ from kvlab import BlockPool
 from kvlab.memory.fragmentation import unusable_free_percent
 from kvlab.viz import FrameBuilder, RandomWorkload
 from kvlab.viz.browser import CHROMIUM, CHROMIUM_FLAGS
-from kvlab.viz.frames import HEADER, MAGIC, frame_states
+from kvlab.viz.frames import HEADER, HEADER_FIELDS, MAGIC, frame_states
 
 N = 65_536
 HARNESS = Path(__file__).resolve().parent.parent / "tests" / "browser" / "harness.html"
@@ -55,9 +56,11 @@ def snapshot_frame(p: BlockPool) -> bytes:
     runs = p.free_runs()
     n_used = int(np.count_nonzero(s["status"]))
     free = N - n_used
-    head = HEADER.pack(MAGIC, 0, N, p.block_size, float(p.clock.now()), n_used / N,
-                       unusable_free_percent(p) / 100, 1 - s["tokens"].sum() / max(1, n_used * p.block_size),
-                       1 - runs.max() / free if free else 0.0, 0, 0)
+    header = {"magic": MAGIC, "seq": 0, "num_blocks": N, "block_size": p.block_size, "step": float(p.clock.now()),
+              "utilisation": n_used / N, "external": unusable_free_percent(p) / 100,
+              "internal_waste": 1 - s["tokens"].sum() / max(1, n_used * p.block_size),
+              "scatter": 1 - runs.max() / free if free else 0.0, "flags": 0, "tail_len": 0}
+    head = HEADER.pack(*(header[name] for name, _, _ in HEADER_FIELDS))
     return head + state.tobytes() + np.minimum(s["refcount"], 255).astype(np.uint8).tobytes() + \
         (s["size_class"] << 3).astype(np.uint8).tobytes()
 
@@ -72,6 +75,18 @@ def _best_ms(fn, reps: int) -> float:
     return best
 
 
+def step_us(listening: bool, steps: int) -> float:
+    """Microseconds per step of a bursty workload on the busy pool, with or without a FrameBuilder following its
+    events (best of three)."""
+    p = busy_pool()
+    b = FrameBuilder(p) if listening else None
+    w = RandomWorkload(p, preset="bursty", seed=1)
+    best = _best_ms(lambda: [w() for _ in range(steps)], 1) * 1e3 / steps
+    if b is not None:
+        b.close()
+    return best
+
+
 def python_rows(quick: bool) -> tuple[list[dict], BlockPool]:
     p = busy_pool()
     b = FrameBuilder(p)
@@ -82,9 +97,13 @@ def python_rows(quick: bool) -> tuple[list[dict], BlockPool]:
     as_json = len(json.dumps({"state": s["status"].tolist(), "refs": s["refcount"].tolist(),
                               "size_class": s["size_class"].tolist()}).encode())
     b.close()
+    steps = 2000 if quick else 20_000
+    following, alone = step_us(True, steps), step_us(False, steps)
     return [
         {"name": "python: build one 65,536-block frame", "value": round(ours, 3), "unit": "ms",
          "baseline": round(base, 3), "ratio": round(ours / base, 2), "goal": "<= 1 ms"},
+        {"name": "python: a workload step while a builder follows the events", "value": round(following, 1),
+         "unit": "us", "baseline": round(alone, 1), "ratio": round(following / alone, 2), "goal": "-"},
         {"name": "bytes per frame (65,536 blocks)", "value": len(data), "unit": "B", "baseline": as_json,
          "ratio": round(len(data) / as_json, 3), "goal": "3 B/block + 48 B header"},
     ], p

@@ -164,11 +164,13 @@ def test_a_forced_frame_or_a_stall_does_not_move_the_cadence():
 
 
 class Sink:
+    """Keeps the bytes of every frame it is shown (a LiveRun shows Frames: bytes and what they hold)."""
+
     def __init__(self) -> None:
         self.frames: list[bytes] = []
 
-    def show_frame(self, data: bytes) -> None:
-        self.frames.append(data)
+    def show_frame(self, frame: fr.Frame) -> None:
+        self.frames.append(frame.data)
 
 
 def test_live_run_sends_paced_latest_frames_and_always_the_final_one():
@@ -199,8 +201,8 @@ class ClockSink(Sink):
         super().__init__()
         self.clock, self.times = clock, []
 
-    def show_frame(self, data: bytes) -> None:
-        super().show_frame(data)
+    def show_frame(self, frame: fr.Frame) -> None:
+        super().show_frame(frame)
         self.times.append(self.clock())
 
 

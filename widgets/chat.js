@@ -37,17 +37,17 @@ function kvChatPanel(parent, model) {
     ["COPIED", "copied on write", "outline", copyRgb]]);
 
   function chip(parent, f, b, isHit, isCopied) {
-    const c = kvEl("span", "kv-chip", parent, String(b) + (f.refs[b] >= 2 ? ` ×${f.refs[b]}` : ""));
-    const rgb = f.state[b] === 2 ? kvMix(KV_RGB.ALLOC1, KV_RGB.ALLOC8, Math.min(Math.max(f.refs[b], 1) - 1, 7) / 7)
+    const c = kvEl("span", "kv-chip", parent, String(b) + (f.refcount[b] >= 2 ? ` ×${f.refcount[b]}` : ""));
+    const rgb = f.state[b] === 2 ? kvMix(KV_RGB.ALLOC1, KV_RGB.ALLOC8, Math.min(Math.max(f.refcount[b], 1) - 1, 7) / 7)
       : KV_RGB[KV_STATES[f.state[b]]];
     c.style.background = kvCss(rgb);
-    c.style.color = f.state[b] === 2 && f.refs[b] > 2 ? "#fff" : "#111";
+    c.style.color = f.state[b] === 2 && f.refcount[b] > 2 ? "#fff" : "#111";
     if (isHit) c.style.borderColor = kvCss(hitRgb);
     if (isCopied) c.style.borderColor = kvCss(copyRgb);
     c.dataset.block = b;
-    c.dataset.refs = f.refs[b];
+    c.dataset.refs = f.refcount[b];
     c.dataset.hit = isHit ? "1" : "0";
-    c.dataset.shared = f.refs[b] >= 2 ? "1" : "0";
+    c.dataset.shared = f.refcount[b] >= 2 ? "1" : "0";
     c.dataset.copied = isCopied ? "1" : "0";
     c.title = kvInfoText(kvBlockInfo(f, b));
   }

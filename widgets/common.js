@@ -1,10 +1,11 @@
 // kvlab widgets, shared part: frame decoding, colours, legends, the block grid and the player.
-// The Python side puts the palette (KV_PALETTE_DATA, from kvlab/viz/palette.py) first, then this file and the view
-// files, then the `export default` line, so anywidget receives one self-contained ES module (no build step).
+// The Python side puts two generated constants first, the palette (KV_PALETTE_DATA, from kvlab/viz/palette.py) and
+// the frame layout (KV_FRAME, from the tables in kvlab/viz/frames.py), then this file and the view files, then the
+// `export default` line, so anywidget receives one self-contained ES module (no build step).
 
-const KV_HEADER = 48; // see kvlab/viz/frames.py for the layout
-const KV_STATES = ["FREE", "PENDING", "ALLOCATED", "EVICTING", "CACHED"];
-const KV_FLASHES = ["", "allocated", "freed", "evicted", "moved in", "moved out"];
+const KV_STATES = KV_FRAME.states;
+const KV_FLASHES = KV_FRAME.flashes;
+const KV_FLASH_MASK = (1 << KV_FRAME.flashBits) - 1; // meta = size_class << flashBits | flash
 const KV_RGB = KV_PALETTE_DATA.state;
 const KV_FLASH_RGB = KV_PALETTE_DATA.flash;
 const KV_FLASH_WEIGHT = KV_PALETTE_DATA.flashWeight; // a flash fades over the 3 frames after the one it happened in
@@ -19,22 +20,24 @@ function kvBytes(v) {
   return new Uint8Array(v.buffer, v.byteOffset, v.byteLength); // DataView from the widget manager
 }
 
+// A frame as KV_FRAME lays it out, with Python's names: every header field (seq, num_blocks, block_size, step, the
+// four gauges, flags, tail_len), the body sections as byte arrays (state, refcount, meta), where each details
+// section starts (read per block by kvBlockInfo) and the parsed tail.
 function kvDecode(v) {
-  const u8 = kvBytes(v);
-  if (u8.length < KV_HEADER) return null;
-  if (String.fromCharCode(u8[0], u8[1], u8[2], u8[3]) !== "KVF1") throw new Error("kvlab: not a frame");
+  const u8 = kvBytes(v), L = KV_FRAME;
+  if (u8.length < L.headerSize) return null;
+  if (String.fromCharCode(...u8.subarray(0, L.magic.length)) !== L.magic) throw new Error("kvlab: not a frame");
   const dv = new DataView(u8.buffer, u8.byteOffset, u8.byteLength);
-  const n = dv.getUint32(8, true), flags = dv.getUint32(40, true), tailLen = dv.getUint32(44, true);
-  const f = {
-    seq: dv.getUint32(4, true), n, blockSize: dv.getUint32(12, true), step: dv.getFloat64(16, true),
-    utilisation: dv.getFloat32(24, true), external: dv.getFloat32(28, true), internal_waste: dv.getFloat32(32, true),
-    scatter: dv.getFloat32(36, true), bytes: u8.length, dv, details: -1,
-    state: u8.subarray(KV_HEADER, KV_HEADER + n), refs: u8.subarray(KV_HEADER + n, KV_HEADER + 2 * n),
-    meta: u8.subarray(KV_HEADER + 2 * n, KV_HEADER + 3 * n),
-  };
-  let o = KV_HEADER + 3 * n;
-  if (flags & 1) { f.details = o; o += 14 * n; }
-  f.tail = tailLen ? JSON.parse(KV_UTF8.decode(u8.subarray(o, o + tailLen))) : {};
+  const f = { bytes: u8.length, dv, details: null };
+  for (const [name, at, type] of L.header) f[name] = dv[`get${type}`](at, true);
+  const n = f.num_blocks;
+  let o = L.headerSize;
+  for (const [name, size] of L.body) { f[name] = u8.subarray(o, o + n * size); o += n * size; } // one byte each
+  if (f.flags & L.flagDetails) {
+    f.details = {};
+    for (const [name, size, type] of L.details) { f.details[name] = { at: o, size, type }; o += n * size; }
+  }
+  f.tail = f.tail_len ? JSON.parse(KV_UTF8.decode(u8.subarray(o, o + f.tail_len))) : {};
   return f;
 }
 
@@ -47,14 +50,12 @@ function kvStepText(f) {
 }
 
 function kvBlockInfo(f, i) {
-  const k = f.meta[i] >> 3, info = {
-    block: i, state: KV_STATES[f.state[i]], refcount: f.refs[i], size_class: k,
-    capacity: f.blockSize << k, flash: KV_FLASHES[f.meta[i] & 7],
+  const k = f.meta[i] >> KV_FRAME.flashBits, info = {
+    block: i, state: KV_STATES[f.state[i]], refcount: f.refcount[i], size_class: k,
+    capacity: f.block_size << k, flash: KV_FLASHES[f.meta[i] & KV_FLASH_MASK],
   };
-  if (f.details >= 0) {
-    info.tokens = f.dv.getUint16(f.details + 2 * i, true);
-    info.owner = f.dv.getInt32(f.details + 2 * f.n + 4 * i, true);
-    info.last_access = f.dv.getFloat64(f.details + 6 * f.n + 8 * i, true);
+  if (f.details) { // tokens, owner, last_access
+    for (const [name, d] of Object.entries(f.details)) info[name] = f.dv[`get${d.type}`](d.at + d.size * i, true);
   }
   return info;
 }
@@ -82,7 +83,7 @@ const KV_PALETTE = (() => {
     p[s * 256 + r] = kvPack(s === 2 ? kvMix(KV_RGB.ALLOC1, KV_RGB.ALLOC8, Math.min(Math.max(r, 1) - 1, 7) / 7) : base[s]);
   return p;
 })();
-const kvStateColor = (f, b) => KV_PALETTE[f.state[b] << 8 | f.refs[b]];
+const kvStateColor = (f, b) => KV_PALETTE[f.state[b] << 8 | f.refcount[b]];
 
 function kvLayout(n, maxWidth) {
   let cols = 1;
@@ -148,13 +149,13 @@ function kvPaint(ctx, g, colors) {
 
 // Colours of frame hist[i]: the panel's base colour, then flashes of frames i-3..i (newest wins).
 function kvColors(hist, i, color) {
-  const f = hist[i], n = f.n, out = new Uint32Array(n);
+  const f = hist[i], n = f.num_blocks, out = new Uint32Array(n);
   for (let b = 0; b < n; b++) out[b] = color(f, b);
   for (let age = Math.min(3, i); age >= 0; age--) {
     const meta = hist[i - age].meta;
-    if (hist[i - age].n !== n) continue;
+    if (hist[i - age].num_blocks !== n) continue;
     for (let b = 0; b < n; b++) {
-      const fl = meta[b] & 7;
+      const fl = meta[b] & KV_FLASH_MASK;
       if (fl) out[b] = kvTint(color(f, b), fl, age);
     }
   }
@@ -252,7 +253,8 @@ function kvMount(model, el, makePanels, extra) {
   function push(v, draw) {
     const f = kvDecode(v);
     if (!f) return;
-    if (hist.length && hist[hist.length - 1].n !== f.n) { hist.length = 0; histBytes = 0; } // new pool
+    const last = hist[hist.length - 1];
+    if (last && last.num_blocks !== f.num_blocks) { hist.length = 0; histBytes = 0; } // a new pool
     hist.push(f); histBytes += f.bytes;
     while (histBytes > KV_MAX_HISTORY_BYTES && hist.length > 1) { histBytes -= hist.shift().bytes; idx--; }
     if (draw) { if (live && !timer) show(hist.length - 1); else { slider.max = hist.length - 1; report(); } }

@@ -8,8 +8,8 @@ const KV_SERIES_LEN = 300; // pictures in the time series
 // Start and length of the longest run of FREE blocks.
 function kvLargestRun(f) {
   let best = 0, bestAt = -1, run = 0;
-  for (let b = 0; b <= f.n; b++) {
-    if (b < f.n && f.state[b] === 0) run++;
+  for (let b = 0; b <= f.num_blocks; b++) {
+    if (b < f.num_blocks && f.state[b] === 0) run++;
     else { if (run > best) { best = run; bestAt = b - run; } run = 0; }
   }
   return [bestAt, best];
@@ -56,8 +56,8 @@ function kvFragPanel(parent, model, maxWidth = 768) {
 
   function draw(hist, i) {
     const f = hist[i];
-    if (!g || g.n !== f.n) {
-      g = kvLayout(f.n, kvRoom(box, maxWidth)); map.width = g.w; map.height = g.h;
+    if (!g || g.n !== f.num_blocks) {
+      g = kvLayout(f.num_blocks, kvRoom(box, maxWidth)); map.width = g.w; map.height = g.h;
       series.width = Math.max(200, Math.min(g.w, 480)); series.height = 120;
     }
     cancelAnimationFrame(anim);

@@ -12,22 +12,22 @@ function kvPoolPanel(parent, model, maxWidth = 768) {
 
   function draw(hist, i) {
     const f = hist[i];
-    if (!g || g.n !== f.n) {
-      g = kvLayout(f.n, kvRoom(box, maxWidth));
+    if (!g || g.n !== f.num_blocks) {
+      g = kvLayout(f.num_blocks, kvRoom(box, maxWidth));
       canvas.width = g.w; canvas.height = g.h;
     }
     kvPaint(ctx, g, kvColors(hist, i, kvStateColor));
     const font = Math.floor(g.cell * 0.5);
     if (font >= KV_MIN_TEXT_PX) { // refcounts as numbers when they are readable
       ctx.font = `${font}px sans-serif`; ctx.textAlign = "center"; ctx.textBaseline = "middle";
-      for (let b = 0; b < f.n; b++) if (f.state[b] === 2 || f.state[b] === 4) {
-        ctx.fillStyle = f.state[b] === 2 && f.refs[b] > 2 ? "#fff" : "#111";
-        ctx.fillText(String(f.refs[b]), (b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.55) * g.cell);
+      for (let b = 0; b < f.num_blocks; b++) if (f.state[b] === 2 || f.state[b] === 4) {
+        ctx.fillStyle = f.state[b] === 2 && f.refcount[b] > 2 ? "#fff" : "#111";
+        ctx.fillText(String(f.refcount[b]), (b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.55) * g.cell);
       }
     }
     ctx.strokeStyle = kvCss(KV_PALETTE_DATA.outline); ctx.lineWidth = 1; // size classes > 0: outline each span
-    for (let b = 0; b < f.n; b++) {
-      const k = f.meta[b] >> 3;
+    for (let b = 0; b < f.num_blocks; b++) {
+      const k = f.meta[b] >> KV_FRAME.flashBits;
       if (k && b % (1 << k) === 0) {
         const span = Math.min(1 << k, g.cols), rowsSpan = Math.ceil((1 << k) / g.cols);
         ctx.strokeRect((b % g.cols) * g.cell + 0.5, Math.floor(b / g.cols) * g.cell + 0.5,
@@ -35,12 +35,12 @@ function kvPoolPanel(parent, model, maxWidth = 768) {
       }
     }
     shown = f;
-    box.dataset.n = f.n;
+    box.dataset.n = f.num_blocks;
     if (hover >= 0) tipFor(hover);
   }
 
   function tipFor(b) {
-    if (!shown || b < 0 || b >= shown.n) { tip.style.display = "none"; return; }
+    if (!shown || b < 0 || b >= shown.num_blocks) { tip.style.display = "none"; return; }
     const info = kvBlockInfo(shown, b);
     tip.textContent = kvInfoText(info);
     tip.style.display = "block";

@@ -1,8 +1,9 @@
 """The browser side of the views: find the ES modules in ``widgets/`` and assemble one module per view.
 
 In a source checkout (an editable install) the files are the repository's top-level ``widgets/``; in a wheel they
-are packaged as ``kvlab/_widgets``. Each view's module is ``common.js`` + the panel files it needs + one
-``export default`` line, because anywidget loads a module from a string, where relative imports cannot resolve.
+are packaged as ``kvlab/_widgets``. Each view's module is two generated constants (the palette, ``KV_PALETTE_DATA``,
+and the frame layout, ``KV_FRAME``), ``common.js``, the panel files it needs and one ``export default`` line, because
+anywidget loads a module from a string, where relative imports cannot resolve.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from kvlab.core.errors import ConfigError
+from kvlab.viz.frames import layout_js
 from kvlab.viz.palette import palette_js
 
 _PKG = Path(__file__).resolve().parent.parent
@@ -45,10 +47,10 @@ def _check(view: str) -> tuple[tuple[str, ...], str]:
 
 
 def script_source(view: str) -> str:
-    """The view's code without an export: the palette (:func:`~kvlab.viz.palette.palette_js`), ``common.js``
-    and its panel files."""
+    """The view's code without an export: the palette (:func:`~kvlab.viz.palette.palette_js`), the frame layout
+    (:func:`~kvlab.viz.frames.layout_js`), ``common.js`` and its panel files."""
     files, _ = _check(view)
-    return "\n".join([palette_js(), *(_read(f) for f in ("common.js", *files))])
+    return "\n".join([palette_js(), layout_js(), *(_read(f) for f in ("common.js", *files))])
 
 
 def render_expr(view: str) -> str:

@@ -28,7 +28,6 @@ latest pool and answer where no JavaScript runs.
 from __future__ import annotations
 
 import asyncio
-import json
 import textwrap
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,28 +35,19 @@ from typing import Any
 
 import traitlets
 
-from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream, check_temperature
+from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream
+from kvlab.serve.sampling import check_temperature
 from kvlab.core.checks import check_flag, check_positive
 from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event, Evicted
 from kvlab.core.sequence import CopiedOnWrite
 from kvlab.viz.export import export_html
-from kvlab.viz.frames import HEADER, Frame, FrameBuilder, build_frame
+from kvlab.viz.frames import Frame, FrameBuilder, frame_of
 from kvlab.viz.live import Pacer, Recording
 from kvlab.viz.static import Picture, as_frame, draw_pool, legend
 from kvlab.viz.views import FrameView
 
 MAX_ANSWERS = 8  # answers per turn the view offers: each is a fork listed with its block table
-
-
-def with_chat(frame: bytes, chat: dict[str, Any]) -> bytes:
-    """``frame`` with ``chat`` added to its JSON tail (as ``tail["chat"]``); the rest unchanged."""
-    fields = list(HEADER.unpack_from(frame))
-    tail_len = fields[-1]
-    tail = json.loads(frame[len(frame) - tail_len:]) if tail_len else {}
-    extra = json.dumps({**tail, "chat": chat}, separators=(",", ":")).encode()
-    fields[-1] = len(extra)
-    return b"".join((HEADER.pack(*fields), frame[HEADER.size:len(frame) - tail_len], extra))
 
 
 def status_line(turn: dict[str, Any]) -> str:
@@ -134,14 +124,14 @@ class ChatView(FrameView):
         """Send the pool's current state with the conversation (no flashes)."""
         if self.session is None:
             raise ConfigError("this ChatView replays a recording and has no pool to update from")
-        self._emit(with_chat(build_frame(self.session.pool), self.chat_state()), force=True)
+        self._emit(frame_of(self.session.pool, chat=self.chat_state()), force=True)
 
-    def _emit(self, data: bytes, force: bool = False) -> None:
+    def _emit(self, frame: Frame, force: bool = False) -> None:
         """Record the frame; send it if one is due (or ``force``)."""
-        self.recording.append(data)
+        self.recording.append(frame.data)
         if force or self.pacer.due():
             self.pacer.mark()
-            self.show_frame(data)
+            self.show_frame(frame)
 
     def export_html(self, path: str | Path, title: str = "kvlab chat") -> Path:
         """The recorded chat as one standalone HTML replay (:func:`kvlab.viz.export_html`)."""
@@ -174,7 +164,7 @@ class ChatView(FrameView):
         self.n, self.temperature, self.message, self.busy = n, temperature, "", True
         self._builder = FrameBuilder(self.session.pool)
         self._unsubscribe = self.session.pool.events.subscribe(self._on_event)
-        self._emit(with_chat(self._builder.build(), self.chat_state()), force=True)
+        self._emit(self._builder.frame(chat=self.chat_state()), force=True)
         return stream
 
     def _on_event(self, e: Event) -> None:
@@ -199,7 +189,7 @@ class ChatView(FrameView):
         t["copied"] = [[j, p, b] for j, p, b in t["copied"]
                        if j < len(self.tables) and p < len(self.tables[j]) and self.tables[j][p] == b]
         t["status"] = status_line(t)
-        self._emit(with_chat(self._builder.build(), self.chat_state()))
+        self._emit(self._builder.frame(chat=self.chat_state()))
 
     def _end(self, reply: ChatReply | None, error: BaseException | None) -> None:
         """The turn is over (answered, stopped or failed): its last frame, always sent."""
@@ -214,7 +204,9 @@ class ChatView(FrameView):
         elif error is not None:
             t["error"] = f"failed: {error}"
         t["status"] = status_line(t)
-        self._emit(with_chat(self._builder.build(), self.chat_state()), force=True)
+        if error is not None:  # a pool call stopped half-way publishes no event for what it had changed
+            self._builder.resync()
+        self._emit(self._builder.frame(chat=self.chat_state()), force=True)
         self._builder.close()
         self.refresh_if_unwatched()
 
@@ -280,9 +272,7 @@ class ChatView(FrameView):
 
     # ------------------------------------------------------------------ static fallback
     def figure(self) -> Picture:
-        if not self.frame:
-            raise ConfigError("this ChatView has no frame yet")
-        return plot_chat(self.frame)
+        return plot_chat(self.latest())
 
 
 def check_answers(n: Any) -> int:

@@ -26,7 +26,7 @@ from kvlab.core.block import ALLOCATED, FREE, BlockStatus
 from kvlab.core.checks import check_positive, check_real, check_seed
 from kvlab.core.errors import ConfigError, OutOfBlocksError
 from kvlab.core.pool import BlockPool
-from kvlab.viz.frames import FrameBuilder
+from kvlab.viz.frames import Frame, FrameBuilder
 
 
 def check_steps(value: Any, what: str) -> int | None:
@@ -35,10 +35,11 @@ def check_steps(value: Any, what: str) -> int | None:
 
 
 class FrameSink(Protocol):
-    """Anything that shows frames: every view (``show_frame(bytes)``). A sink that also has ``follow(run)``
-    is told which :class:`LiveRun` drives it, so its pause button can pause the workload."""
+    """Anything that shows frames: every view (``show_frame(frame)``, a :class:`~kvlab.viz.frames.Frame`: its
+    bytes and what they hold). A sink that also has ``follow(run)`` is told which :class:`LiveRun` drives it, so
+    its pause button can pause the workload."""
 
-    def show_frame(self, data: bytes) -> None: ...
+    def show_frame(self, frame: Frame) -> None: ...
 
 
 class Recording:
@@ -158,10 +159,10 @@ class LiveRun:
         if not (force or self.pacer.due()):
             return False
         self.pacer.mark()  # marked when it begins, however long sending it takes; a forced frame keeps the cadence
-        data = self.builder.build()
+        frame = self.builder.frame()  # encoded once; every view gets the same Frame, none decodes it
         for v in self.views:
-            v.show_frame(data)
-        self.recording.append(data)
+            v.show_frame(frame)
+        self.recording.append(frame.data)
         self.frames_sent += 1
         return True
 
@@ -178,6 +179,8 @@ class LiveRun:
         return more and (self.max_steps is None or self.steps < self.max_steps)
 
     def _end(self, state: str) -> None:
+        if self.error is not None:  # a pool call stopped half-way publishes no event for what it had changed
+            self.builder.resync()
         self.send(force=True)
         self.builder.close()
         self.state = state  # last: whoever hears of the end finds the final frame already sent

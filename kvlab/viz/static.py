@@ -2,7 +2,7 @@
 state, and as the PNG in every widget's display bundle. Colours and words come from :mod:`kvlab.viz.palette`, as
 the widgets' do, and the grid layout matches ``widgets/*.js``.
 
-Every function accepts a pool, a frame's bytes or a decoded :class:`~kvlab.viz.frames.Frame`, and returns a
+Every function accepts a pool, a frame's bytes or a :class:`~kvlab.viz.frames.Frame`, and returns a
 :class:`Picture`: a matplotlib figure built without pyplot (no backend is touched, nothing is shown twice) that
 displays as an image wherever it is the value of a cell, even in a fresh kernel where pyplot was never imported.
 """
@@ -19,7 +19,7 @@ from matplotlib.patches import Patch
 
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
-from kvlab.viz.frames import Frame, build_frame, decode_frame
+from kvlab.viz.frames import Frame, decode_frame, frame_of, free_runs
 from kvlab.viz.palette import (CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB, STATE_WORDS,
                                VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
 
@@ -36,11 +36,11 @@ FrameLike = BlockPool | bytes | bytearray | memoryview | Frame
 
 
 def as_frame(x: FrameLike) -> Frame:
-    """A decoded frame from a pool (its current state), frame bytes or a frame."""
+    """A :class:`Frame` of a pool (its current state), of frame bytes (decoded and checked) or a frame itself."""
     if isinstance(x, Frame):
         return x
     if isinstance(x, BlockPool):
-        return decode_frame(build_frame(x))
+        return frame_of(x)
     if isinstance(x, (bytes, bytearray, memoryview)):
         return decode_frame(x)
     raise ConfigError(f"expected a BlockPool, frame bytes or a Frame, got {type(x).__name__}")
@@ -67,10 +67,8 @@ def pool_colors(f: Frame) -> np.ndarray:
 def map_colors(f: Frame) -> np.ndarray:
     """RGB uint8 ``[n, 3]`` of the memory map: the pool's state colours, the largest free run highlighted."""
     out = pool_colors(f)
-    free = f.state == 0
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], free.astype(np.int8), [0]))))
-    if edges.size:
-        starts, lens = edges[::2], edges[1::2] - edges[::2]
+    starts, lens = free_runs(f.state)
+    if lens.size:
         k = int(np.argmax(lens))  # first of the longest, as the widget picks it
         out[starts[k]:starts[k] + lens[k]] = RUN_RGB
     return out
@@ -157,9 +155,8 @@ def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
 
 
 def _largest(f: Frame) -> int:
-    free = np.concatenate(([0], (f.state == 0).astype(np.int8), [0]))
-    edges = np.flatnonzero(np.diff(free))
-    return int((edges[1::2] - edges[::2]).max()) if edges.size else 0
+    _, lens = free_runs(f.state)
+    return int(lens.max()) if lens.size else 0
 
 
 def plot_pool(x: FrameLike) -> Picture:

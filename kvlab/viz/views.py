@@ -31,7 +31,7 @@ from kvlab.core.errors import ConfigError
 from kvlab.core.eviction import POLICIES
 from kvlab.core.pool import BlockPool
 from kvlab.viz.assets import css_source, esm_source
-from kvlab.viz.frames import build_frame, decode_frame
+from kvlab.viz.frames import Frame, decode_frame, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
 from kvlab.viz.static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
@@ -71,6 +71,7 @@ class FrameView(anywidget.AnyWidget):
         self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
         self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
         self.displays: list[Any] = []  # IPython display handles of this view (see refresh_if_unwatched)
+        self.shown: Frame | None = None  # the latest frame sent: what figure() draws
         self._pictured = b""  # the frame the displays were last drawn from
         self.on_msg(self._on_msg)
         if recording is not None:
@@ -83,22 +84,23 @@ class FrameView(anywidget.AnyWidget):
             cls._esm = esm_source(cls.view)
         super().__init_subclass__(**kwargs)
 
-    def show_frame(self, data: bytes) -> None:
-        """Send one frame: one message carrying ``frame`` and ``frames_sent``."""
-        f = decode_frame(data)
+    def show_frame(self, frame: Frame | bytes) -> None:
+        """Send one frame: one message carrying ``frame`` and ``frames_sent``. A :class:`Frame` (from a builder)
+        is sent as it is; bytes (a frame from elsewhere, e.g. a recording) are decoded and checked first."""
+        f = frame if isinstance(frame, Frame) else decode_frame(frame)
         self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
         self.evictions.extend(f.evictions)
-        data = bytes(data)
-        self.history.append(data)
+        self.history.append(f.data)
+        self.shown = f
         with self.hold_sync():
-            self.frame = data
+            self.frame = f.data
             self.frames_sent += 1
 
     def update(self) -> None:
         """Send the pool's current state (no flashes: use a :class:`LiveRun` to see changes as they happen)."""
         if self.pool is None:
             raise ConfigError(f"this {type(self).__name__} shows a recording and has no pool to update from")
-        self.show_frame(build_frame(self.pool))
+        self.show_frame(frame_of(self.pool))
 
     def load(self, recording: Recording | Iterable[bytes]) -> None:
         """Show a recording: the browser gets all frames (opening on the last, the slider reaching back to the
@@ -110,7 +112,7 @@ class FrameView(anywidget.AnyWidget):
         if not len(rec):
             raise ConfigError("the recording holds no frame")
         frames = [decode_frame(data) for data in rec]  # all of them first: a bad one changes nothing
-        self.history = rec
+        self.history, self.shown = rec, frames[-1]
         for f in frames:
             self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
             self.evictions.extend(f.evictions)
@@ -197,14 +199,18 @@ class FrameView(anywidget.AnyWidget):
     # ------------------------------------------------------------------ static fallback
     def figure(self) -> Picture:
         """The view as a matplotlib figure of its latest frame."""
-        if not self.frame:
+        return plot_pool(self.latest())
+
+    def latest(self) -> Frame:
+        """The latest frame sent, else :class:`ConfigError`."""
+        if self.shown is None:
             raise ConfigError(f"this {type(self).__name__} has no frame yet")
-        return plot_pool(self.frame)
+        return self.shown
 
     def _repr_mimebundle_(self, **kwargs: Any):
         bundle: Any = super()._repr_mimebundle_(**kwargs)  # ipywidgets: (data, metadata)
         data, meta = bundle
-        if self.frame:
+        if self.shown is not None:
             data["image/png"] = base64.b64encode(figure_png(self.figure())).decode()
         return data, meta
 
@@ -264,9 +270,7 @@ class FragmentationView(FrameView):
     view = "fragmentation"
 
     def figure(self) -> Picture:
-        if not self.frame:
-            raise ConfigError("this FragmentationView has no frame yet")
-        return plot_fragmentation(self.frame, list(self.series))
+        return plot_fragmentation(self.latest(), list(self.series))
 
 
 DASHBOARD_PRESETS: dict[str, dict[str, Any]] = {
@@ -406,6 +410,4 @@ class Dashboard(FrameView):
         self.status = "idle"
 
     def figure(self) -> Picture:
-        if not self.frame:
-            raise ConfigError("this Dashboard has no frame yet")
-        return plot_dashboard(self.frame, list(self.series), list(self.evictions), panels=self.panels)
+        return plot_dashboard(self.latest(), list(self.series), list(self.evictions), panels=self.panels)

@@ -58,6 +58,38 @@ def test_pool_view_colours_for_a_known_state(harness, known_pool):
     assert root_data(harness)["framesReceived"] == "1"
 
 
+DECODED_JS = """(names) => {
+  const f = document.querySelector('.kv-root').kv.hist.at(-1), out = { tail: f.tail };
+  for (const name of names) out[name] = f[name].length === undefined ? f[name] : Array.from(f[name]);
+  for (const [name, d] of Object.entries(f.details || {}))
+    out[name] = Array.from({ length: f.num_blocks }, (_, i) => f.dv[`get${d.type}`](d.at + d.size * i, true));
+  return out;
+}"""
+
+
+@pytest.mark.parametrize("blocks", [48, fr.DETAILS_LIMIT + 3])  # with and without details; an odd offset
+def test_the_browser_decodes_what_python_packed(harness, blocks):
+    """kvDecode reads, by Python's layout (KV_FRAME), every header field, section and the tail of a frame with
+    size classes, evictions and moves, as Python's Frame holds them."""
+    p = BlockPool(blocks, block_sizes=[16, 32, 64], with_storage=False, seed=0)
+    w = RandomWorkload(p, preset="defrag", seed=3, steps=400)
+    with FrameBuilder(p) as b:
+        b.step, b.steps = 0, 400
+        while w():
+            pass
+        p.incref([p.allocate(1)[0]] * 300)  # a refcount past 255
+        f = b.frame()
+    mount(harness, "pool", [f.data])
+    got = harness.evaluate(DECODED_JS, [n for n, _, _ in fr.HEADER_FIELDS[1:] + fr.BODY])
+    header = dict(zip((n for n, _, _ in fr.HEADER_FIELDS), fr.HEADER.unpack_from(f.data)))
+    for name, _, _ in fr.HEADER_FIELDS[1:]:
+        assert got[name] == header[name], name
+    for name, _, _ in fr.BODY + (fr.DETAILS if f.tokens is not None else ()):
+        assert got[name] == getattr(f, name).tolist(), name
+    assert (f.tokens is None) == ("tokens" not in got) and got["tail"] == f.tail
+    assert f.evictions and f.moves and f.size_class.any() and 255 in got["refcount"]
+
+
 def test_pool_view_large_pool_and_refcount_numbers(harness):
     p = BlockPool(65536, with_storage=False)
     p.allocate(40000)
