@@ -47,8 +47,9 @@ each block size, every request resident at its final length (the moment a batch 
   whole blocks (kvlab's gather path copies each block of a sequence's table, ``ceil(n / B) * B`` slots for an
   ``n``-token sequence; a shared block is read once per request that uses it). Slots past a sequence's length
   are read and masked, so this grows with ``B`` while the tokens stay the same;
-* **attention ms** (shown, not in the cost) -- one decode step of :func:`kvlab.core.attention.paged_attention` over a
-  sample of the workload's sequences (evenly spaced quantiles of their lengths): the median of several rounds
+* **attention ms** (shown, not in the cost) -- one decode step of the paged attention the model runs
+  (:func:`kvlab.fast.choose`: on the CPU in fp32, the compiled decode kernel) over a sample of the workload's
+  sequences (evenly spaced quantiles of their lengths): the median of several rounds
   that visit the sizes in turn, with the fastest and slowest round. On a CPU shared with other work the spread
   between rounds is larger than the differences between sizes, which is why timings do not drive the choice.
 
@@ -234,8 +235,8 @@ def measure_attention_ms(workload: Workload, block_sizes: Sequence[int], *, batc
                          seed: int = 0, on_step: Callable[[], Any] | None = None
                          ) -> dict[int, tuple[float, float, float]]:
     """(median, fastest, slowest) over ``rounds`` of the milliseconds of one decode step of
-    :func:`kvlab.core.attention.paged_attention` (fp32, one layer, ``num_heads`` x ``head_dim``) at each block size,
-    over ``batch`` sequences whose lengths are evenly spaced quantiles of the workload's (clipped to
+    the paged attention the model runs (:func:`kvlab.fast.choose`; fp32, one layer, ``num_heads`` x ``head_dim``)
+    at each block size, over ``batch`` sequences whose lengths are evenly spaced quantiles of the workload's (clipped to
     ``max_len``), their blocks scattered over the pool in a seeded random order. Each round visits every size in
     turn, so a burst of load elsewhere on the machine slows all sizes alike instead of one. ``on_step()`` is
     called after each timing (progress bars)."""
@@ -273,7 +274,7 @@ def measure_decode_ms(model: Llama, workload: Workload, block_sizes: Sequence[in
     handed out in a seeded random order (scattered, as a long-running pool's are). The sequences' tokens are
     appended without computing them (no prefill: on a CPU it would cost far more than the steps), so their K/V
     stay the pool's zeros: that does not change the work the kernels do. One warm-up step, then the timed step;
-    then the step's attention alone: one :func:`~kvlab.core.attention.paged_attention` call per layer on the same
+    then the step's attention alone: one :func:`~kvlab.paged_attention` call per layer on the same
     block tables and lengths, with the model's head counts and workspace (timed outside the step, so its caches
     may be warmer than between the step's matmuls). The thread count is the caller's (e.g. inside
     :func:`kvlab.torch_threads`). Every argument is checked before any work."""
@@ -361,7 +362,9 @@ def _check_timing(settings: dict[str, Any]) -> dict[str, Any]:
 def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, device: Any, seed: int) -> float:
     """One timed decode step after one warm-up, on a fresh pool. The K/V values stay the pool's zeros: they do
     not change the work the kernels do."""
-    from kvlab.core.attention import AttentionWorkspace, paged_attention  # imported here: counting needs no attention
+    from kvlab.core.attention import AttentionWorkspace  # imported here: counting needs no attention
+    from kvlab.fast import choose
+    paged_attention = choose().attention  # what the model runs (on the CPU in fp32: the compiled decode kernel)
 
     spec = KVSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, block_size=block_size, dtype=torch.float32,
                   **({} if device is None else {"device": device}))
@@ -378,7 +381,7 @@ def _decode_step_ms(lens: list[int], block_size: int, heads: int, dim: int, devi
 
 def _model_step_ms(model: Llama, lens: list[int], block_size: int, seed: int) -> tuple[float, float]:
     """(ms of one ``model.step``, ms of its attention calls alone): see :func:`measure_decode_ms`."""
-    from kvlab.core.attention import paged_attention
+    paged_attention = model.attention  # the function the model's step calls
     from kvlab.core.sequence import SequenceManager
 
     c = model.cfg
