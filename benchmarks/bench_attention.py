@@ -7,8 +7,9 @@ worst layout: no two logical neighbours are physical neighbours). Rows:
 * ``per-seq contiguous``: one SDPA per sequence on its own contiguous K/V;
 * ``naive gather``: gather every sequence into a padded workspace, then the padded SDPA (what paging costs done
   plainly);
-* ``paged``: :func:`kvlab.paged_attention` (on the CPU in fp32: the compiled decode kernel, which reads blocks in
-  place; elsewhere the per-sequence block gather into a reused workspace and SDPA on views);
+* ``paged``: :func:`kvlab.fast.attention.paged_attention`, what the model runs (on the CPU in fp32: the compiled
+  decode kernel, which reads blocks in place; elsewhere the per-sequence block gather into a reused workspace and
+  SDPA on views);
 * ``paged (torch path)``: the same call with ``impl="torch"``, the gather + SDPA reference path.
 
 On the CPU, with 1 and 2 torch threads, in two timings:
@@ -36,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import KVSpec, KVStorage, torch_threads
-from kvlab.core.attention import AttentionWorkspace, paged_attention
+from kvlab.core.attention import AttentionWorkspace
+from kvlab.fast.attention import paged_attention
 from kvlab.app.bench import ns_per_item_together
 
 HEADS, DIM, BATCH = 8, 64, 8
