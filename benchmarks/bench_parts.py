@@ -10,8 +10,8 @@ The parts (:data:`kvlab.fast.PARTS`) and the benchmarks that run them:
 * ``engine``: 10,000 chat requests through :class:`kvlab.Engine` in metadata mode (``pool``, ``append``,
   ``prefix``);
 * ``decode``: the real model (SmolLM2-135M, ``kvlab.load_model``) decoding 64 tokens after a 43-token prompt,
-  batch 1 (``pool``, ``append``, ``decode``); TinyLlama where the model is not installed (and in ``--quick``), and
-  the row says so;
+  and 32 tokens after a 2,000-token one, batch 1, the prefill not timed (``pool``, ``append``, ``decode``);
+  TinyLlama where the model is not installed (and in ``--quick``), and the row says so;
 * ``mooncake`` (``--mooncake`` only, minutes): the whole Mooncake conversation trace through the engine, as
   ``kvlab run --trace mooncake-conversation`` runs it.
 
@@ -68,30 +68,47 @@ def part_lines(compiled: bool = True) -> dict[str, int]:
 def replay_bench(n: int) -> Callable[[], None]:
     engine_bench = load("bench_engine")
     ops, cfg = engine_bench.record(n)
-    return lambda: engine_bench.replay_kvlab(ops, cfg.num_blocks, cfg.block_size)
+
+    def run() -> None:
+        engine_bench.replay_kvlab(ops, cfg.num_blocks, cfg.block_size)
+    return run
 
 
 def engine_bench(n: int) -> Callable[[], None]:
     w = make_workload("chat", n, 0, rate=200.0)
-    return lambda: Engine(w, EngineConfig()).run()
-
-
-def decode_bench(tokens: int, real: bool = True) -> tuple[Callable[[], None], str]:
-    model: Any = TinyLlama(TinyConfig())
-    label = "TinyLlama" if not real else "TinyLlama (SmolLM2-135M is not installed)"
-    if real:
-        try:
-            model, label = load_model("smollm2-135m", progress=False), "SmolLM2-135M"
-        except ModelFileError:
-            pass
-    prompt = list(range(1, 44))
 
     def run() -> None:
+        Engine(w, EngineConfig()).run()
+    return run
+
+
+def load_decoder(real: bool) -> tuple[Any, str]:
+    """SmolLM2-135M where it is installed (and ``real``), else TinyLlama; with its label."""
+    if real:
+        try:
+            return load_model("smollm2-135m", progress=False), "SmolLM2-135M"
+        except ModelFileError:
+            return TinyLlama(TinyConfig()), "TinyLlama (SmolLM2-135M is not installed)"
+    return TinyLlama(TinyConfig()), "TinyLlama"
+
+
+def decode_bench(model: Any, prompt_len: int, tokens: int) -> Callable[[], float]:
+    """Greedy decode of ``tokens`` tokens, batch 1, after a ``prompt_len``-token prompt whose prefill is not timed:
+    the seconds of the decode steps alone."""
+    prompt = [1 + i % 1000 for i in range(prompt_len)]
+
+    def run() -> float:
         fast = choose()
-        pool = fast.pool(-(-(len(prompt) + tokens) // 16), spec=model.cfg.kv_spec(16, model.dtype, model.device))
+        pool = fast.pool(-(-(prompt_len + tokens) // 16), spec=model.cfg.kv_spec(16, model.dtype, model.device))
         model.attention = fast.attention  # the model took its attention when built: choose again for this run
-        model.generate(fast.manager(pool), [prompt], tokens)
-    return run, label
+        mgr = fast.manager(pool)
+        seq = mgr.create(prompt)
+        logits = model.step(mgr, [seq], [prompt])
+        t = time.perf_counter()
+        for _ in range(tokens):
+            logits = model.step(mgr, [seq], [[int(logits[0].argmax())]])
+        return time.perf_counter() - t
+    return run
 
 
 def mooncake_bench() -> Callable[[], None]:
@@ -99,12 +116,16 @@ def mooncake_bench() -> Callable[[], None]:
     keep = sum(-(-r.total_len // B) for r in w.requests)
     cfg = EngineConfig(num_blocks=keep, block_size=B, max_model_len=max(r.total_len for r in w.requests),
                        max_batched_tokens=8192)
-    return lambda: Engine(w, cfg).run()
+
+    def run() -> None:
+        Engine(w, cfg).run()
+    return run
 
 
-def best_seconds(fn: Callable[[], None], configs: list[str], rounds: int) -> dict[str, float]:
+def best_seconds(fn: Callable[[], float | None], configs: list[str], rounds: int) -> dict[str, float]:
     """Best wall seconds of ``fn`` under each ``KVLAB_REFERENCE`` value, the configurations in turn within each
-    round (rotated each round) so a noisy spell slows all of them; the garbage collector is off while one runs."""
+    round (rotated each round) so a noisy spell slows all of them; the garbage collector is off while one runs. A
+    ``fn`` that returns seconds is timed by what it returns (the part it times itself)."""
     best = {c: float("inf") for c in configs}
     before = os.environ.get("KVLAB_REFERENCE")
     try:
@@ -115,8 +136,8 @@ def best_seconds(fn: Callable[[], None], configs: list[str], rounds: int) -> dic
                 gc.disable()
                 try:
                     t = time.perf_counter()
-                    fn()
-                    best[c] = min(best[c], time.perf_counter() - t)
+                    took = fn()
+                    best[c] = min(best[c], time.perf_counter() - t if took is None else took)
                 finally:
                     gc.enable()
     finally:
@@ -130,14 +151,16 @@ def best_seconds(fn: Callable[[], None], configs: list[str], rounds: int) -> dic
 def measure(quick: bool, mooncake: bool) -> tuple[dict[str, dict[str, float]], str]:
     """Seconds per benchmark and configuration ("" = all fast, else the part on the reference), and which model
     decoded."""
-    n, rounds, tokens = (300, 1, 4) if quick else (10_000, 3, 64)
-    benches: dict[str, Callable[[], None]] = {"replay": replay_bench(n), "engine": engine_bench(n)}
-    benches["decode"], label = decode_bench(tokens, real=not quick)
+    n, rounds = (300, 1) if quick else (10_000, 3)
+    benches: dict[str, Callable[[], float | None]] = {"replay": replay_bench(n), "engine": engine_bench(n)}
+    model, label = load_decoder(real=not quick)
+    long = 64 if quick else 2000
+    benches["decode"] = decode_bench(model, 43, 4 if quick else 64)
+    benches[f"decode after {long:,} tokens"] = decode_bench(model, long, 4 if quick else 32)
     if mooncake:
         benches["mooncake"] = mooncake_bench()
-    return {name: best_seconds(fn, ["", *USES[name]], 1 if name == "mooncake" else rounds)
+    return {name: best_seconds(fn, ["", *USES[name.split()[0]]], 1 if name == "mooncake" else rounds)
             for name, fn in benches.items()}, label
-
 
 def python_twin(quick: bool) -> dict[str, dict[str, float]]:
     """The replay and the engine with the Python twins (``KVLAB_PURE_PYTHON=1``), all fast and with the pool on
@@ -159,7 +182,8 @@ def rows_of(times: dict[str, dict[str, float]], lines: dict[str, int], twin: str
             if not part:
                 continue
             gain = by[part] / by[""]
-            rows.append({"name": f"{twin}{part} ({lines[part]} lines): {label if bench == 'decode' else bench}, "
+            what = f"{bench}, {label}" if bench.startswith("decode") else bench
+            rows.append({"name": f"{twin}{part} ({lines[part]} lines): {what}, "
                                  f"part on the reference / all fast",
                          "value": by[part], "unit": "s", "baseline": by[""], "ratio": gain,
                          "goal": ">= 1.10x to earn its lines"})
@@ -168,7 +192,7 @@ def rows_of(times: dict[str, dict[str, float]], lines: dict[str, int], twin: str
 
 def run(quick: bool, mooncake: bool = False) -> list[dict]:
     times, label = measure(quick, mooncake)
-    return (rows_of(times, part_lines(), "", f"decode, {label}")
+    return (rows_of(times, part_lines(), "", label)
             + rows_of(python_twin(quick), part_lines(compiled=False), "Python twin: ", ""))
 
 
