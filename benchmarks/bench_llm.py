@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,16 @@ class Sizes(NamedTuple):  # not a dataclass: kvlab.app.bench.load runs this file
 FULL = Sizes(decode_tokens=128, prefill_tokens=2000, requests=16, prompt_clip=PROMPT_CLIP, output_clips=(64, None),
              rounds=3)
 QUICK = Sizes(decode_tokens=8, prefill_tokens=64, requests=3, prompt_clip=48, output_clips=(8, 16), rounds=1)
+# The test suite's smoke test of `kvlab bench --quick` (tests/test_bench.py: each benchmark runs, never how fast) sets
+# KVLAB_BENCH_SMOKE=1: every part on a few tokens, seconds where QUICK takes minutes on 2 busy cores.
+SMOKE = Sizes(decode_tokens=4, prefill_tokens=16, requests=2, prompt_clip=16, output_clips=(4,), rounds=1)
+
+
+def sizes_for(quick: bool) -> Sizes:
+    """FULL; QUICK for ``--quick``, or SMOKE for ``--quick`` with ``KVLAB_BENCH_SMOKE=1``."""
+    if not quick:
+        return FULL
+    return SMOKE if os.environ.get("KVLAB_BENCH_SMOKE") == "1" else QUICK
 
 
 # ---------------------------------------------------------------- the two models
@@ -320,7 +331,7 @@ def chat_rows(model: Llama, hf: Any, reqs: list[tuple[list[int], int]], outputs:
 def run(quick: bool = False) -> list[dict]:
     from tqdm.auto import tqdm
 
-    sizes = QUICK if quick else FULL
+    sizes = sizes_for(quick)
     hf = load_reference()
     model = load_model(MODEL, dtype=torch.float32, device="cpu", progress=False)
     stream = token_stream(model, max(sizes.prefill_tokens, 4 * sizes.prompt_clip))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from _util import copy_project, small_spec
+from _util import copy_project, execute_notebook, small_spec
 from kvlab import BlockPool, KVSpec
 
 
@@ -86,6 +88,14 @@ def pool(spec: KVSpec) -> BlockPool:
     return BlockPool(16, spec=spec)
 
 
+@pytest.fixture(scope="session")
+def smol():
+    """The real SmolLM2-135M (tests marked ``llm``), loaded once for the session: each load takes seconds, and the
+    tests only read the model (its K/V live in each test's own pool)."""
+    from kvlab import load_model
+    return load_model("smollm2-135m", progress=False)
+
+
 # What a build leaves behind, never copied: the copy must compile its own binary.
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
@@ -99,3 +109,20 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         pytest.fail(f"the wheel did not build:\n{(built.stdout + built.stderr)[-4000:]}")
     (path,) = out.glob("kvlab-*.whl")
     return zipfile.ZipFile(path)
+
+
+@pytest.fixture(scope="session")
+def executed():
+    """``executed(path)``: the notebook at ``path`` run top to bottom in fast mode (``execute_notebook``, each cell
+    within 120 s) and the seconds the run took. Each notebook runs once per session: tests/test_notebooks.py and
+    the chapter tests read the same run (running each chapter twice cost minutes). A run that fails is not kept."""
+    runs: dict[Path, tuple] = {}
+
+    def get(path: Path) -> tuple:
+        path = Path(path).resolve()
+        if path not in runs:
+            t = time.perf_counter()
+            nb = execute_notebook(path, timeout=120)
+            runs[path] = nb, time.perf_counter() - t
+        return runs[path]
+    return get

@@ -22,9 +22,11 @@ bench_pool = bench.load("bench_pool")  # once: loading executes the benchmark fi
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """``kvlab bench --quick`` once for the module: (the JSON it wrote, what it printed)."""
+    """``kvlab bench --quick`` once for the module: (the JSON it wrote, what it printed). With KVLAB_BENCH_SMOKE=1:
+    bench_llm runs every part on a few tokens (its quick sizes took minutes, most of this file's time)."""
     out, buf = tmp_path_factory.mktemp("bench") / "bench.json", io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf):
+        mp.setenv("KVLAB_BENCH_SMOKE", "1")
         assert main(["bench", "--quick", "--out", str(out)]) == 0
     return json.loads(out.read_text()), buf.getvalue(), out
 
@@ -38,6 +40,16 @@ def test_every_benchmark_runs_in_quick_mode_and_writes_json(quick_run):
         assert r.get("ratio") is None or math.isfinite(r["ratio"]), r
     assert {"date", "torch", "device", "cpu_count"} <= set(result["machine"])
     assert "| benchmark | figure |" in printed and str(out) in printed
+
+
+def test_only_the_smoke_test_shrinks_bench_llm_below_its_quick_sizes(monkeypatch):
+    """``KVLAB_BENCH_SMOKE=1`` changes ``--quick`` only: a user's ``kvlab bench --quick`` and full runs are as they
+    were."""
+    llm = bench.load("bench_llm")
+    monkeypatch.delenv("KVLAB_BENCH_SMOKE", raising=False)
+    assert llm.sizes_for(True) == llm.QUICK and llm.sizes_for(False) == llm.FULL
+    monkeypatch.setenv("KVLAB_BENCH_SMOKE", "1")
+    assert llm.sizes_for(True) == llm.SMOKE != llm.QUICK and llm.sizes_for(False) == llm.FULL
 
 
 def test_pool_benchmark_reports_every_row_with_a_positive_ratio(quick_run):

@@ -15,14 +15,10 @@ import pytest
 
 import kvlab
 from kvlab import exercises as ex
-from _util import CHAPTERS, execute_notebook
+from _util import CHAPTERS
 
 EARLY = ("2_2_1_block_size.ipynb", "2_2_2_block_management.ipynb", "2_2_2_appendix_errata.ipynb",
          "2_2_3_allocation.ipynb")
-
-
-def execute(name: str) -> nbformat.NotebookNode:
-    return execute_notebook(CHAPTERS / name, timeout=240)
 
 
 def conclusions(nb: nbformat.NotebookNode) -> dict:
@@ -34,13 +30,10 @@ def conclusions(nb: nbformat.NotebookNode) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run():
-    seen: dict[str, dict] = {}
-
+def run(executed):
+    """The chapter's conclusions, from the session's one run of it (tests/conftest.py)."""
     def get(name: str) -> dict:
-        if name not in seen:
-            seen[name] = conclusions(execute(name))
-        return seen[name]
+        return conclusions(executed(CHAPTERS / name)[0])
     return get
 
 

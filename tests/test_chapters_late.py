@@ -11,28 +11,20 @@ import nbformat
 import pytest
 
 from kvlab.exercises import ch2_2_4
-from _util import CHAPTERS, execute_notebook
+from _util import CHAPTERS
 
 LATE = ("2_2_4_defragmentation.ipynb", "2_2_5_performance.ipynb", "2_2_6_applications.ipynb")
 
 
-def _execute(name: str) -> str:
-    """Run chapter ``name`` in fast mode in a fresh kernel; returns all it printed."""
-    nb = execute_notebook(CHAPTERS / name, timeout=180)
-    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outs if o.output_type == "error"]
-    return "".join(o.get("text", "") for o in outs if o.output_type == "stream")
-
-
 @pytest.fixture(scope="module")
-def printed():
-    return {}
-
-
-def _out(printed: dict, name: str) -> str:
-    if name not in printed:
-        printed[name] = _execute(name)
-    return printed[name]
+def printed(executed):
+    """``printed(name)``: all that chapter ``name`` printed, from the session's one run of it (tests/conftest.py)."""
+    def get(name: str) -> str:
+        nb, _ = executed(CHAPTERS / name)
+        outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        assert not [o for o in outs if o.output_type == "error"]
+        return "".join(o.get("text", "") for o in outs if o.output_type == "stream")
+    return get
 
 
 def _sources(name: str) -> list[nbformat.NotebookNode]:
@@ -82,7 +74,7 @@ def test_compaction_cost_rises_then_falls_and_one_size_has_no_unusable_memory(n)
 @pytest.mark.notebooks
 @pytest.mark.timeout(300)
 def test_chapter_2_2_4_prints_its_conclusions(printed):
-    out = _out(printed, LATE[0])
+    out = printed(LATE[0])
     assert re.search(r"a 64-token request fails", out)
     assert "four equal FREE 64 KiB buffers:              75 -> should_defragment: True" in out
     assert "kvlab, one block size, four FREE blocks:     {'fragmentation_percent': 0" in out
@@ -99,7 +91,7 @@ def test_chapter_2_2_4_prints_its_conclusions(printed):
 @pytest.mark.notebooks
 @pytest.mark.timeout(300)
 def test_chapter_2_2_5_prints_its_conclusions(printed):
-    out = _out(printed, LATE[1])
+    out = printed(LATE[1])
     assert re.search(r"with pre-allocation only the first burst splits \(\d+ = \d+ / \d+ bursts: True\)", out)
     assert re.search(r"without pre-allocation :\s+\d+ splits", out)
     assert "holds up to 16 blocks (6% of the pool) in reserve" in out  # one burst (fast mode: BURST = 16)
@@ -114,7 +106,7 @@ def test_chapter_2_2_5_prints_its_conclusions(printed):
 @pytest.mark.notebooks
 @pytest.mark.timeout(300)
 def test_chapter_2_2_6_prints_its_conclusions(printed):
-    out = _out(printed, LATE[2])
+    out = printed(LATE[2])
     assert "the max-length baseline never runs more than 8 requests (max 8)" in out
     assert "exact-length runs within 20% of paging's concurrency" in out
     assert re.search(r"mean latency \d+% lower than max-length, under 10% apart from exact-length", out)
@@ -140,7 +132,7 @@ def test_chapter_2_2_6_prints_its_conclusions(printed):
 @pytest.mark.notebooks
 @pytest.mark.timeout(300)
 def test_chapter_2_2_7_measures_transfer_against_recomputing_the_real_model(printed):
-    out = _out(printed, "2_2_7_beyond_one_machine.ipynb")
+    out = printed("2_2_7_beyond_one_machine.ipynb")
     assert "smollm2-135m: 46,080 bytes of K/V per token (float32), 512 for TinyConfig" in out
     assert ("on the real model, moving the KV beats recomputing it at every length measured (256-1,024 tokens): "
             "True") in out

@@ -14,7 +14,7 @@ import torch
 
 import kvlab
 from _util import assert_same_state, pool_state
-from kvlab import ChatSession, ConfigError, CopiedOnWrite, OutOfBlocksError, TinyLlama, sample
+from kvlab import ChatSession, ConfigError, CopiedOnWrite, OutOfBlocksError, TinyLlama, sample, torch_threads
 from kvlab.app import cli
 from kvlab.serve.loader import KnownModel
 
@@ -23,6 +23,14 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # 11 tokens: the last block of 4 is 
 SYSTEM = "You are a helpful assistant."
 FRANCE = "What is the capital of France?"
 GERMANY = "What is the capital of Germany?"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """torch on one thread, as in tests/test_real_model.py: on a 2-core machine that runs anything else, a second
+    thread mostly waits for a core (the real model's tests took minutes instead of seconds)."""
+    with torch_threads(1):
+        yield
 
 
 def tiny(num_blocks=32, block_size=4, **kw) -> ChatSession:
@@ -282,11 +290,6 @@ def test_the_report_counts_blocks_and_hits():
 
 
 # ---------------------------------------------------------------------------------------------------- the real model
-@pytest.fixture(scope="module")
-def smol():
-    return kvlab.load_model("smollm2-135m", progress=False)
-
-
 @pytest.mark.llm
 def test_the_capital_of_france_is_paris_and_the_answer_stops(smol):
     s = ChatSession(smol, num_blocks=64, system=SYSTEM)

@@ -248,11 +248,6 @@ def test_a_pool_too_small_fails_the_turn_and_the_view_goes_on():
 
 
 # ---------------------------------------------------------------------------------------------------- the real model
-@pytest.fixture(scope="module")
-def smol():
-    return kvlab.load_model("smollm2-135m", progress=False)
-
-
 @pytest.mark.llm
 def test_a_real_chat_streams_words_hits_the_system_prompt_and_forks(smol):
     s = ChatSession(smol, num_blocks=64, system="You are a helpful assistant.")

@@ -7,12 +7,15 @@ import math
 
 import pytest
 
-from kvlab import BlockPool, ConfigError, Engine, EngineConfig, Request, SequenceManager, TinyLlama, load_model
+from kvlab import BlockPool, ConfigError, Engine, EngineConfig, Request, SequenceManager, TinyLlama, torch_threads
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2-135m", progress=False)
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """torch on one thread, as in tests/test_real_model.py: on a 2-core machine that runs anything else, a second
+    thread mostly waits for a core (the real model's tests took minutes instead of seconds)."""
+    with torch_threads(1):
+        yield
 
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 2 plus 2?",
@@ -35,9 +38,10 @@ def reference(model, req: Request) -> list[int]:
 
 @pytest.mark.llm
 def test_engine_serves_real_chat_requests_greedily(smol):
-    """Five chat requests with small token budgets per step (prompts split into chunks, decode rows mixed in):
-    each answer equals that request run alone, and requests end at the end-of-turn token."""
-    reqs = chat_requests(smol, 16)[:4]
+    """Four chat requests with small token budgets per step (prompts split into chunks, decode rows mixed in):
+    each answer equals that request run alone, and requests end at the end-of-turn token (12 new tokens at most:
+    two answers end sooner)."""
+    reqs = chat_requests(smol, 12)[:4]
     eng = Engine(reqs, EngineConfig(num_blocks=64, block_size=16, max_batched_tokens=48, max_model_len=256),
                  model=smol)
     summary = eng.run()
@@ -80,8 +84,9 @@ def test_engine_sampling_is_seeded(smol):
         eng.run()
         return eng.outputs
 
-    assert run(1) == run(1)
-    assert run(1) != run(2)
+    first = run(1)  # one run of seed 1 serves both checks
+    assert run(1) == first
+    assert run(2) != first
 
 
 def test_tiny_model_sampling_and_no_eos():
