@@ -1,7 +1,7 @@
 """Choosing the next token from a model's logits: greedy, or temperature and top-p (nucleus) sampling.
 
 The engine (:class:`~kvlab.serve.config.EngineConfig`'s ``temperature``, ``top_p`` and ``seed``) and
-:class:`~kvlab.serve.chat.ChatSession` both sample with :func:`sample`, so a seed gives the same tokens in both.
+:class:`~kvlab.serve.chat.ChatSession` both sample with :func:`sample`: one rule for both, checked in one place.
 """
 from __future__ import annotations
 
