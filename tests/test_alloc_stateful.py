@@ -42,7 +42,7 @@ class AllocMachine(RuleBasedStateMachine):
     def _write(self, b: int) -> None:
         self.stamp += 1
         view = KVBlock(self.pool, b).kv_data
-        pattern = (self.stamp * 2048 + torch.arange(view.numel(), dtype=view.dtype)).view_as(view)
+        pattern = (self.stamp * 2048 + torch.arange(view.numel(), dtype=view.dtype, device=view.device)).view_as(view)
         view.copy_(pattern)
         self.data[b] = pattern
 

@@ -168,7 +168,7 @@ def test_kv_data_is_written_into_the_block_it_sizes():
     pool = multi()
     alloc = DynamicAllocator(pool)
     s = pool.spec
-    kv = torch.randn(2, s.num_layers, 5, s.num_kv_heads, s.head_dim)
+    kv = torch.randn(2, s.num_layers, 5, s.num_kv_heads, s.head_dim, device=s.device)
     t = alloc.allocate_optimal_block(kv)
     assert t.block.size_class == 1 and t.block.token_count == 5 and t.kv_data is None
     assert torch.equal(t.block.kv_data[:, :, :5], kv)
@@ -179,7 +179,7 @@ def test_a_waiting_request_keeps_its_data_until_served():
     alloc = DynamicAllocator(pool)
     s = pool.spec
     (held,) = pool.allocate(1)
-    kv = torch.randn(2, s.num_layers, 3, s.num_kv_heads, s.head_dim)
+    kv = torch.randn(2, s.num_layers, 3, s.num_kv_heads, s.head_dim, device=s.device)
     t = alloc.allocate_optimal_block(kv)
     alloc.deallocate_block(held)
     assert t.served and torch.equal(t.block.kv_data[:, :, :3], kv)

@@ -177,7 +177,7 @@ def test_attention_of_live_sequences_is_unchanged():
             if step < n:
                 slot = tables[i][step // spec.block_size] * spec.block_size + step % spec.block_size
                 for layer in range(spec.num_layers):
-                    k, v = (torch.randn(1, 2, 8, generator=gen) for _ in range(2))
+                    k, v = (torch.randn(1, 2, 8, generator=gen).to(spec.device) for _ in range(2))
                     pool.storage.write_slots(layer, [slot], k, v)
     pool.free(filler[::2])
     live = [0, 2, 4]
@@ -185,7 +185,7 @@ def test_attention_of_live_sequences_is_unchanged():
         pool.free(tables.pop(i))
     pool.relocation_hooks.append(lambda s, d: [t.__setitem__(j, dict(zip(s.tolist(), d.tolist())).get(b, b))
                                                for t in tables.values() for j, b in enumerate(t)])
-    q = torch.randn(len(live), 4, 8, generator=gen)
+    q = torch.randn(len(live), 4, 8, generator=gen).to(spec.device)
 
     def outputs() -> list[torch.Tensor]:
         return [paged_attention(q, pool, layer, [tables[i] for i in live], [lens[i] for i in live])
@@ -214,12 +214,12 @@ def test_sequence_manager_tables_follow_compaction():
         for s in seqs:
             slots = s.append(3)
             for layer in range(spec.num_layers):
-                k, v = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+                k, v = (torch.randn(3, 2, 8, generator=gen).to(spec.device) for _ in range(2))
                 pool.storage.write_slots(layer, slots, k, v)
     seqs.append(seqs[0].fork())  # shared blocks move once and both tables follow
     for s in (seqs.pop(3), seqs.pop(1)):
         s.free()
-    q = torch.randn(len(seqs), 4, 8, generator=gen)
+    q = torch.randn(len(seqs), 4, 8, generator=gen).to(spec.device)
 
     def outputs() -> list[torch.Tensor]:
         return [paged_attention(q, pool, layer, mgr.block_tables(seqs), [len(s) for s in seqs])

@@ -49,7 +49,7 @@ def _sequences(pool_cls, num_blocks=48):
         for s in seqs:
             slots = s.append([1000 + step] * 3)
             for layer in range(spec.num_layers):
-                k, v = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+                k, v = (torch.randn(3, 2, 8, generator=gen).to(spec.device) for _ in range(2))
                 pool.storage.write_slots(layer, slots, k, v)
     seqs.append(seqs[0].fork())
     seqs.pop(1).free()

@@ -21,7 +21,7 @@ from _util import assert_same_state, pool_state, small_spec
 def kv_for(pool: BlockPool, tokens: int, seed: int = 0) -> torch.Tensor:
     s = pool.spec
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, s.num_layers, tokens, s.num_kv_heads, s.head_dim, generator=g).to(s.dtype)
+    return torch.randn(2, s.num_layers, tokens, s.num_kv_heads, s.head_dim, generator=g).to(s.device, s.dtype)
 
 
 # ---------------------------------------------------------------- spec, storage, device
@@ -103,7 +103,7 @@ def test_import_does_not_load_jupyter():
 
 def test_storage_slot_write_read_and_copy(pool):
     st = pool.storage
-    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32, device=st.kv.device).view(3, 2, 4)
     st.write_slots(1, [5, 9, 0], k, -k)
     k2, v2 = st.read_slots(1, [5, 9, 0])
     assert torch.equal(k2, k) and torch.equal(v2, -k)

@@ -38,7 +38,7 @@ def kv_of(token_ids: list[int], start: int = 0) -> torch.Tensor:
     lay = torch.arange(SPEC.num_layers, dtype=torch.float32).view(-1, 1, 1, 1, 1) * 1e5
     kv = torch.arange(2, dtype=torch.float32).view(1, 2, 1, 1, 1) * 5e5
     hd = torch.arange(SPEC.num_kv_heads * SPEC.head_dim, dtype=torch.float32).view(SPEC.num_kv_heads, SPEC.head_dim)
-    return tok + pos + lay + kv + hd / 64
+    return (tok + pos + lay + kv + hd / 64).to(SPEC.device)
 
 
 class SystemMachine(RuleBasedStateMachine):
