@@ -261,10 +261,52 @@ def test_cuda_matches_reference(dtype):
     pool, tables, keys, values = scattered_cache(lens, 16, dtype=dtype, device="cuda")
     qlens = [3, 1, 7]
     q = torch.randn(sum(qlens), 4, 16, device="cuda").to(dtype)
-    out = paged_attention(q, pool, 0, tables, lens, qlens)
+    calls = []
+    real = attention._batched_decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_batched_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+        out = paged_attention(q, pool, 0, tables, lens, qlens)
+    assert calls == [1]  # the decode row, by the batched path
     ref = contiguous_attention(q, keys, values, qlens)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, paged_attention(q, pool, 0, tables, lens, qlens, impl="torch"),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --- The batched decode path (a speed trick for GPUs: the torch path above is the reference) -----------------------
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=6), data=st.data(),
+       block_size=st.sampled_from([1, 3, 16, 64]), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), scale=st.sampled_from([None, 0.05]),
+       stale=st.sampled_from([float("nan"), float("inf"), 1e4]), seed=st.integers(0, 2**16))
+def test_batched_decode_matches_reference(lens, data, block_size, kv_heads, group, dtype, scale, stale, seed):
+    """Any lengths (short tables padded), block sizes, grouped heads, bf16, prefill rows beside decode rows, and
+    stale slots past each length that would poison a merely masked read (NaN, inf, or large enough to win)."""
+    qlens = [data.draw(st.sampled_from([1, 1, min(n, 5)])) for n in lens]
+    pool, tables, keys, values = scattered_cache(lens, block_size, kv_heads, 8, dtype, seed=seed, stale=stale)
+    q = torch.randn(sum(qlens), kv_heads * group, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out = paged_attention(q, pool, 0, tables, lens, qlens, scale=scale, impl="batched")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), contiguous_attention(q, keys, values, qlens, scale=scale).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_batched_decode_runs_on_the_cpu_only_when_asked(monkeypatch):
+    """On the CPU, ``impl="auto"`` leaves decode rows the kernel cannot take (bf16) to the reference, and
+    ``impl="batched"`` sends them to the batched path (``test_cuda_matches_reference`` checks that "auto" picks it
+    on CUDA)."""
+    lens, qlens = [40, 7, 129], [40, 1, 1]
+    pool, tables, _, _ = scattered_cache(lens, 16, dtype=torch.bfloat16)
+    q = torch.randn(sum(qlens), 4, 16).bfloat16()
+    calls = []
+    real = attention._batched_decode
+    monkeypatch.setattr(attention, "_batched_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    paged_attention(q, pool, 0, tables, lens, qlens)
+    assert calls == []  # bf16 on the CPU: the reference
+    paged_attention(q, pool, 0, tables, lens, qlens, impl="batched")
+    assert calls == [2]
 
 
 # --- The compiled decode kernel (a speed trick: the torch path above is the reference) ----------------------------

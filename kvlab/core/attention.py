@@ -131,7 +131,7 @@ def check_paged(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_ta
                           f"positive multiple of the pool's {s.num_kv_heads} kv heads")
     if q.dtype != s.dtype or q.device != storage.kv.device:
         raise KVDataError(f"q is {q.dtype} on {q.device}; the pool stores {s.dtype} on {storage.kv.device}")
-    tables = pad_block_tables(block_tables, storage.kv.device)
+    tables = pad_block_tables(block_tables)  # checked on the CPU: on a GPU each read of a value waits for it
     lens = _lengths(seq_lens, "seq_lens")
     qlens = [1] * len(lens) if query_lens is None else _lengths(query_lens, "query_lens")
     if not len(lens) == len(qlens) == tables.shape[0]:
@@ -145,7 +145,7 @@ def check_paged(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_ta
                               f"blocks of {B} (queries must be <= tokens <= table capacity)")
     if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
         raise ConfigError(f"block tables name blocks outside 0..{storage.num_blocks - 1}")
-    return PagedCall(storage, layer, tables, lens, qlens, np.cumsum([0, *qlens]).tolist(), scale)
+    return PagedCall(storage, layer, tables.to(storage.kv.device), lens, qlens, np.cumsum([0, *qlens]).tolist(), scale)
 
 
 def paged_attention(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_tables: TableLike,
