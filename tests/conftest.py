@@ -78,33 +78,18 @@ def pytest_configure(config) -> None:
     config.pluginmanager.register(CIGuard(), "kvlab-ci-guard")
 
 
-# Session fixtures that cost seconds to minutes each: a module using one runs on the worker that holds it.
-SHARED_FIXTURES = ("executed", "smol", "wheel", "lab")
+# Session fixtures that cost seconds or more: under pytest-xdist, the modules that use one are handed out first.
+COSTLY_FIXTURES = ("executed", "smol", "lab", "wheel")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into node ids
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``), one group per module, so module
-    fixtures are built once; modules that share a costly session fixture form one group, so it is built once, and
-    those groups are handed out first."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # the workers collect; a plain run keeps its order
+    """Under pytest-xdist (``make test`` runs ``-n auto --dist loadfile``: each module on one worker, so module
+    fixtures are built once), the modules using a costly session fixture come first, so no worker is left alone
+    with a long one at the end. A plain run keeps its order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # set in each worker, which collects
         return
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        for name in SHARED_FIXTURES:
-            if name in item.fixturenames:
-                parent[root(module)] = root(name)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
-    # The longest groups start first, so no worker is left alone with one at the end.
-    items.sort(key=lambda item: root(item.nodeid.split("::")[0]) not in SHARED_FIXTURES)
+    costly = {item.nodeid.split("::")[0] for item in items if set(COSTLY_FIXTURES) & set(item.fixturenames)}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in costly)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -151,17 +136,35 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 
 @pytest.fixture(scope="session")
-def executed():
+def executed(tmp_path_factory):
     """``executed(path)``: the notebook at ``path`` run top to bottom in fast mode (``execute_notebook``, each cell
-    within 120 s) and the seconds the run took. Each notebook runs once per session: tests/test_notebooks.py and
-    the chapter tests read the same run (running each chapter twice cost minutes). A run that fails is not kept."""
+    within 120 s) and the seconds the run took. Each notebook runs once per session, under pytest-xdist too:
+    tests/test_notebooks.py and the chapter tests read the same run (running each chapter twice cost minutes).
+    The first process to ask runs it, holding a lock, and saves it where the others read it. A run that fails is
+    not kept."""
+    import fcntl
+    import hashlib
+    import json
+
+    import nbformat
+
+    base = tmp_path_factory.getbasetemp()
+    store = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "executed-notebooks"
+    store.mkdir(exist_ok=True)
     runs: dict[Path, tuple] = {}
 
     def get(path: Path) -> tuple:
         path = Path(path).resolve()
         if path not in runs:
-            t = time.perf_counter()
-            nb = execute_notebook(path, timeout=120)
-            runs[path] = nb, time.perf_counter() - t
+            saved = store / hashlib.sha256(str(path).encode()).hexdigest()[:16]
+            with open(saved.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not saved.with_suffix(".json").exists():
+                    t = time.perf_counter()
+                    nb = execute_notebook(path, timeout=120)
+                    nbformat.write(nb, saved.with_suffix(".ipynb"))
+                    saved.with_suffix(".json").write_text(json.dumps(time.perf_counter() - t))  # written last
+                runs[path] = (nbformat.read(saved.with_suffix(".ipynb"), as_version=4),
+                              json.loads(saved.with_suffix(".json").read_text()))
         return runs[path]
     return get
