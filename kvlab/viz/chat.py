@@ -118,7 +118,7 @@ class ChatView(FrameView):
         turn = self._turn
         return {"turns": [{k: t[k] for k in ("prompt", "answers", "status", "live")} for t in self.turns],
                 "tables": self.tables, "hit_blocks": turn.get("hit_blocks", 0), "copied": turn.get("copied", []),
-                "answering": self.busy}
+                "answering": bool(turn.get("live"))}
 
     def update(self) -> None:
         """Send the pool's current state with the conversation (no flashes)."""
@@ -195,7 +195,7 @@ class ChatView(FrameView):
         """The turn is over (answered, stopped or failed): its last frame, always sent."""
         t = self._turn
         self._unsubscribe()
-        t["live"], self.busy = False, False
+        t["live"] = False
         if reply is not None:
             t["finish"] = reply.finish_reasons
             t["generated"] = sum(map(len, reply.all_tokens))
@@ -204,11 +204,14 @@ class ChatView(FrameView):
         elif error is not None:
             t["error"] = f"failed: {error}"
         t["status"] = status_line(t)
-        if error is not None:  # a pool call stopped half-way publishes no event for what it had changed
-            self._builder.resync()
-        self._emit(self._builder.frame(chat=self.chat_state()), force=True)
-        self._builder.close()
-        self.refresh_if_unwatched()
+        try:
+            if error is not None:  # a pool call stopped half-way publishes no event for what it had changed
+                self._builder.resync()
+            self._emit(self._builder.frame(chat=self.chat_state()), force=True)
+            self._builder.close()
+            self.refresh_if_unwatched()
+        finally:  # after the last frame: the front end shows the final status before it offers Send again
+            self.busy = False
 
     def ask(self, prompt: str | list[int], *, n: int | None = None, temperature: float | None = None,
             seed: int | None = None) -> ChatReply:
