@@ -11,6 +11,8 @@ The parts (:data:`kvlab.fast.PARTS`) and the benchmarks that run them:
   ``prefix``);
 * ``decode``: the real model (SmolLM2-135M, ``kvlab.load_model``) decoding 64 tokens after a 43-token prompt,
   and 32 tokens after a 2,000-token one, batch 1, the prefill not timed (``pool``, ``append``, ``decode``);
+* ``batch decode``: the same model decoding 16 tokens for each of 8 sequences together, each after its own
+  2,000-token prompt (a serving step's batch; ``decode`` only: the prefill of 16,000 tokens takes ~40 s a run);
   TinyLlama where the model is not installed (and in ``--quick``), and the row says so;
 * ``mooncake`` (``--mooncake`` only, minutes): the whole Mooncake conversation trace through the engine, as
   ``kvlab run --trace mooncake-conversation`` runs it.
@@ -40,7 +42,7 @@ from kvlab.workloads.mixes import make_workload
 
 FAST = Path(kvlab.fast.__file__).parent
 USES = {"replay": ("pool", "append", "prefix"), "engine": ("pool", "append", "prefix"),
-        "decode": ("pool", "append", "decode"), "mooncake": ("pool", "append", "prefix")}
+        "decode": ("pool", "append", "decode"), "batch": ("decode",), "mooncake": ("pool", "append", "prefix")}
 
 
 def c_lines() -> dict[str, int]:
@@ -92,21 +94,23 @@ def load_decoder(real: bool) -> tuple[Any, str]:
     return TinyLlama(TinyConfig()), "TinyLlama"
 
 
-def decode_bench(model: Any, prompt_len: int, tokens: int) -> Callable[[], float]:
-    """Greedy decode of ``tokens`` tokens, batch 1, after a ``prompt_len``-token prompt whose prefill is not timed:
-    the seconds of the decode steps alone."""
-    prompt = [1 + i % 1000 for i in range(prompt_len)]
+def decode_bench(model: Any, prompt_len: int, tokens: int, batch: int = 1) -> Callable[[], float]:
+    """Greedy decode of ``tokens`` tokens by ``batch`` sequences together, each after its own ``prompt_len``-token
+    prompt whose prefill is not timed: the seconds of the decode steps alone."""
+    ids = min(1000, model.cfg.vocab_size - 1)
+    prompts = [[1 + (i + 7 * s) % ids for i in range(prompt_len)] for s in range(batch)]
 
     def run() -> float:
         fast = choose()
-        pool = fast.pool(-(-(prompt_len + tokens) // 16), spec=model.cfg.kv_spec(16, model.dtype, model.device))
+        per_seq = -(-(prompt_len + tokens) // 16)
+        pool = fast.pool(batch * per_seq, spec=model.cfg.kv_spec(16, model.dtype, model.device))
         model.attention = fast.attention  # the model took its attention when built: choose again for this run
         mgr = fast.manager(pool)
-        seq = mgr.create(prompt)
-        logits = model.step(mgr, [seq], [prompt])
+        seqs = [mgr.create(p) for p in prompts]
+        logits = model.step(mgr, seqs, prompts)
         t = time.perf_counter()
         for _ in range(tokens):
-            logits = model.step(mgr, [seq], [[int(logits[0].argmax())]])
+            logits = model.step(mgr, seqs, [[int(row.argmax())] for row in logits])
         return time.perf_counter() - t
     return run
 
@@ -157,6 +161,7 @@ def measure(quick: bool, mooncake: bool) -> tuple[dict[str, dict[str, float]], s
     long = 64 if quick else 2000
     benches["decode"] = decode_bench(model, 43, 4 if quick else 64)
     benches[f"decode after {long:,} tokens"] = decode_bench(model, long, 4 if quick else 32)
+    benches[f"batch decode, 8 sequences after {long:,} tokens"] = decode_bench(model, long, 4 if quick else 16, 8)
     if mooncake:
         benches["mooncake"] = mooncake_bench()
     return {name: best_seconds(fn, ["", *USES[name.split()[0]]], 1 if name == "mooncake" else rounds)
@@ -182,7 +187,7 @@ def rows_of(times: dict[str, dict[str, float]], lines: dict[str, int], twin: str
             if not part:
                 continue
             gain = by[part] / by[""]
-            what = f"{bench}, {label}" if bench.startswith("decode") else bench
+            what = f"{bench}, {label}" if bench.startswith(("decode", "batch")) else bench
             rows.append({"name": f"{twin}{part} ({lines[part]} lines): {what}, "
                                  f"part on the reference / all fast",
                          "value": by[part], "unit": "s", "baseline": by[""], "ratio": gain,
