@@ -8,8 +8,8 @@ worst layout: no two logical neighbours are physical neighbours). Rows:
 * ``naive gather``: gather every sequence into a padded workspace, then the padded SDPA (what paging costs done
   plainly);
 * ``paged``: :func:`kvlab.fast.attention.paged_attention`, what the model runs (on the CPU in fp32: the compiled
-  decode kernel, which reads blocks in place; elsewhere the per-sequence block gather into a reused workspace and
-  SDPA on views);
+  decode kernel, which reads blocks in place; on a GPU: one gather of every sequence's blocks into a padded batch
+  and one masked SDPA; on the CPU in other dtypes: the reference);
 * ``paged (torch path)``: the same call with ``impl="torch"``, the gather + SDPA reference path.
 
 On the CPU, with 1 and 2 torch threads, in two timings:
