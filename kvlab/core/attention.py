@@ -55,13 +55,13 @@ class AttentionWorkspace:
         return b
 
 
-def pad_block_tables(tables: TableLike, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Block tables as one int64 ``[batch, max_blocks]`` tensor, short rows padded with block 0 (never read:
-    attention stops at each sequence's length)."""
+def pad_block_tables(tables: TableLike) -> torch.Tensor:
+    """Block tables as one int64 ``[batch, max_blocks]`` tensor on the CPU, short rows padded with block 0 (never
+    read: attention stops at each sequence's length)."""
     if isinstance(tables, torch.Tensor):
         if tables.dim() != 2:
             raise ConfigError(f"block_tables must be [batch, max_blocks], got shape {list(tables.shape)}")
-        return int_tensor(tables, "block_tables", ConfigError, device)
+        return int_tensor(tables, "block_tables", ConfigError, "cpu")
     if not isinstance(tables, (list, tuple, np.ndarray)):
         raise ConfigError(f"block_tables must be a [batch, max_blocks] tensor or a list of lists, got {tables!r}")
     rows = [int_tensor(t, "block_tables", ConfigError) for t in tables]
@@ -71,7 +71,7 @@ def pad_block_tables(tables: TableLike, device: torch.device | str = "cpu") -> t
         if t.dim() != 1:
             raise ConfigError(f"block_tables row {i} must be a list of ids, got {tables[i]!r}")
         out[i, :len(t)] = t
-    return out.to(device)
+    return out
 
 
 def _lengths(x: Sequence[int] | torch.Tensor, name: str) -> list[int]:
