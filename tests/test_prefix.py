@@ -414,3 +414,54 @@ def step(pool: BlockPool, mgr: SequenceManager, held: list, op: str, prompt: lis
     except OutOfBlocksError:
         return ("full",)
     return None
+
+
+# ---------------------------------------------------------------- token ids: checked once, in two forms
+def _outcome(f, x):
+    try:
+        return f(x, "here")
+    except KVDataError as e:
+        return ("KVDataError", str(e))
+
+
+_ids = st.one_of(st.integers(-3, 2**64), st.booleans(), st.floats(allow_nan=False, width=16), st.none(),
+                 st.integers(0, 2**63 - 1).map(np.int64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(_ids, max_size=80), st.lists(st.integers(0, 2**63 - 1), max_size=200),
+                 st.lists(st.integers(0, 2**31), max_size=120).map(lambda v: np.array(v, dtype=np.int64)),
+                 st.lists(st.integers(0, 2**31), max_size=20).map(tuple)))
+def test_token_ids_is_token_list_and_token_bytes_from_one_check(x):
+    """``token_ids`` (what a sequence keeps, and the bytes the cache hashes, from one check) agrees with
+    ``token_list`` and ``token_bytes`` on every input: same values, or the same error naming the same id."""
+    from kvlab.core.checks import TokenBytes, token_bytes, token_ids, token_list
+
+    got = _outcome(token_ids, x)
+    if isinstance(got, tuple) and got[0] == "KVDataError":
+        assert got == _outcome(token_list, x) == _outcome(token_bytes, x)
+        return
+    ids, data = got
+    assert type(data) is TokenBytes and data == token_bytes(x, "here")
+    assert ids == token_list(x, "here") and all(type(t) is int for t in ids)
+    assert np.frombuffer(data, dtype=np.int64).tolist() == ids
+    assert token_bytes(data, "again") is data  # checked once: passing it again costs nothing
+
+
+def test_plain_bytes_are_not_token_ids():
+    """Only what ``token_bytes`` made passes unchecked; plain bytes (a str's encoding, say) are refused."""
+    pool, mgr = make()
+    with pytest.raises(KVDataError, match="token ids are a list of ints"):
+        mgr.prefix_cache.match(b"\x01" * 8 * 4)
+    with pytest.raises(KVDataError, match="token ids are a list of ints"):
+        mgr.create(b"\x01" * 8 * 4)
+    assert len(mgr) == 0 and mgr.prefix_cache.get_stats()["requests"] == 0
+
+
+def test_create_checks_a_prompt_once_and_keeps_python_ints():
+    """A prompt given as an array is kept as a list of Python ints, and the lookup counts it as a list would."""
+    pool, mgr = make()
+    run(mgr, list(range(9)))
+    seq = mgr.create(np.arange(9, dtype=np.int32))
+    assert seq.num_tokens == 8 and all(type(t) is int for t in seq.token_ids)
+    assert mgr.prefix_cache.get_stats()["query_tokens"] == 18

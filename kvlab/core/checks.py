@@ -17,7 +17,9 @@ The vocabulary, one line a rule:
 * :func:`check_choice`: one of a few named options (strs, or None).
 * :func:`check_list`: a sequence other than a str. :func:`check_token_ids`: a non-empty list of token ids below
   a vocabulary (a model's input, :class:`ConfigError`); :func:`token_bytes` / :func:`token_list`: token ids as
-  the KV cache stores and hashes them, int64 (:class:`~kvlab.KVDataError`). :func:`check_tenant`: a str or None.
+  the KV cache stores and hashes them, int64 (:class:`~kvlab.KVDataError`); :class:`TokenBytes` is what
+  :func:`token_bytes` returns and passes through unchecked, so ids are checked once on their way in;
+  :func:`token_ids` gives both forms from one check. :func:`check_tenant`: a str or None.
 * :func:`is_path` / :func:`check_path`: a file name, a str or path-like (the OS judges the rest on opening).
 * :func:`check_device`: a torch device this machine has.
 * :func:`check_kv_data`: K/V a pool can store. :func:`check_block_sizes`: size classes. :func:`check_clock`: a
@@ -264,15 +266,26 @@ def check_clock(clock: "Clock") -> "Clock":
 
 _NONE = object()  # "no bad token found" (None itself is a bad token)
 _INT = {int}
-_SHORT = 64  # token lists up to this long are converted by array, longer ones by numpy (fixed cost vs per id)
+_SHORT = 64  # token lists up to this long are checked for negatives by min, longer ones by numpy
 
 
-def token_bytes(x: object, where: str) -> bytes:
-    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as int64 bytes (8 per
-    id, native order: what the hashes read), else :class:`KVDataError` naming the bad id, starting with
-    ``where``. Strings, sets and dicts are refused: they iterate, but not as an ordered sequence of ids. A list
-    of ints or an integer array is checked and converted in C, with no Python loop per token."""
+class TokenBytes(bytes):
+    """Token ids that passed :func:`token_bytes`: int64 bytes, 8 per id, native order. Handing one to
+    :func:`token_bytes` again costs nothing, so a prompt is checked once on its way in (the sequence manager
+    checks it, the prefix cache looks it up). Only :func:`token_bytes`, and code holding ids it already checked,
+    make one."""
+
+    __slots__ = ()
+
+
+def token_bytes(x: object, where: str) -> TokenBytes:
+    """``x`` (a list, tuple, range or 1-D integer array/tensor of token ids in 0..2**63-1) as :class:`TokenBytes`,
+    else :class:`KVDataError` naming the bad id, starting with ``where``. Strings, sets and dicts are refused:
+    they iterate, but not as an ordered sequence of ids. A list of ints or an integer array is checked and
+    converted in C, with no Python loop per token."""
     items: list | tuple | range
+    if type(x) is TokenBytes:
+        return x
     if isinstance(x, (list, tuple, range)):
         items = x
     elif isinstance(x, (torch.Tensor, np.ndarray)):
@@ -282,27 +295,40 @@ def token_bytes(x: object, where: str) -> bytes:
         if isinstance(a, np.ndarray) and a.dtype.kind in "iu":
             small = a.dtype.kind == "i" or a.dtype.itemsize < 8  # no such id passes TOKEN_MAX
             if not a.size or (a.min() >= 0 and (small or a.max() <= TOKEN_MAX)):
-                return a.astype(np.int64, copy=False).tobytes()
+                return TokenBytes(np.ascontiguousarray(a, dtype=np.int64))
         items = x.tolist()  # floats, bools, ids out of range: the loop below names the first bad one
     else:
         raise KVDataError(f"{where}: token ids are a list of ints, not {x!r}")
-    if not items:
-        return b""
-    if set(map(type, items)) == _INT:  # exact ints: checked and converted in C
-        try:  # a block's worth through array (the smaller fixed cost), more through numpy (less per id)
-            if len(items) <= _SHORT:
-                if min(items) >= 0:
-                    return array("q", items).tobytes()
-            else:
-                a = np.array(items, dtype=np.int64)
-                if a.min() >= 0:
-                    return a.tobytes()
-        except OverflowError:  # some id is past int64: the loop below names it
-            pass
+    if (data := _exact_bytes(items)) is not None:
+        return data
     bad = next((t for t in items if not (is_int(t) and 0 <= t <= TOKEN_MAX)), _NONE)
     if bad is not _NONE:
         raise KVDataError(f"{where}: token ids are ints in 0..2**63-1, got {bad!r}")
-    return array("q", [int(t) for t in items]).tobytes()  # numpy integers among them
+    return TokenBytes(array("q", [int(t) for t in items]))  # numpy integers among them
+
+
+def _exact_bytes(items: list | tuple | range) -> TokenBytes | None:
+    """``items`` as :class:`TokenBytes` if they are exact ints in 0..2**63-1 (checked and converted in C, no
+    Python loop per token), else None: the caller's slow path names what is wrong."""
+    if not items:
+        return TokenBytes()
+    if set(map(type, items)) != _INT:
+        return None
+    try:
+        a = array("q", items)
+    except OverflowError:  # some id is past int64
+        return None
+    low = min(items) if len(items) <= _SHORT else np.frombuffer(a, dtype=np.int64).min()
+    return TokenBytes(a) if low >= 0 else None
+
+
+def token_ids(x: object, where: str) -> tuple[list[int], TokenBytes]:
+    """Token ids checked once (:func:`token_bytes`'s rule and errors), both as a sequence keeps them (a list of
+    ints, a copy) and as the prefix cache hashes them."""
+    if type(x) is list and (data := _exact_bytes(x)) is not None:
+        return list(x), data
+    data = token_bytes(x, where)
+    return array("q", data).tolist(), data
 
 
 def token_list(x: object, where: str) -> list[int]:

@@ -35,11 +35,11 @@ import torch
 from kvlab.core.block import ALLOCATED, BlockStatus
 from kvlab.core.errors import ConfigError, IllegalTransitionError, KVDataError
 from kvlab.core.events import Event
-from kvlab.core.checks import check_list, check_positive, check_tenant, is_int, token_bytes
+from kvlab.core.checks import TokenBytes, check_list, check_positive, check_tenant, is_int, token_bytes
 from kvlab.core.eviction import FutureUses
 from kvlab.core.pool import BlockPool
 
-TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor | TokenBytes
 
 
 def _check_parent(parent: object) -> bytes | None:

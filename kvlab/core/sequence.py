@@ -32,7 +32,7 @@ import torch
 from kvlab.core.block import ALLOCATED
 from kvlab.core.errors import ConfigError, IllegalTransitionError, KVDataError
 from kvlab.core.events import Event
-from kvlab.core.checks import TOKEN_MAX, check_flag, check_tenant, is_int, token_bytes, token_list
+from kvlab.core.checks import TOKEN_MAX, TokenBytes, check_flag, check_tenant, is_int, token_ids, token_list
 from kvlab.core.pool import BlockPool
 from kvlab.core.prefix import PrefixCache
 
@@ -72,13 +72,12 @@ class SequenceManager:
         prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
         token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
         tenant = check_tenant(tenant)
-        if prompt is not None:  # checked with or without a cache: the same prompt must not pass only sometimes
-            data = token_bytes(prompt, f"sequence {self._next_id}")
-            exact = type(prompt) is list and set(map(type, prompt)) <= {int}  # as they are (cheaper than rebuilt)
-            prompt = list(prompt) if exact else array("q", data).tolist()
+        if prompt is not None:  # checked once, with or without a cache (the same prompt must not pass only
+            # sometimes); the cache's lookup takes the checked bytes
+            prompt, data = token_ids(prompt, f"sequence {self._next_id}")
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
-            ids, last = self.prefix_cache.match(prompt, tenant, max(0, (len(prompt) - 1) // self.block_size))
+            ids, last = self.prefix_cache.match(data, tenant, max(0, (len(prompt) - 1) // self.block_size))
             n = len(ids) * self.block_size
             seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
             seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last
@@ -264,8 +263,8 @@ class SequenceManager:
             return 0
         B, first, stop, added = self.block_size, seq.cached_blocks, seq.num_tokens // self.block_size, 0
         while first < stop:
-            digests = cache.store_blocks(seq.block_table[first:stop], seq.token_ids[first * B:stop * B],
-                                         seq.prefix_hash, seq.tenant)
+            chain = TokenBytes(array("q", seq.token_ids[first * B:stop * B]))  # checked when they came in
+            digests = cache.store_blocks(seq.block_table[first:stop], chain, seq.prefix_hash, seq.tenant)
             if digests:
                 first, added = first + len(digests), added + len(digests)
                 seq.cached_blocks, seq.prefix_hash = first, digests[-1]
