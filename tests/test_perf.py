@@ -263,8 +263,10 @@ def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, d
         op = data.draw(st.sampled_from(["create", "create", "append", "append", "append", "cache", "free", "fork",
                                         "fork", "swap"]) if ids else st.just("create"), label="op")
         if op == "create":
-            prompt = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=14)), label="prompt")
-            calls = [lambda m: m.create(prompt)] * 2
+            prompt = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=14), ODD_PROMPTS),
+                               label="prompt")
+            tenant = data.draw(st.sampled_from([None, None, None, "t", 3]), label="tenant")
+            calls = [lambda m: m.create(prompt, tenant=tenant)] * 2
         elif op == "append":
             picked = data.draw(st.lists(st.sampled_from(ids[-3:]) | st.sampled_from(ids), max_size=4), label="batch")
             feeds = [feed(data, mgrs[1].seqs[i].token_ids is not None) for i in picked]
@@ -290,6 +292,15 @@ def test_fast_sequence_manager_equals_the_reference(mgr_cls, pool_cls, listen, d
         if listen:
             assert recs[0].events == recs[1].events
         mgrs[0].check_invariants()
+
+
+# Prompts the compiled check refuses or never sees (the reference words the error or converts them): bools,
+# negative ids, ids past int64, floats, numpy ints in a list, tuples and arrays.
+ODD_PROMPTS = st.one_of(
+    st.lists(st.one_of(st.integers(0, 3), st.booleans(), st.integers(-2, -1), st.just(2**63), st.just(1.0),
+                       st.integers(0, 3).map(np.int64)), min_size=1, max_size=10),
+    st.lists(st.integers(0, 3), max_size=10).map(tuple),
+    st.lists(st.integers(0, 3), max_size=10).map(lambda v: np.array(v, dtype=np.int64)))
 
 
 class BlindHasher:
@@ -323,6 +334,7 @@ def test_the_fast_prefix_cache_walks_as_the_reference(blind, data):
         pools = FastBlockPool(12, **kw), BlockPool(12, **kw)
         caches = FastPrefixCache(pools[0]), PrefixCache(pools[1])
         tokens = st.lists(st.integers(0, 2), min_size=2, max_size=8)
+        queries = tokens | ODD_PROMPTS
         for _ in range(data.draw(st.integers(3, 25), label="steps")):
             op = data.draw(st.sampled_from(["store", "match", "match", "stale", "evict"]), label="op")
             if op == "store":
@@ -338,7 +350,7 @@ def test_the_fast_prefix_cache_walks_as_the_reference(blind, data):
                     for p in pools:
                         p.free(ids if not keep else ids[1:])
             elif op == "match":
-                toks = data.draw(tokens, label="tokens")
+                toks = data.draw(queries, label="tokens")
                 got = [outcome(c, "match", toks) for c in caches]
                 assert got[0] == got[1]
                 if isinstance(got[0], tuple) and got[0][0] and not isinstance(got[0][0], type):

@@ -72,14 +72,17 @@ class SequenceManager:
         prefix cache, starts with the cached blocks of the prompt's longest cached prefix (at least one prompt
         token is left to compute, since the model needs its logits). Append ``prompt[seq.num_tokens:]`` next."""
         tenant = check_tenant(tenant)
-        if prompt is not None:  # checked once, with or without a cache (the same prompt must not pass only
-            # sometimes); the cache's lookup takes the checked bytes
-            prompt, data = token_ids(prompt, f"sequence {self._next_id}")
+        # Checked once, with or without a cache (the same prompt must not pass only sometimes).
+        return self._open(None if prompt is None else token_ids(prompt, f"sequence {self._next_id}"), tenant)
+
+    def _open(self, prompt: tuple[list[int], TokenBytes] | None, tenant: str | None) -> Sequence:
+        """:meth:`create` once its arguments are checked: ``prompt`` is the token ids as the sequence keeps them
+        and as the cache looks them up."""
         seq = Sequence(self._next_id, self, token_ids=None if prompt is None else [], tenant=tenant)
         if prompt is not None and self.prefix_cache is not None:
-            ids, last = self.prefix_cache.match(data, tenant, max(0, (len(prompt) - 1) // self.block_size))
+            ids, last = self.prefix_cache.match(prompt[1], tenant, max(0, (len(prompt[0]) - 1) // self.block_size))
             n = len(ids) * self.block_size
-            seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[:n]
+            seq.block_table, seq.num_tokens, seq.token_ids = ids, n, prompt[0][:n]
             seq.num_cached_tokens, seq.cached_blocks, seq.prefix_hash = n, len(ids), last
         self._next_id += 1
         self.seqs[seq.seq_id] = seq

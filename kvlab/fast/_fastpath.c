@@ -9,10 +9,11 @@
  * the Python method, which serves it or words the error. tests/test_perf.py holds all three pools equal.
  *
  * set_token_counts(ids, counts), incref(ids) and mark_reusable(ids) of a one-size pool run here too (the
- * engine calls them every step, a prefix-cache hit or store once per prompt). Three module functions serve the
- * layers above: walk_chain is FastPrefixCache's lookup loop, and plan_append and apply_append are FastSequenceManager.append_tokens's loop over the batch: they read and write
- * the sequences' fields exactly as SequenceManager.append_tokens does for its common batch, while the pool calls
- * in between stay the pool's.
+ * engine calls them every step, a prefix-cache hit or store once per prompt). Four module functions serve the
+ * layers above: token_bytes checks and converts a prompt's token ids for FastSequenceManager.create and
+ * FastPrefixCache's lookups, walk_chain is FastPrefixCache's lookup loop, and plan_append and apply_append are
+ * FastSequenceManager.append_tokens's loop over the batch: they read and write the sequences' fields exactly as
+ * SequenceManager.append_tokens does for its common batch, while the pool calls in between stay the pool's.
  *
  * Why: in CPython a one-block allocate+free spends most of its time in bytecode dispatch and method calls
  * (docs/benchmarks.md); here it is a few C calls.
@@ -1089,6 +1090,27 @@ done:
     return out;
 }
 
+/* token_bytes(ids) -> the int64 bytes of a list of exact ints in 0..2**63-1 (8 per id, native order), or None
+ * for any other list: checks.token_bytes then names what is wrong. One pass, no Python object per id. */
+static PyObject *token_bytes(PyObject *mod, PyObject *list) {
+    if (!PyList_CheckExact(list)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!out) return NULL;
+    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(list, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(t) ? PyLong_AsLongLongAndOverflow(t, &overflow) : -1;
+        if (v < 0 || overflow) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        dst[i] = v;
+    }
+    return out;
+}
+
 /* walk_chain(tokens, n, width, salted, block_of, stored, status, reusable, stamp, created) -> (ids, last, stale):
  * PrefixCache._walk's loop. Block i's hash is a copy of `salted` (the tenant's hasher) fed the previous hit's
  * digest and tokens[i*width:(i+1)*width]; the walk follows block_of[digest] while the block is still the
@@ -1177,6 +1199,8 @@ static PyMethodDef module_functions[] = {
     {"walk_chain", (PyCFunction)(void (*)(void))walk_chain, METH_FASTCALL,
      "walk_chain(tokens, n, width, salted, block_of, stored, status, reusable, stamp, created) -> (ids, last, "
      "stale): PrefixCache._walk's loop."},
+    {"token_bytes", (PyCFunction)token_bytes, METH_O,
+     "token_bytes(ids) -> int64 bytes of a list of exact ints in 0..2**63-1, or None."},
     {"plan_append", (PyCFunction)(void (*)(void))plan_append, METH_FASTCALL,
      "plan_append(seqs, new, live, seq_type, block_size, refcount) -> blocks needed, or None (not the common "
      "batch)."},

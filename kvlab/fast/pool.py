@@ -38,7 +38,7 @@ from kvlab.fast.compiled import load_extension
 from kvlab.core.errors import OutOfBlocksError
 from kvlab.core.eviction import LRUPolicy
 from kvlab.core.block import ALLOCATED, FREE, PENDING
-from kvlab.core.checks import INT32_MAX, TOKEN_MAX
+from kvlab.core.checks import INT32_MAX, TOKEN_MAX, TokenBytes, check_tenant
 from kvlab.core.events import notify
 from kvlab.core.pool import RANKED, BlockPool, Ids
 from kvlab.core.prefix import ChainGuard, PrefixCache
@@ -527,6 +527,7 @@ if _FastPath is not None:
     from kvlab.fast._fastpath import PoolLock as _PoolLock  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from kvlab.fast._fastpath import apply_append as _apply_append
     from kvlab.fast._fastpath import plan_append as _plan_append
+    from kvlab.fast._fastpath import token_bytes as _token_bytes
     from kvlab.fast._fastpath import walk_chain as _walk_chain
 
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
@@ -565,9 +566,19 @@ if _FastPath is not None:
         @counts.setter
         def counts(self, value: dict[str, int]) -> None:
             self._counts = value
+    def _checked(x: object) -> TokenBytes | None:
+        """A list of exact ints in 0..2**63-1 as :class:`TokenBytes`, checked and converted in C in one pass
+        (``_fastpath.c``'s ``token_bytes``); None for anything else, which the reference checks and words."""
+        data = _token_bytes(x) if type(x) is list else None
+        return None if data is None else TokenBytes(data)
+
     class FastPrefixCache(PrefixCache):
-        """A :class:`PrefixCache` whose lookups walk the hash chain in C (``kvlab/fast/_fastpath.c``'s
-        ``walk_chain``: the same hashes, checks and stop as the Python ``_walk``'s loop)."""
+        """A :class:`PrefixCache` whose lookups check a list of token ids in C (``_checked``) and walk the hash
+        chain in C (``kvlab/fast/_fastpath.c``'s ``walk_chain``: the same hashes, checks and stop as the Python
+        ``_walk``'s loop)."""
+
+        def _query(self, token_ids: Any, tenant: str | None, max_blocks: int | None) -> tuple[bytes, Any, int]:
+            return super()._query(_checked(token_ids) or token_ids, tenant, max_blocks)
 
         def _walk(self, tokens: bytes, salted: Any, n: int) -> tuple[list[int], bytes | None]:
             ids, last, stale = _walk_chain(tokens, n, 8 * self.block_size, salted, self._block, self._tokens,
@@ -578,13 +589,21 @@ if _FastPath is not None:
 
     class FastSequenceManager(PyFastSequenceManager):
         """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/fast/_fastpath.c``'s
-        ``plan_append`` and ``apply_append``, which read and write the same fields); the pool calls between them
-        stay the pool's. ``prefix_cache=True`` builds a :class:`FastPrefixCache`."""
+        ``plan_append`` and ``apply_append``, which read and write the same fields; the pool calls between them
+        stay the pool's) and a list prompt checked in C. ``prefix_cache=True`` builds a :class:`FastPrefixCache`."""
 
         def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | bool | None = None) -> None:
             if isinstance(prefix_cache, (bool, np.bool_)) and prefix_cache and isinstance(pool, BlockPool):
                 prefix_cache = FastPrefixCache(pool)
             super().__init__(pool, prefix_cache)
+
+        def create(self, prompt: Seq[int] | None = None, *, tenant: str | None = None) -> Sequence:
+            """:meth:`SequenceManager.create`, a list prompt checked in C (``_checked``)."""
+            data = _checked(prompt)
+            if data is None:
+                return super().create(prompt, tenant=tenant)
+            assert isinstance(prompt, list)  # _checked takes nothing else
+            return self._open((list(prompt), data), check_tenant(tenant))
 
         def _plan_append(self, seqs: Seq[Sequence], new: Seq[NewTokens]) -> int | None:
             return _plan_append(seqs, new, self.seqs, Sequence, self.block_size, self.pool.fields.refcount)
