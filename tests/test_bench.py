@@ -38,7 +38,7 @@ def test_every_benchmark_runs_in_quick_mode_and_writes_json(quick_run):
     for r in result["rows"]:
         assert r["name"] and r["unit"] is not None and math.isfinite(r["value"]), r
         assert r.get("ratio") is None or math.isfinite(r["ratio"]), r
-    assert {"date", "torch", "device", "cpu_count"} <= set(result["machine"])
+    assert {"date", "commit", "torch", "device", "cpu_count"} <= set(result["machine"])
     assert "| benchmark | figure |" in printed and str(out) in printed
 
 
@@ -429,3 +429,20 @@ def test_replay_finds_the_same_cached_prompt_tokens_in_kvlab_and_the_nano_model(
     ops, cfg = bench_engine.record(300)
     kvlab_hits = bench_engine.replay_kvlab(ops, cfg.num_blocks, cfg.block_size)
     assert kvlab_hits > 0 and bench_engine.replay_nano(ops, cfg.num_blocks, cfg.block_size) == kvlab_hits
+
+
+def test_the_rows_name_the_commit_measured(tmp_path, monkeypatch):
+    """In a git checkout the machine line names HEAD (``+changes`` when kvlab's or the benchmarks' files differ
+    from it); an installed copy with no checkout around it names none."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=bench.Path(bench.__file__).resolve().parents[2])
+    if head.returncode == 0:
+        assert bench.commit() in (head.stdout.strip(), head.stdout.strip() + "+changes")
+        assert f"commit {bench.commit()}" in bench.report({"machine": bench.machine(), "quick": True, "rows": []})
+    fake = tmp_path / "site-packages" / "kvlab" / "app" / "bench.py"
+    fake.parent.mkdir(parents=True)
+    monkeypatch.setattr(bench, "__file__", str(fake))
+    assert bench.commit() is None
+    assert "commit" not in bench.report({"machine": bench.machine(), "quick": True, "rows": []}).splitlines()[0]

@@ -1,5 +1,5 @@
 """``kvlab bench``: run every benchmark shipped with kvlab, print one table of figures with their baselines,
-ratios and goals, or the same rows as JSON with the machine, versions, device and date.
+ratios and goals, or the same rows as JSON with the machine, versions, device, date and the commit measured.
 
 Each ``benchmarks/bench_*.py`` exposes ``run(quick: bool) -> list[dict]`` whose rows carry ``name``, ``value``,
 ``unit`` and optionally ``baseline``, ``ratio``, ``goal`` and ``ratios`` (``{label: ratio}`` to further baselines,
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -54,10 +55,28 @@ def load(name: str) -> ModuleType:
     return mod
 
 
+def commit() -> str | None:
+    """The git commit of the kvlab source measured, ``+changes`` appended when its files differ from it; None
+    for an installed wheel (no git checkout around it) or where git is missing."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kvlab", "benchmarks"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
+    """What the figures were measured on, and when: the date and the commit (:func:`commit`)."""
     dev = default_device()
-    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "device": str(dev)}
@@ -140,7 +159,8 @@ def run_script(run: Any, argv: list[str] | None = None) -> list[dict[str, Any]]:
 def report(result: dict[str, Any]) -> str:
     """What ``kvlab bench`` prints: a line naming the machine, then :func:`format_table`."""
     m = result["machine"]
-    return (f"kvlab bench — {m['date']} — {m['processor']}, {m['cpu_count']} cores, device {m['device']}, "
+    at = f" — commit {m['commit']}" if m.get("commit") else ""
+    return (f"kvlab bench — {m['date']}{at} — {m['processor']}, {m['cpu_count']} cores, device {m['device']}, "
             f"torch {m['torch']}{' (quick)' if result['quick'] else ''}\n{format_table(result)}")
 
 
