@@ -46,23 +46,28 @@ USES = {"replay": ("pool", "append", "prefix"), "engine": ("pool", "append", "pr
 
 
 def c_lines() -> dict[str, int]:
-    """Lines of ``_fastpath.c`` by part: its append-loop and chain-walk sections; the rest is the pool's."""
+    """Lines of ``_fastpath.c`` by part: its append-loop and chain-walk sections, and the token check both of them
+    use (counted in each); the rest is the pool's."""
     c = (FAST / "_fastpath.c").read_text()
-    append_at, walk_at = c.index("static PyObject *s_seq_id"), c.index("/* walk_chain(")
-    tables_at = c.index("static PyMethodDef module_functions")
-    append, prefix = c[append_at:walk_at].count("\n"), c[walk_at:tables_at].count("\n")
-    return {"pool": c.count("\n") - append - prefix, "append": append, "prefix": prefix}
+    append_at, check_at = c.index("static PyObject *s_seq_id"), c.index("/* token_bytes(ids)")
+    walk_at, tables_at = c.index("/* walk_chain("), c.index("static PyMethodDef module_functions")
+    append, check, walk = (c[a:b].count("\n") for a, b in ((append_at, check_at), (check_at, walk_at),
+                                                            (walk_at, tables_at)))
+    return {"pool": c.count("\n") - append - check - walk, "append": append + check, "prefix": walk + check}
 
 
 def part_lines(compiled: bool = True) -> dict[str, int]:
     """Lines (comments and docstrings included: what a reader reads) of each part: its Python classes or module,
     plus, when ``compiled``, its C (for the Python twins, without it)."""
     spans = {node.name: (node.end_lineno or node.lineno) - node.lineno + 1
-             for node in ast.walk(ast.parse((FAST / "pool.py").read_text())) if isinstance(node, ast.ClassDef)}
+             for node in ast.walk(ast.parse((FAST / "pool.py").read_text()))
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
     c = c_lines() if compiled else {"pool": 0, "append": 0, "prefix": 0}
+    checked = spans["_checked"]  # the compiled token check's wrapper, used by both of the parts below
     return {"pool": spans["PyFastBlockPool"] + (spans["FastBlockPool"] + c["pool"] if compiled else 0),
-            "append": spans["PyFastSequenceManager"] + (spans["FastSequenceManager"] + c["append"] if compiled else 0),
-            "prefix": spans["FastPrefixCache"] + c["prefix"],
+            "append": spans["PyFastSequenceManager"] + (spans["FastSequenceManager"] + checked + c["append"]
+                                                        if compiled else 0),
+            "prefix": spans["FastPrefixCache"] + checked + c["prefix"],
             "decode": sum(len((FAST / f).read_text().splitlines()) for f in ("attention.py", "_paged_attention.c"))}
 
 

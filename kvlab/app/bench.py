@@ -92,10 +92,11 @@ def run_all(names: list[str] | None = None, quick: bool = False, progress: bool 
     rows: list[dict[str, Any]] = []
     names = names or available()
     modules = [load(name) for name in names]  # an unknown name fails before any benchmark runs
+    measured = machine()  # before the run: the commit and date of the code loaded, whatever changes meanwhile
     for name, mod in zip(names, tqdm(modules, desc="benchmarks", disable=None if progress else True)):
         for row in mod.run(quick=quick):
             rows.append({"benchmark": name, **row})
-    return {"machine": machine(), "quick": quick, "rows": rows}
+    return {"machine": measured, "quick": quick, "rows": rows}
 
 
 def _fmt(v: Any) -> str:
