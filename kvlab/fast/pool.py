@@ -573,12 +573,17 @@ if _FastPath is not None:
         return None if data is None else TokenBytes(data)
 
     class FastPrefixCache(PrefixCache):
-        """A :class:`PrefixCache` whose lookups check a list of token ids in C (``_checked``) and walk the hash
-        chain in C (``kvlab/fast/_fastpath.c``'s ``walk_chain``: the same hashes, checks and stop as the Python
-        ``_walk``'s loop)."""
+        """A :class:`PrefixCache` whose lookups and stores check a list of token ids in C (``_checked``) and whose
+        lookups walk the hash chain in C (``kvlab/fast/_fastpath.c``'s ``walk_chain``: the same hashes, checks and
+        stop as the Python ``_walk``'s loop)."""
 
         def _query(self, token_ids: Any, tenant: str | None, max_blocks: int | None) -> tuple[bytes, Any, int]:
             return super()._query(_checked(token_ids) or token_ids, tenant, max_blocks)
+
+        def store_blocks(self, block_ids: Seq[int], token_ids: Any, parent: bytes | None = None,
+                         tenant: str | None = None) -> list[bytes]:
+            """:meth:`PrefixCache.store_blocks`, a list of token ids checked in C (``_checked``)."""
+            return super().store_blocks(block_ids, _checked(token_ids) or token_ids, parent, tenant)
 
         def _walk(self, tokens: bytes, salted: Any, n: int) -> tuple[list[int], bytes | None]:
             ids, last, stale = _walk_chain(tokens, n, 8 * self.block_size, salted, self._block, self._tokens,
