@@ -112,8 +112,8 @@ def test_a_path_the_os_refuses_is_a_config_error_naming_it(tmp_path):
     for path in (tmp_path / "nodir" / "a.jsonl", tmp_path / "dir.jsonl", tmp_path / "a\x00b.csv"):
         assert "cannot write trace" in refuses(lambda: write_trace(W, path), str(path))
     assert not (tmp_path / "nodir").exists() and list(tmp_path.iterdir()) == [tmp_path / "dir.jsonl"]
-    assert "embedded null byte" in refuses(lambda: read_trace("a\x00b.jsonl"), "a\x00b.jsonl")
-    assert "embedded null byte" in refuses(lambda: load_trace("a\x00b"), "a\x00b")
+    assert "NUL character" in refuses(lambda: read_trace("a\x00b.jsonl"), "a\x00b.jsonl")
+    assert "NUL character" in refuses(lambda: load_trace("a\x00b"), "a\x00b")
 
 
 @pytest.mark.parametrize("workload", [None, [REQ], W.requests, "chat"])

@@ -110,7 +110,7 @@ def test_unknown_names_and_formats_are_refused(tmp_path):
         load_trace("azure-2023")
     with pytest.raises(ConfigError, match="cannot read trace .*missing.jsonl"):
         load_trace(tmp_path / "missing.jsonl")
-    with pytest.raises(ConfigError, match="cannot read trace .*: Is a directory"):
+    with pytest.raises(ConfigError, match="trace .* is a directory, not a regular file"):
         load_trace(tmp_path)
     with pytest.raises(ConfigError, match="a trace is a bundled name or a path, got 7"):
         load_trace(7)  # type: ignore[arg-type]

@@ -82,12 +82,18 @@ def test_a_30000_token_prompt_reads_back_whatever_the_csv_limit(tmp_path):
         csv.field_size_limit(old)
 
 
-def test_csv_cannot_hold_a_lone_surrogate_and_writes_nothing(tmp_path):
-    w = Workload("s", [Request(0, 0.0, 2, 1, tenant="bad\ud800")])
-    with pytest.raises(ConfigError, match="surrogate"):
-        write_trace(w, tmp_path / "s.csv")
-    assert not (tmp_path / "s.csv").exists()
-    assert read_trace(write_trace(w, tmp_path / "s.jsonl")).requests == w.requests  # JSON escapes it
+def test_a_name_utf8_cannot_encode_is_refused_when_read(tmp_path):
+    """A lone surrogate is valid JSON (``"\\ud800"``) but no text: it could not be hashed as a tenant's salt or
+    written back. It is refused where it enters, naming the line, not at admission long after."""
+    with pytest.raises(ConfigError, match="UTF-8"):
+        Request(0, 0.0, 2, 1, tenant="bad\ud800")
+    with pytest.raises(ConfigError, match="UTF-8"):
+        Request(0, 0.0, 2, 1, prefix_id="p\udfff", prefix_len=1)
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"id":0,"arrival":0.0,"prompt_len":2,"output_len":1}\n'
+                    '{"id":1,"arrival":0.0,"prompt_len":2,"output_len":1,"tenant":"bad\\ud800"}\n')
+    with pytest.raises(TraceFormatError, match=r"line 2: .*UTF-8"):
+        read_trace(path)
 
 
 @settings(max_examples=150, deadline=None)

@@ -19,7 +19,8 @@ The vocabulary, one line a rule:
   a vocabulary (a model's input, :class:`ConfigError`); :func:`token_bytes` / :func:`token_list`: token ids as
   the KV cache stores and hashes them, int64 (:class:`~kvlab.KVDataError`); :class:`TokenBytes` is what
   :func:`token_bytes` returns and passes through unchecked, so ids are checked once on their way in;
-  :func:`token_ids` gives both forms from one check. :func:`check_tenant`: a str or None.
+  :func:`token_ids` gives both forms from one check. :func:`is_text`: a str UTF-8 can encode (no lone
+  surrogate); :func:`check_tenant`: such a str or None.
 * :func:`is_path` / :func:`check_path`: a file name, a str or path-like (the OS judges the rest on opening).
 * :func:`check_device`: a torch device this machine has.
 * :func:`check_kv_data`: K/V a pool can store. :func:`check_block_sizes`: size classes. :func:`check_clock`: a
@@ -338,8 +339,20 @@ def token_list(x: object, where: str) -> list[int]:
     return array("q", token_bytes(x, where)).tolist()
 
 
+def is_text(x: object) -> TypeGuard[str]:
+    """A str that UTF-8 can encode: not one holding a lone surrogate (``"\\ud800"``, which JSON can spell), since
+    such a name could not be hashed, written to a trace or sent to a browser."""
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_tenant(tenant: object) -> str | None:
-    """A tenant is a str (its hash salt) or None."""
-    if tenant is not None and not isinstance(tenant, str):
-        raise ConfigError(f"tenant must be a str or None, got {tenant!r}")
+    """A tenant is a str UTF-8 can encode (its hash salt, :func:`is_text`) or None."""
+    if tenant is not None and not is_text(tenant):
+        raise ConfigError(f"tenant must be a str (UTF-8 text) or None, got {show(tenant)}")
     return tenant

@@ -45,6 +45,9 @@ class TraceFormatError(KVLabError, ValueError):
     """A malformed line in a workload trace file; ``path`` and ``line`` (1-based) say where."""
 
     def __init__(self, path: str, line: int, problem: str) -> None:
+        # Cut: a hostile file must not make a message of millions of characters (the path, or a value quoted).
+        path = path if len(path) <= 200 else path[:200] + "..."
+        problem = problem if len(problem) <= 500 else f"{problem[:500]}... ({len(problem):,} characters)"
         super().__init__(f"{path}, line {line}: {problem}")
         self.path, self.line, self.problem = path, line, problem
 

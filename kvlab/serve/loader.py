@@ -27,6 +27,7 @@ import torch
 from kvlab.core.checks import is_number, is_path
 from kvlab.core.device import default_device
 from kvlab.core.errors import ConfigError, ModelFileError
+from kvlab.core.files import regular_file, shown
 from kvlab.serve.model import LAYER_WEIGHTS, Llama, LlamaConfig, weight_shapes
 from kvlab.serve.tokenizer import ChatTokenizer
 
@@ -67,7 +68,9 @@ def model_path(name_or_path: str | os.PathLike[str]) -> Path:
         raise ConfigError(f"a model is a name ({', '.join(MODELS)}) or a path to a .gguf file, got {name_or_path!r}")
     path = Path(name_or_path)
     if not path.is_file():
-        raise ConfigError(f"no model named {os.fspath(name_or_path)!r}: kvlab knows {', '.join(MODELS)}, "
+        if path.exists():  # a FIFO would block the read for ever, a directory is no model: say which it is
+            regular_file(path, "model file")
+        raise ConfigError(f"no model named {shown(name_or_path)}: kvlab knows {', '.join(MODELS)}, "
                           "or give the path of a .gguf file")
     return path
 

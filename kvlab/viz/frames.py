@@ -47,6 +47,7 @@ import numpy as np
 
 from kvlab.core import events as ev
 from kvlab.core.block import ALLOCATED, FREE, STATE_NAMES as POOL_STATES
+from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
 from kvlab.memory.fragmentation import unusable_free_percent
@@ -418,7 +419,9 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     try:
         tail = json.loads(data[want - tail_len:]) if tail_len else {}
     except ValueError as e:  # not UTF-8, or not JSON
-        raise ConfigError(f"frame {header['seq']}: its tail is not JSON ({e})") from None
+        raise ConfigError(f"frame {header['seq']}: its tail is not JSON ({show(str(e), 200)})") from None
+    except RecursionError:  # valid JSON, but nested deeper than the parser goes: no frame writes that
+        raise ConfigError(f"frame {header['seq']}: its tail is JSON nested too deeply") from None
     if not isinstance(tail, dict):
         raise ConfigError(f"frame {header['seq']}: its tail is {type(tail).__name__}, not a JSON object")
     return _frame(data, header, tail)

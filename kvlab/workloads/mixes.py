@@ -83,8 +83,9 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.core.checks import SEED_MAX, check_path, check_real, is_int, is_real, show
+from kvlab.core.checks import SEED_MAX, check_path, check_real, is_int, is_real, is_text, show
 from kvlab.core.errors import ConfigError, TraceFormatError
+from kvlab.core.files import os_reason, read_file, shown
 
 FIELDS = ("id", "arrival", "prompt_len", "output_len", "tenant", "prefix_id", "prefix_len", "prompt_tokens",
           "hash_ids")
@@ -140,10 +141,11 @@ class Request:
         if self.prompt_len < 1 or self.output_len < 0:
             raise ConfigError(f"request {self.id}: prompt_len must be >= 1 and output_len >= 0, got "
                               f"{self.prompt_len} and {self.output_len}")
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ConfigError(f"request {self.id}: tenant must be a non-empty str, got {show(self.tenant)}")
-        if self.prefix_id is not None and (not isinstance(self.prefix_id, str) or not self.prefix_id):
-            raise ConfigError(f"request {self.id}: prefix_id must be a non-empty str or None, "
+        if not is_text(self.tenant) or not self.tenant:
+            raise ConfigError(f"request {self.id}: tenant must be a non-empty str of UTF-8 text, got "
+                              f"{show(self.tenant)}")
+        if self.prefix_id is not None and (not is_text(self.prefix_id) or not self.prefix_id):
+            raise ConfigError(f"request {self.id}: prefix_id must be a non-empty str of UTF-8 text or None, "
                               f"got {show(self.prefix_id)}")
         if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len > 0) != (self.prefix_id is not None):
             raise ConfigError(f"request {self.id}: prefix_len={self.prefix_len} with prefix_id={self.prefix_id!r} "
@@ -476,22 +478,16 @@ def make_workload(name: str, n: int, seed: int = 0, *, rate: float = 8.0, arriva
 # ---------------------------------------------------------------------------------------------------- traces
 def write_trace(workload: Workload, path: str | Path) -> Path:
     """Write ``workload`` as JSONL or CSV, chosen by the suffix of ``path`` (format: module docstring).
-    :func:`read_trace` gives back equal requests. The text is built in full before the file is opened, so the
-    one thing CSV cannot hold (a tenant or prefix id with a lone surrogate: not UTF-8) raises
-    :class:`~kvlab.core.errors.ConfigError` and leaves no half-written file; so does a path that cannot be written."""
+    :func:`read_trace` gives back equal requests. The text is built in full before the file is opened; a path
+    that cannot be written raises :class:`~kvlab.core.errors.ConfigError`."""
     path = check_path(path, "a trace path")
     kind = _kind(path)
     text = _jsonl_text(workload) if kind == "jsonl" else _csv_text(workload)
     try:
         path.write_bytes(text.encode("utf-8"))
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
-        raise ConfigError(f"cannot write trace {str(path)[:200]!r}: {os_reason(e)}") from None
+        raise ConfigError(f"cannot write trace {shown(path)}: {os_reason(e)}") from None
     return path
-
-
-def os_reason(e: OSError | ValueError) -> str:
-    """Why a path could not be opened: the OS's words, or the ValueError's (a NUL in the path)."""
-    return getattr(e, "strerror", None) or str(e)
 
 
 def _jsonl_text(workload: Workload) -> str:
@@ -503,7 +499,7 @@ def _jsonl_text(workload: Workload) -> str:
                 del row[name]
             else:
                 row[name] = list(row[name])
-        # ASCII-only output: a lone surrogate in a tenant survives as an escape, and nothing splits a line
+        # ASCII-only output: nothing in a name splits a line
         lines.append(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
     return "".join(lines)
 
@@ -511,11 +507,6 @@ def _jsonl_text(workload: Workload) -> str:
 def _csv_text(workload: Workload) -> str:
     rows = []
     for r in workload:
-        for name in ("tenant", "prefix_id"):
-            value = getattr(r, name)
-            if value is not None and not _utf8_ok(value):
-                raise ConfigError(f"request {r.id}: {name} {show(value)} holds a lone surrogate, which a UTF-8 "
-                                  f"CSV file cannot store; write a .jsonl trace instead")
         row = asdict(r)
         row.update({name: "" if row[name] is None else " ".join(map(str, row[name]))
                     for name in ("prompt_tokens", "hash_ids")})
@@ -536,14 +527,6 @@ def _csv_text(workload: Workload) -> str:
     return out.getvalue().replace(nul, "\x00") if nul else out.getvalue()
 
 
-def _utf8_ok(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def read_trace(path: str | Path, name: str | None = None) -> Workload:
     """Read a JSONL or CSV trace (by suffix) into a :class:`Workload` named ``name`` (default: the file stem).
 
@@ -553,11 +536,7 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
     read at all raises :class:`~kvlab.core.errors.ConfigError`."""
     path = check_path(path, "a trace path")
     kind = _kind(path)
-    try:
-        data = path.read_bytes()
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
-        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {os_reason(e)}") from None
-    return parse_trace(data, kind, str(path), name or path.stem)
+    return parse_trace(read_file(path, "trace"), kind, str(path), name or path.stem)
 
 
 def parse_trace(data: bytes, kind: str, where: str, name: str) -> Workload:
@@ -592,7 +571,7 @@ def parse_trace(data: bytes, kind: str, where: str, name: str) -> Workload:
 def _kind(path: Path) -> str:
     kind = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}.get(path.suffix.lower())
     if kind is None:
-        raise ConfigError(f"trace {path} must end in .jsonl or .csv, not {path.suffix!r}")
+        raise ConfigError(f"trace {shown(path)} must end in .jsonl or .csv, not {show(path.suffix)}")
     return kind
 
 
@@ -622,8 +601,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+MAX_LINE = 1 << 24  # characters of one trace record (16 Mi: a prompt of about two million token ids)
+
+
 def _jsonl_records(text: str, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     for line, raw in enumerate(io.StringIO(text, newline=""), start=1):
+        if len(raw) > MAX_LINE:
+            raise TraceFormatError(path, line, f"a record of {len(raw):,} characters; kvlab reads at most "
+                                               f"{MAX_LINE:,} a line")
         if not raw.strip() or raw.lstrip().startswith("#"):
             continue
         try:
@@ -657,7 +642,7 @@ def _csv_rows(text: str, path: str) -> Iterator[tuple[int, list[str]]]:
             pos += 2 if text.startswith("\r\n", pos) else 1
             line += 1
             continue
-        first, cells = line, []
+        first, cells, start = line, [], pos
         while True:
             if text.startswith('"', pos):
                 m = _QUOTED.match(text, pos)
@@ -670,6 +655,9 @@ def _csv_rows(text: str, path: str) -> Iterator[tuple[int, list[str]]]:
                 assert m is not None  # the pattern matches the empty string
                 cells.append(m.group())
             pos = m.end()
+            if pos - start > MAX_LINE:
+                raise TraceFormatError(path, first, f"a record of more than {MAX_LINE:,} characters; kvlab reads "
+                                                    f"at most {MAX_LINE:,} a record")
             if pos == end:
                 break
             if text[pos] == ",":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import io
 import json
-import zlib
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -42,7 +41,8 @@ import numpy as np
 
 from kvlab.core.checks import check_choice, check_positive, is_path
 from kvlab.core.errors import ConfigError, TraceFormatError
-from kvlab.workloads.mixes import AZURE_COLUMNS, HASH_BLOCK, Request, Workload, os_reason, parse_trace
+from kvlab.core.files import gunzip, read_file
+from kvlab.workloads.mixes import AZURE_COLUMNS, HASH_BLOCK, Request, Workload, parse_trace
 
 DATA = Path(__file__).parents[1] / "data" / "traces"
 TRACES: dict[str, str] = {
@@ -76,36 +76,15 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
         raise ConfigError(f"a trace is a bundled name or a path, got {name_or_path!r:.60}; bundled traces: "
                           f"{', '.join(TRACES)}")
     try:
-        data = path.read_bytes()
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
-        raise ConfigError(f"cannot read trace {str(path)[:200]!r}: {os_reason(e)}; it is no bundled trace "
-                          f"either ({', '.join(TRACES)})") from None
+        data = read_file(path, "trace")
+    except ConfigError as e:
+        raise ConfigError(f"{e}; it is no bundled trace either ({', '.join(TRACES)})") from None
     where = str(path)
     if data.startswith(b"\x1f\x8b"):
-        data = _gunzip(data, where)
+        data = gunzip(data, where, lambda out, problem: TraceFormatError(where, _lines_in(out), problem))
     elif path.suffix.lower() == ".gz":
         raise TraceFormatError(where, 1, "the name ends in .gz but the file is not gzip data")
     return parse_trace(data, _reader(format, data), where, name)
-
-
-def _gunzip(data: bytes, where: str) -> bytes:
-    """``data`` decompressed (every gzip member of it). A corrupt or cut-off stream is a
-    :class:`~kvlab.core.errors.TraceFormatError` at the line where the readable text stops."""
-    out: list[bytes] = []
-    rest = data
-    while rest:
-        unzip = zlib.decompressobj(wbits=31)  # 31: gzip header and trailer
-        at, step = 0, 1 << 16  # in pieces, so that what precedes a fault is kept for its line number
-        try:
-            while at < len(rest) and not unzip.eof:
-                out.append(unzip.decompress(rest[at:at + step]))
-                at += step
-        except zlib.error as e:
-            raise TraceFormatError(where, _lines_in(out), f"not valid gzip data ({e})") from None
-        if not unzip.eof:
-            raise TraceFormatError(where, _lines_in(out), "the gzip data ends early (a truncated file?)")
-        rest = unzip.unused_data + rest[at:]  # the next member, if any
-    return b"".join(out)
 
 
 def _lines_in(chunks: list[bytes]) -> int:
@@ -138,7 +117,7 @@ def _reader(format: str | None, data: bytes) -> str:
         return "jsonl"
     try:
         rec = json.loads(first)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "jsonl"  # whichever JSON it was meant to be, kvlab's reader reports the broken line
     mooncake = isinstance(rec, dict) and "prompt_len" not in rec and ("input_length" in rec or "hash_ids" in rec)
     return "mooncake" if mooncake else "jsonl"  # kvlab's own records name prompt_len and may hold hash_ids too
