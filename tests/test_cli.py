@@ -469,3 +469,26 @@ def test_json_output_writes_nan_and_infinities_as_null(capsys):
     out = capsys.readouterr().out
     assert out == '{"nan": null, "inf": null, "-inf": null, "ok": 1.5, "rows": [null, [null, 3]]}\n'
     assert json.loads(out)["rows"] == [None, [None, 3]]
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda:7" if __import__("torch").cuda.is_available() else "cuda",
+                                    "tpu", "cuda" if __import__("torch").cuda.is_available() else "cpu:bogus"])
+def test_disagg_refuses_a_device_it_would_not_run_on(device, capsys):
+    """Two local ranks run on the CPU over gloo: a device they would ignore (or this machine lacks) is an error,
+    not a run that exits 0 on something else."""
+    assert cli.main(["disagg", "--device", device, "--prompts", "1", "--prompt-len", "4"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("name", ["../kvlab/__init__", "/etc/passwd", "bench_pool.py", str(REPO / "benchmarks" /
+                                                                                      "bench_sizing"), ""])
+def test_bench_runs_its_own_benchmarks_only_never_a_path(name, tmp_path, capsys, monkeypatch):
+    """``kvlab bench NAME`` takes a benchmark's name; a path (even to a benchmark) imports nothing."""
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    for arg in (name, str(evil), str(evil.with_suffix(""))):
+        assert cli.main(["bench", arg]) != 0
+        err = capsys.readouterr().err
+        assert "unknown benchmark" in err and "Traceback" not in err, err
+    assert not (tmp_path / "ran").exists()

@@ -1,10 +1,13 @@
 """The exercise framework: staged hints, per-item feedback, predictions compared with measurements, scores."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kvlab import ConfigError
 from kvlab import exercises as ex
+import kvlab.exercises.framework as fw
 from kvlab.exercises.framework import EXERCISES, PREDICTIONS
 
 
@@ -71,8 +74,35 @@ def test_bad_predictions_are_refused_and_leave_the_record_as_it_was():
         ex.predict("nope", 1)
     assert ex.reveal(key, first).ok  # the refused calls changed nothing
     numeric = next(k for k in ex.list_predictions() if not PREDICTIONS[k].choices)
-    with pytest.raises(ConfigError, match="expected a number"):
+    with pytest.raises(ConfigError, match="expected a finite number"):
         ex.predict(numeric, "lots")
+
+
+@pytest.mark.parametrize("value", [10**5000, -(10**19), 10.0**19, float("nan"), float("inf"), -float("inf"),
+                                   "x" * 10**5, [1], object()],
+                         ids=["5000 digits", "-1e19 int", "1e19", "nan", "inf", "-inf", "long str", "list", "object"])
+@pytest.mark.parametrize("which", ["numeric", "choice"])
+def test_a_refused_prediction_records_nothing_and_the_record_still_shows(value, which):
+    """Checked before it is recorded: a 5,000-digit int (which has no repr) or a NaN used to be recorded, then
+    every summary and reveal failed until a reset. The refusal is one short line naming the key."""
+    key = next(k for k in ex.list_predictions() if bool(PREDICTIONS[k].choices) == (which == "choice"))
+    good = PREDICTIONS[key].choices[0] if which == "choice" else 20
+    ex.predict(key, good)
+    before = copy.deepcopy(fw._PROGRESS)
+    with pytest.raises(ConfigError) as got:
+        ex.predict(key, value)
+    assert key in str(got.value) and len(str(got.value)) < 400
+    assert fw._PROGRESS == before
+    assert ex.reveal(key, good).ok and ex.summary(PREDICTIONS[key].chapter).matched >= 1
+
+
+@pytest.mark.parametrize("key", [["2.2.2-lru"], None, 3, b"2.2.2-lru", ("a",)])
+def test_a_key_that_is_no_str_is_an_unknown_key(key):
+    before = copy.deepcopy(fw._PROGRESS)
+    for call in (lambda: ex.predict(key, 1), lambda: ex.check(key, 1), lambda: ex.reveal(key, 1)):
+        with pytest.raises(ConfigError, match="unknown (prediction|exercise)"):
+            call()
+    assert fw._PROGRESS == before
 
 
 def test_a_numeric_prediction_matches_within_its_tolerance():

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvlab.core.device import default_device
+from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
 from kvlab.app.resources import shipped
 
@@ -45,10 +46,12 @@ def available() -> list[str]:
 
 def load(name: str) -> ModuleType:
     """Import the benchmark file ``name`` (e.g. ``"bench_pool"``) as a module."""
+    if not isinstance(name, str) or name not in available():  # a name, never a path: nothing else is imported
+        raise ConfigError(f"unknown benchmark {show(name)}; have {', '.join(available())}")
     path = benchmarks_dir() / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvlab_benchmarks.{name}", path) if path.is_file() else None
+    spec = importlib.util.spec_from_file_location(f"kvlab_benchmarks.{name}", path)
     if spec is None or spec.loader is None:
-        raise ConfigError(f"unknown benchmark {name!r}; have {', '.join(available())}")
+        raise ConfigError(f"benchmark {name!r} cannot be imported from {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # a dataclass in the file looks its module up there while it is being built
     spec.loader.exec_module(mod)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvlab.core.errors import ConfigError, KVLabError
-from kvlab.core.checks import check_count, check_positive, check_real, check_seed, check_token_ids
+from kvlab.core.checks import check_count, check_device, check_positive, check_real, check_seed, check_token_ids
 from kvlab.serve.model import TinyConfig, TinyLlama, check_pool, greedy
 from kvlab.core.pool import BlockPool
 from kvlab.core.sequence import Sequence, SequenceManager
@@ -271,10 +271,10 @@ def main(args: argparse.Namespace) -> int:
     for name in ("prompts", "prompt_len", "new_tokens", "block_size", "decode_block_size", "blocks"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ConfigError(f"--device {args.device!r} is not a torch device (cpu, cuda)") from None
+    device = check_device(args.device, "--device")  # one this machine has: not cuda without a GPU, not meta
+    if "RANK" not in os.environ and device.type != "cpu":
+        raise ConfigError(f"--device {args.device} is for ranks started by torchrun (NCCL); the two local ranks "
+                          "run on the CPU over gloo: leave --device out, or start kvlab disagg with torchrun")
     batches = demo_batches(args.prompts, args.prompt_len, args.shared)
     cfg = TinyConfig()
     dbs = args.decode_block_size

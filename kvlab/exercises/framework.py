@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvlab.core.block import BlockStatus
-from kvlab.core.checks import check_real
+from kvlab.core.checks import check_real, show
 from kvlab.core.errors import ConfigError, KVLabError
 from kvlab.core.pool import BlockPool
 from kvlab.core.spec import KVSpec
@@ -179,14 +179,17 @@ def register_prediction(key: str, question: str, choices: Sequence[str] = (), re
 
 def exercise(key: str) -> Exercise:
     """The exercise ``key`` (e.g. ``"2.2.2-lru"``); :class:`ConfigError` lists the known keys otherwise."""
-    if key not in EXERCISES:
-        raise ConfigError(f"unknown exercise {key!r}; known: {', '.join(sorted(EXERCISES))}")
+    if not isinstance(key, str) or key not in EXERCISES:  # a list as key is unhashable: no TypeError
+        raise ConfigError(f"unknown exercise {show(key)}; known: {', '.join(sorted(EXERCISES))}")
     return EXERCISES[key]
 
 
+PREDICTION_MAX = 1e18  # a measured quantity: anything larger is a typo (and a huge int cannot even be shown)
+
+
 def _prediction(key: str) -> Prediction:
-    if key not in PREDICTIONS:
-        raise ConfigError(f"unknown prediction {key!r}; known: {', '.join(sorted(PREDICTIONS))}")
+    if not isinstance(key, str) or key not in PREDICTIONS:
+        raise ConfigError(f"unknown prediction {show(key)}; known: {', '.join(sorted(PREDICTIONS))}")
     return PREDICTIONS[key]
 
 
@@ -244,9 +247,11 @@ def predict(key: str, value: Any) -> str:
     except Unreadable as e:
         raise ConfigError(f"prediction {key!r}: {e}") from None
     if p.choices and c not in p.choices:
-        raise ConfigError(f"prediction {key!r}: {value!r} is not one of the choices {list(p.choices)}")
-    if not p.choices and not isinstance(c, (int, float)):
-        raise ConfigError(f"prediction {key!r}: expected a number, got {value!r}")
+        raise ConfigError(f"prediction {key!r}: {show(value)} is not one of the choices {list(p.choices)}")
+    if not p.choices and not (isinstance(c, (int, float)) and abs(c) <= PREDICTION_MAX):  # NaN and inf fail too
+        # checked before recording: a 5,000-digit int has no repr, and summary() and reveal() show it later
+        raise ConfigError(f"prediction {key!r}: expected a finite number of at most {PREDICTION_MAX:.0e} in size, "
+                          f"got {show(value)}")
     _PROGRESS.predicted[key] = c
     return f"[{key}] 已记录预测 (prediction recorded): {c!r}"
 
