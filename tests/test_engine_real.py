@@ -118,3 +118,24 @@ def test_bad_sampling_settings_are_refused(setting, value):
 def test_metadata_mode_says_its_clock_is_simulated():
     eng = Engine([Request(0, 0.0, 20, 4)], EngineConfig(num_blocks=16, max_model_len=64))
     assert eng.run()["clock"] == "simulated"
+
+
+@pytest.mark.parametrize("bad", [
+    Request(9, 0.0, 3, 2, prompt_tokens=(1, 101, 2)),  # TinyLlama's vocabulary is 101 ids: 0..100
+    Request(9, 0.0, 600, 2, hash_ids=(0, 0)),  # ids 0..511 in its first hash block: past 100
+    Request(9, 0.0, 1, 2, hash_ids=(1,)),  # id 512
+], ids=["given ids", "hash ids", "one hash id"])
+def test_a_prompt_past_the_vocabulary_is_refused_before_it_runs(bad):
+    """Found when the engine is built or the request added, not mid-step after it left its queue (which left the
+    engine's accounting broken and every later run() failing); the good requests still finish."""
+    model = TinyLlama()
+    good = [Request(i, 0.0, 5, 3, prompt_tokens=(1, 2, 3, 4, 100)) for i in range(2)]
+    cfg = EngineConfig(num_blocks=256, block_size=4, max_model_len=1024)
+    with pytest.raises(ConfigError, match=r"requests \[9\] hold prompt token ids past the model's vocabulary"):
+        Engine([*good, bad], cfg, model=model)
+    eng = Engine(good, cfg, model=model)
+    with pytest.raises(ConfigError, match="past the model's vocabulary"):
+        eng.add_requests([bad])
+    eng.check_invariants()
+    assert eng.run()["finished"] == 2 and sorted(eng.outputs) == [0, 1]
+    Engine([bad], cfg).run()  # without a model nothing is tokenized: any id is a metadata key

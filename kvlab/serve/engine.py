@@ -60,7 +60,7 @@ from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event
 from kvlab.serve.metrics import MetricsLog, RequestRecord, StepMetrics, format_table
 from kvlab.serve.model import Llama
-from kvlab.workloads.mixes import Request, Workload
+from kvlab.workloads.mixes import HASH_BLOCK, Request, Workload
 from kvlab.serve.config import EngineConfig
 from kvlab.serve.events import Admitted, Finished, Preempted, SwappedIn, TenantReclaimed
 from kvlab.serve.job import FINISHED, NO_KV, RUNNING, SWAPPED, WAITING, Job
@@ -95,7 +95,7 @@ class Engine:
         # A private copy: remove_tenant edits the tenant tables, never the caller's config.
         cfg = EngineConfig(**{**cfg.__dict__, "quotas": dict(cfg.quotas),
                               "reservations": dict(cfg.reservations), **overrides})
-        self.config = cfg
+        self.config, self.model = cfg, model
         reqs = self._requests(workload.requests if isinstance(workload, Workload) else workload)
         self._refuse_impossible(reqs, set())
         self._ids = {r.id for r in reqs}  # every id given, to refuse one given again
@@ -106,7 +106,6 @@ class Engine:
         self.memory: Memory = (PagedMemory(cfg, model, reqs) if cfg.memory == "paged"
                                else ContiguousMemory(cfg, model))
         self.events = self.memory.events
-        self.model = model
         # Real mode samples with its own seeded generator; a model with a tokenizer ends a request at end of turn.
         self.generator = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
         tokenizer = getattr(model, "tokenizer", None)
@@ -296,6 +295,11 @@ class Engine:
         too_long = [r.id for r in reqs if r.total_len > cfg.max_model_len]
         if too_long:
             raise ConfigError(f"requests {too_long[:5]} exceed max_model_len={cfg.max_model_len} tokens")
+        vocab = self.model.cfg.vocab_size if self.model is not None else None
+        past = [r.id for r in reqs if vocab is not None and _top_token(r) >= vocab]
+        if past:  # found now, not mid-step after the request left its queue
+            raise ConfigError(f"requests {past[:5]} hold prompt token ids past the model's vocabulary "
+                              f"({vocab} ids)")
         reserved = sum(cfg.reservations.values())
         cap = {t: min(cfg.num_blocks - reserved + cfg.reservations.get(t, 0), cfg.quotas.get(t, cfg.num_blocks))
                for t in dict.fromkeys(r.tenant for r in reqs)}
@@ -547,6 +551,18 @@ class Engine:
         self.log.steps.append(m)
         if self.events:
             self.events.publish(m)
+
+
+def _top_token(r: Request) -> int:
+    """The largest token id of ``r``'s prompt without building it (prompts are built at admission): given ids,
+    or those its hash ids make (``h * HASH_BLOCK + offset``); ids derived from a vocabulary fit it by making."""
+    if r.prompt_tokens is not None:
+        return max(r.prompt_tokens)
+    if r.hash_ids is not None:
+        last = r.prompt_len - (len(r.hash_ids) - 1) * HASH_BLOCK  # tokens in the last hash block
+        return max((h + 1) * HASH_BLOCK - 1 if i < len(r.hash_ids) - 1 else h * HASH_BLOCK + last - 1
+                   for i, h in enumerate(r.hash_ids))
+    return -1
 
 
 class _Preempt(Exception):
