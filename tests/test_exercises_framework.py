@@ -146,3 +146,23 @@ def test_registration_refuses_duplicates_and_incomplete_hints():
     assert "2.2.9-new" not in EXERCISES and "2.2.9-p" not in PREDICTIONS
     with pytest.raises(ConfigError):
         ex.hint("2.2.2-lru", 4)
+
+
+EVIL = ['<img src=x onerror="alert(1)">', "[click](javascript:alert(1))", "a | b", "<script>x</script>",
+        "**bold** `code` _i_"]
+
+
+@pytest.mark.parametrize("answer", EVIL + [EVIL[:2], tuple(EVIL[2:4])])
+def test_an_answer_shows_as_text_never_as_markup(answer):
+    """A message may quote the student's answer; rendered as Markdown (as Jupyter and the exported site render
+    it) it stays text: no tag, no link, no table cell break, in any exercise's result or the summary."""
+    import mistune
+
+    for key in ex.list_exercises():
+        md = ex.check(key, answer)._repr_markdown_()
+        html = mistune.html(md)
+        assert "<img" not in html and "<script" not in html and "href" not in html, (key, html)
+    for chapter in sorted({e.chapter for e in EXERCISES.values()}):
+        html = mistune.html(ex.summary(chapter)._repr_markdown_())
+        assert "<img" not in html and "<script" not in html and "href" not in html
+        assert html.count("<tr>") == 1 + len(ex.list_exercises(chapter)) + len(ex.list_predictions(chapter))

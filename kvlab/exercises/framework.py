@@ -75,10 +75,22 @@ class Result:
 
     def _repr_markdown_(self) -> str:
         mark = "✅ **正确 (right)**" if self.ok else "❌ **还不对 (not yet)**"
-        out = f"`{self.exercise}` {mark}: {self.message}" + "".join(f"<br>&nbsp;&nbsp;{d}" for d in self.details)
+        out = f"`{_md(self.exercise)}` {mark}: {_md(self.message)}" + "".join(f"<br>&nbsp;&nbsp;{_md(d)}"
+                                                                          for d in self.details)
         if not self.ok and self.hint:
-            out += f"<br>💡 {self._hint_label()}: {self.hint}"
+            out += f"<br>💡 {self._hint_label()}: {_md(self.hint)}"
         return out
+
+
+# What Markdown or HTML would read as markup, as character references: a student's answer quoted in a message
+# (an <img onerror=...>, a [link](javascript:...), a | that ends a table cell) shows as text, in the notebook and
+# in the exported site.
+_MARKUP = str.maketrans({c: f"&#{ord(c)};" for c in "&<>\"'`|[]()*_~\\!#"})
+
+
+def _md(text: str) -> str:
+    """``text`` safe to put in Markdown: every character Markdown or HTML gives a meaning, escaped."""
+    return str(text).translate(_MARKUP)
 
 
 Verdict = tuple[bool, str] | tuple[bool, str, tuple[str, ...]]
@@ -294,8 +306,8 @@ class Summary:
     __repr__ = __str__
 
     def _repr_markdown_(self) -> str:
-        rows = "".join(f"| `{k}` | {v} |\n" for k, v in self.rows)
-        return f"**{str(self).splitlines()[0]}**\n\n| item | state |\n|---|---|\n{rows}"
+        rows = "".join(f"| `{_md(k)}` | {_md(v)} |\n" for k, v in self.rows)
+        return f"**{_md(str(self).splitlines()[0])}**\n\n| item | state |\n|---|---|\n{rows}"
 
 
 def summary(chapter: str) -> Summary:
