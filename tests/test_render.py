@@ -87,3 +87,116 @@ def test_fast_mode_restores_the_environment_when_a_render_fails(chapters, monkey
     with pytest.raises(RuntimeError, match="cell failed"):
         render.render_chapters(src, src / "site", fast=False, solutions=False)
     assert seen == ["0"] and os.environ["KVLAB_FAST"] == "0"
+
+
+# ---------------------------------------------------------------- the site: built aside, swapped in whole
+def _site(tmp_path):
+    """A rendered site of the course's own shape, with a file of the course's own and a link out of it."""
+    site = tmp_path / "site"
+    (site / render.STATIC).mkdir(parents=True)
+    (site / "a.html").write_text("old a")
+    (site / "notes.txt").write_text("the course's own")
+    outside = tmp_path / "outside.html"
+    outside.write_text("not the site's")
+    (site / "b.html").symlink_to(outside)
+    return site, outside
+
+
+def _tree(folder):
+    return {str(p.relative_to(folder)): (p.is_symlink(), p.read_text() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_a_render_swaps_the_site_in_whole_and_never_writes_through_a_link(chapters, tmp_path, monkeypatch):
+    src, _ = chapters
+
+    def page(path, dest, **_kw):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(f"new {path.stem}")
+        return dest
+
+    monkeypatch.setattr(render, "render_notebook", page)
+    site, outside = _site(src)
+    pages = render.render_chapters(src, site, solutions=False)
+    assert pages == [site / "a.html", site / "b.html"]
+    assert (site / "a.html").read_text() == "new a" and (site / "b.html").read_text() == "new b"
+    assert not (site / "b.html").is_symlink() and outside.read_text() == "not the site's"
+    assert (site / "notes.txt").read_text() == "the course's own"
+    assert sorted(p.name for p in src.iterdir() if p.name.startswith(".")) == []  # nothing left aside
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_or_failed_render_leaves_the_previous_site_intact(chapters, monkeypatch, failure):
+    src, _ = chapters
+    calls = []
+
+    def page(path, dest, **_kw):
+        calls.append(path.stem)
+        if len(calls) == 2:
+            raise failure("stopped")
+        dest.write_text("new")
+        return dest
+
+    monkeypatch.setattr(render, "render_notebook", page)
+    site, outside = _site(src)
+    before = _tree(site)
+    with pytest.raises(failure):
+        render.render_chapters(src, site, solutions=False)
+    assert _tree(site) == before and outside.read_text() == "not the site's"
+    assert [p.name for p in src.iterdir() if p.name.startswith(".")] == []
+
+
+def test_kvlab_html_interrupted_exits_130_in_one_line(chapters, monkeypatch, capsys):
+    from kvlab.app import cli
+
+    src, _ = chapters
+
+    def page(path, dest, **_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(render, "render_notebook", page)
+    site, _ = _site(src)
+    before = _tree(site)
+    assert cli.main(["html", "--src", str(src), "--out", str(site), "--no-solutions"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "kvlab html: interrupted" and _tree(site) == before
+
+
+@pytest.mark.parametrize("text", ["not json", '{"cells": 3}', '{"nbformat": 99}', "[" * 100_000])
+def test_a_malformed_notebook_is_one_line_naming_it(tmp_path, text):
+    (tmp_path / "bad.ipynb").write_text(text)
+    with pytest.raises(render.ConfigError, match="cannot read notebook") as got:
+        render.render_notebook(tmp_path / "bad.ipynb", tmp_path / "site" / "bad.html", runtime=tmp_path / "rt")
+    assert "bad.ipynb" in str(got.value) and "\n" not in str(got.value)
+
+
+def test_a_failing_cell_is_one_line_naming_the_notebook_and_the_error(tmp_path, monkeypatch):
+    from nbclient.exceptions import CellExecutionError
+
+    class Failing(NoKernel):
+        def execute(self):
+            raise CellExecutionError("Traceback ...\nZeroDivisionError: division by zero", "ZeroDivisionError",
+                                     "division by zero")
+
+    monkeypatch.setattr(nbclient, "NotebookClient", Failing)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1/0")]), tmp_path / "ch.ipynb")
+    with pytest.raises(render.ConfigError, match=r"ch.ipynb.*a cell failed with ZeroDivisionError: "):
+        render.render_notebook(tmp_path / "ch.ipynb", tmp_path / "site" / "ch.html", runtime=tmp_path / "rt")
+
+
+def test_copying_the_chapters_never_writes_through_a_link(tmp_path):
+    from kvlab.app.resources import chapter_notebooks, copy_chapters
+
+    dest, outside = tmp_path / "course", tmp_path / "outside"
+    dest.mkdir()
+    outside.mkdir()
+    first = chapter_notebooks(False)[0]
+    (outside / "victim.ipynb").write_text("mine")
+    (dest / first).symlink_to(outside / "victim.ipynb")
+    copy_chapters(dest, solutions=False, overwrite=True)
+    assert (outside / "victim.ipynb").read_text() == "mine" and not (dest / first).is_symlink()
+    (tmp_path / "course2").mkdir()
+    (tmp_path / "course2" / "solutions").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(render.ConfigError, match="is a link"):
+        copy_chapters(tmp_path / "course2", solutions=True)
+    assert [p.name for p in outside.iterdir()] == ["victim.ipynb"]

@@ -6,7 +6,9 @@ a student who only ran ``pip install kvlab`` has them; a checkout (an editable i
 """
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from kvlab.core.errors import ConfigError
@@ -46,8 +48,28 @@ def copy_chapters(dest: str | Path, *, solutions: bool = True, overwrite: bool =
     if clash and not overwrite:
         raise ConfigError(f"{len(clash)} notebook(s) already in {str(dest)!r} (first: {clash[0]}); nothing "
                           "copied: choose another folder, or overwrite them on purpose (kvlab chapters --force)")
+    linked = sorted({str((dest / n).parent) for n in names
+                     if (dest / n).parent != dest and (dest / n).parent.is_symlink()})
+    if linked:
+        raise ConfigError(f"{linked[0]!r} is a link: kvlab copies the chapters into DEST only, never through a link "
+                          "out of it; nothing copied")
     written = []
     for n in names:
         (dest / n).parent.mkdir(parents=True, exist_ok=True)
-        written.append(Path(shutil.copyfile(src / n, dest / n)))
+        written.append(_replace(src / n, dest / n))
     return written
+
+
+def _replace(src: Path, target: Path) -> Path:
+    """Copy ``src`` to ``target`` through a new file beside it, renamed over ``target``: a link at ``target`` is
+    replaced, never written through, and an interrupted copy leaves ``target`` as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
+            shutil.copyfileobj(s, f)
+        shutil.copymode(src, tmp)  # mkstemp made it private (0600)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return target
