@@ -9,6 +9,7 @@ import hashlib
 import json
 import random
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -603,6 +604,12 @@ def test_export_html_embeds_everything(tmp_path):
         export_html([rec[0], b"junk"], tmp_path / "x.html")
     with pytest.raises(ConfigError, match="unknown view"):
         export_html(rec, tmp_path / "x.html", view="pie")
+    for kw in ({"recording": None}, {"recording": 5}, {"recording": "abc"}, {"recording": [None]},
+               {"view": None}, {"view": ["pool"]}, {"title": None}, {"title": 5}, {"title": "\ud800"},
+               {"path": None}, {"path": 5}):
+        args = {"recording": rec, "path": tmp_path / "x.html", **kw}
+        with pytest.raises(ConfigError):
+            export_html(args.pop("recording"), args.pop("path"), **args)
     assert not (tmp_path / "x.html").exists()
 
 
@@ -662,6 +669,17 @@ def test_figure_helpers_show_as_images_in_a_fresh_kernel(tmp_path):
     assert hashlib.sha256(dash["data"]["image/png"].encode()).hexdigest() == stepped["text"].strip()
 
 
+def with_tail(frame: bytes, tail: bytes) -> bytes:
+    """``frame`` with its JSON tail replaced by ``tail`` (the header's length updated): a forged recording."""
+    from kvlab.viz.frames import HEADER, HEADER_OFFSETS
+
+    old = struct.unpack_from("<I", frame, HEADER_OFFSETS["tail_len"])[0]
+    out = bytearray(frame[:len(frame) - old] + tail)
+    struct.pack_into("<I", out, HEADER_OFFSETS["tail_len"], len(tail))
+    assert len(out) >= HEADER.size
+    return bytes(out)
+
+
 def test_loading_a_recording_with_a_bad_frame_changes_nothing():
     """Every frame is decoded before the view takes any: a bad one leaves history, series and evictions as they
     were; a recording that is no frames at all, and a pool that is no pool, are typed errors."""
@@ -672,9 +690,12 @@ def test_loading_a_recording_with_a_bad_frame_changes_nothing():
     before = (list(view.history), list(view.series), list(view.evictions), view.frame, view.frames_sent)
     with pytest.raises(ConfigError, match="not a kvlab frame"):
         view.load([build_frame(pool), b"junk"])
-    for bad in (5, None, "abc", [1.5]):
-        with pytest.raises(ConfigError, match="a recording is frames"):
+    for bad in (5, None, "abc", b"KVF1", [1.5], [None], iter([])):
+        with pytest.raises(ConfigError, match="recording"):
             view.load(bad)
+    for tail in (b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe", b"[1, 2]", b'{"a": ' + b"1" * 5000 + b"}"):
+        with pytest.raises(ConfigError, match="frame 1 of the recording is not valid: frame .* tail"):
+            view.load([build_frame(pool), with_tail(build_frame(pool), tail)])
     assert (list(view.history), list(view.series), list(view.evictions), view.frame, view.frames_sent) == before
     for bad in ("x", 5):
         with pytest.raises(ConfigError, match="shows a BlockPool"):

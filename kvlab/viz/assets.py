@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
 from kvlab.viz.frames import layout_js
 from kvlab.viz.palette import palette_js
@@ -41,8 +42,8 @@ def _read(name: str) -> str:
 
 
 def _check(view: str) -> tuple[tuple[str, ...], str]:
-    if view not in VIEWS:
-        raise ConfigError(f"unknown view {view!r}; choose one of {sorted(VIEWS)}")
+    if not isinstance(view, str) or view not in VIEWS:
+        raise ConfigError(f"unknown view {show(view)}; choose one of {sorted(VIEWS)}")
     return VIEWS[view]
 
 

@@ -12,10 +12,10 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvlab.core.checks import check_path
+from kvlab.core.checks import check_path, is_text, show
 from kvlab.core.errors import ConfigError
 from kvlab.viz.assets import FONT_STACK, css_source, render_expr, replay_source, script_source
-from kvlab.viz.frames import decode_frame
+from kvlab.viz.frames import decode_recording
 from kvlab.viz.live import Recording
 
 _PAGE = """<!DOCTYPE html>
@@ -48,18 +48,14 @@ def export_html(recording: Recording | Iterable[bytes], path: str | Path, *, vie
                 title: str = "kvlab replay") -> Path:
     """Write ``recording`` as a standalone HTML replay of ``view`` (``pool``, ``eviction``, ``fragmentation``
     or ``dashboard``) to ``path``; returns the path. Every frame is checked before anything is written."""
-    frames = [bytes(f) for f in recording]
-    if not frames:
-        raise ConfigError("the recording holds no frame to export")
-    for i, f in enumerate(frames):
-        try:
-            decode_frame(f)
-        except ConfigError as e:
-            raise ConfigError(f"frame {i} of the recording is not valid: {e}") from None
+    frames = [f.data for f in decode_recording(recording)]
+    script = script_source(view)  # an unknown view is refused here, before anything is written
+    if not is_text(title):
+        raise ConfigError(f"title must be a str, got {show(title)}")
+    out = check_path(path, "path")
     payload = json.dumps([base64.b64encode(f).decode("ascii") for f in frames])
     page = _PAGE.format(title=html.escape(title), fonts=FONT_STACK, css=css_source(), frames=payload,
-                        script=script_source(view), replay=replay_source(), render=render_expr(view))
-    out = check_path(path, "path")
+                        script=script, replay=replay_source(), render=render_expr(view))
     try:
         out.write_text(page, encoding="utf-8")
     except (OSError, ValueError) as e:  # a missing folder, a directory, no permission, a NUL in the name

@@ -402,11 +402,28 @@ def build_frame(pool: BlockPool) -> bytes:
     return frame_of(pool).data
 
 
+def decode_recording(recording: Any) -> list[Frame]:
+    """Every frame of ``recording`` (a :class:`~kvlab.viz.live.Recording`, or any iterable of bytes) decoded and
+    checked, in order; :class:`ConfigError` naming the first that is not a frame (or a recording that is not
+    one, or holds none), before a caller changes anything."""
+    if isinstance(recording, (str, bytes, bytearray, memoryview)) or not hasattr(recording, "__iter__"):
+        raise ConfigError(f"a recording is an iterable of frames (bytes), not {show(recording)}")
+    frames = []
+    for i, data in enumerate(recording):
+        try:
+            frames.append(decode_frame(data))
+        except ConfigError as e:
+            raise ConfigError(f"frame {i} of the recording is not valid: {e}") from None
+    if not frames:
+        raise ConfigError("the recording holds no frame")
+    return frames
+
+
 def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     """A frame from elsewhere (a recording, a file) parsed and checked; raises :class:`ConfigError` naming what is
     wrong if ``data`` is not one. (A frame built here is a :class:`Frame` already: there is nothing to decode.)"""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ConfigError(f"not a kvlab frame: {data!r:.80} is no bytes")
+        raise ConfigError(f"not a kvlab frame: {show(data)} is no bytes")
     data = bytes(data)
     if len(data) < HEADER.size or data[:4] != MAGIC:
         raise ConfigError(f"not a kvlab frame: {len(data)} bytes starting {data[:4]!r}, expected {MAGIC!r}")

@@ -31,7 +31,7 @@ from kvlab.core.errors import ConfigError
 from kvlab.core.eviction import POLICIES
 from kvlab.core.pool import BlockPool
 from kvlab.viz.assets import css_source, esm_source
-from kvlab.viz.frames import Frame, decode_frame, frame_of
+from kvlab.viz.frames import Frame, decode_frame, decode_recording, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
 from kvlab.viz.static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
@@ -105,13 +105,9 @@ class FrameView(anywidget.AnyWidget):
     def load(self, recording: Recording | Iterable[bytes]) -> None:
         """Show a recording: the browser gets all frames (opening on the last, the slider reaching back to the
         first)."""
-        try:
-            rec = Recording((bytes(f) for f in recording), max_bytes=HISTORY_BYTES)
-        except TypeError:
-            raise ConfigError(f"a recording is frames (bytes), not {recording!r:.80}") from None
-        if not len(rec):
-            raise ConfigError("the recording holds no frame")
-        frames = [decode_frame(data) for data in rec]  # all of them first: a bad one changes nothing
+        frames = decode_recording(recording)  # all of them first: a bad one changes nothing
+        rec = Recording((f.data for f in frames), max_bytes=HISTORY_BYTES)
+        frames = frames[len(frames) - len(rec):]  # what the history keeps
         self.history, self.shown = rec, frames[-1]
         for f in frames:
             self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
