@@ -13,7 +13,8 @@ from kvlab.distributed.connector import (BlocksReceived, BlocksSent, BlocksSkipp
                                          RemoteRequest, SaveSpec, TransferReport, spec_vector)
 from kvlab.distributed.disagg import (DisaggResult, decode_rank, demo_batches, make_manager, prefill_rank, reference,
                                       run_disagg)
-from kvlab.distributed.errors import PeerLostError, SpecMismatchError, TransferError, TransferTimeoutError
+from kvlab.distributed.errors import (PeerLostError, ProtocolError, SpecMismatchError, TransferError,
+                                     TransferTimeoutError)
 from kvlab.distributed.launch import Link, backend_for, free_port, from_env, run_threads, spawn
 from kvlab.distributed.measure import TransferCase, TransferTiming, measure_transfer, measure_transfers, prefill_seconds
 from kvlab.distributed.tp import TPShard, head_split, run_tp, single_process
@@ -23,7 +24,8 @@ __all__ = [
     "BlocksReceived", "BlocksSent", "BlocksSkipped", "KVReceiver", "KVSender", "LoadSpec", "RemoteRequest",
     "SaveSpec", "TransferReport", "spec_vector", "DisaggResult", "decode_rank", "demo_batches", "make_manager",
     "prefill_rank",
-    "reference", "run_disagg", "PeerLostError", "SpecMismatchError", "TransferError", "TransferTimeoutError",
+    "reference", "run_disagg", "PeerLostError", "ProtocolError", "SpecMismatchError", "TransferError",
+    "TransferTimeoutError",
     "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferCase", "TransferTiming",
     "measure_transfer", "measure_transfers",
     "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process", "exercises",

@@ -39,17 +39,20 @@ none stays half-written in a table) and raises :class:`PeerLostError` / :class:`
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Sequence as Seq
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvlab.core.checks import TOKEN_MAX, is_text, show
 from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event
 from kvlab.core.sequence import Sequence, SequenceManager
 from kvlab.core.spec import KVSpec
-from kvlab.distributed.errors import SpecMismatchError, TransferError
+from kvlab.distributed.errors import ProtocolError, SpecMismatchError, TransferError
 from kvlab.distributed.launch import Link
 
 # dtype <-> wire code; a dtype missing here cannot be transferred (refused by the handshake)
@@ -103,6 +106,79 @@ def cut(total: int, *run_lists: Seq[tuple[int, int]]) -> list[tuple[int, int]]:
             at += n
     ordered = sorted(points)
     return [(a, b - a) for a, b in zip(ordered, ordered[1:]) if b > a]
+
+
+# ---------------------------------------------------------------- what a peer may say (checked, never trusted)
+MAX_SEGMENTS = 1 << 12  # messages a layer half may be cut into: segment_tag keeps 12 bits for the index
+
+
+def _ints(value: Any, what: str, lo: int, hi: int) -> list[int]:
+    """``value`` as a list of ints in ``lo..hi`` (JSON ints: never bools or floats), else :class:`ProtocolError`
+    naming ``what``."""
+    if not isinstance(value, list) or not all(type(v) is int and lo <= v <= hi for v in value):
+        raise ProtocolError(f"{what} must be a list of ints in {lo}..{hi}, got {show(value)}")
+    return value
+
+
+def check_announce(value: Any) -> list[RemoteRequest]:
+    """A sender's announce: ``[[request id, prompt token ids, first token, tenant], ...]``."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"an announce is a list of requests, got {show(value)}")
+    out = []
+    for i, item in enumerate(value):
+        if not (isinstance(item, list) and len(item) == 4):
+            raise ProtocolError(f"announced request {i} is [id, prompt, first token, tenant], got {show(item)}")
+        rid, prompt, first, tenant = item
+        _ints([rid, first], f"announced request {i}'s id and first token", 0, TOKEN_MAX)
+        prompt = _ints(prompt, f"announced request {i}'s prompt", 0, TOKEN_MAX)
+        if not prompt or (tenant is not None and not is_text(tenant)):
+            raise ProtocolError(f"announced request {i} needs a prompt and a str or null tenant, got "
+                                f"{len(prompt)} tokens and tenant {show(tenant)}")
+        out.append(RemoteRequest(rid, tuple(prompt), first, tenant))
+    if len({r.request_id for r in out}) != len(out):
+        raise ProtocolError(f"an announce names a request twice: {[r.request_id for r in out][:10]}")
+    return out
+
+
+def check_plan(value: Any, lengths: Seq[int], rows: int | None = None) -> tuple[list[int], list[int] | None]:
+    """A receiver's plan for prompts of ``lengths`` tokens: ``{"starts": first token it needs of each,
+    "runs": lengths of its runs of consecutive rows, or null}``. ``rows``: the rows the starts make (checked
+    against the runs once known)."""
+    if not isinstance(value, dict) or set(value) != {"starts", "runs"}:
+        raise ProtocolError(f"a plan is {{starts, runs}}, got {show(value)}")
+    starts = _ints(value["starts"], "the plan's starts", 0, max(lengths, default=1) - 1)
+    if len(starts) != len(lengths) or any(s >= n for s, n in zip(starts, lengths)):
+        raise ProtocolError(f"the receiver asked for start tokens {show(starts)} for prompts of {list(lengths)[:10]} "
+                            f"tokens")
+    theirs = value["runs"]
+    if theirs is not None:
+        theirs = _ints(theirs, "the plan's runs", 1, rows if rows is not None else TOKEN_MAX)
+        if len(theirs) >= MAX_SEGMENTS or (rows is not None and sum(theirs) != rows):
+            raise ProtocolError(f"the receiver's runs {show(theirs)} do not cover the {rows} rows")
+    return starts, theirs
+
+
+def check_segments(value: Any, flat: Seq[int], direct: bool) -> list[tuple[int, int]]:
+    """The sender's cut of this rank's ``flat`` rows into messages, as pieces ``(offset, length)``: every row
+    exactly once, in order, at most :data:`MAX_SEGMENTS` pieces, and, when the rows receive in place
+    (``direct``), each piece inside one run of consecutive rows (one slice of the pool: a piece across two
+    runs would write blocks this rank never gave it)."""
+    n = len(flat)
+    lengths = _ints(value, "the sender's segments", 1, max(n, 1))
+    if sum(lengths) != n or len(lengths) >= MAX_SEGMENTS:
+        raise ProtocolError(f"the sender cuts {n} rows into segments {show(lengths)}, which do not cover them once")
+    pieces, at = [], 0
+    for k in lengths:
+        pieces.append((at, k))
+        at += k
+    if direct:
+        ends = list(accumulate(k for _, k in runs(flat)))  # where each run of consecutive rows ends, ascending
+        for a, k in pieces:
+            if ends[bisect_right(ends, a)] < a + k:  # the run holding row a ends before the piece does
+                raise ProtocolError(f"the sender's segment of rows {a}..{a + k - 1} spans two runs of this rank's "
+                                    f"blocks (rows {flat[a]}.. and a later run): it would land in blocks not given "
+                                    f"to it")
+    return pieces
 
 
 def segment_tag(layer: int, half: int, segment: int) -> int:
@@ -326,26 +402,21 @@ class KVSender(_Connector):
         request, the first token it needs (what its own prefix cache does not already hold)."""
         self._t0 = time.perf_counter()
         self._step = meta
+        lengths = [len(m.request.prompt) for m in meta]
         try:
             self.link.send_json([[m.request.request_id, list(m.request.prompt), m.request.first_token,
                                   m.request.tenant] for m in meta], self.peer, TAG_ANNOUNCE)
             if not meta:
                 return
-            plan = self.link.recv_json(self.peer, TAG_PLAN)
+            starts, theirs = check_plan(self.link.recv_json(self.peer, TAG_PLAN), lengths)
+            rows = [self._rows(m.seq, s, n) for m, s, n in zip(meta, starts, lengths)]
+            flat = [r for rr in rows for r in rr]
+            check_plan({"starts": starts, "runs": theirs}, lengths, len(flat))  # the runs against the rows
         except TransferError as e:
             raise self._fail([m.seq for m in meta], e) from e
-        starts, theirs = plan["starts"], plan["runs"]
-        if len(starts) != len(meta) or any(not 0 <= s < len(m.request.prompt) for s, m in zip(starts, meta)):
-            raise self._fail([m.seq for m in meta], TransferError(
-                f"rank {self.link.rank}: the receiver asked for start tokens {starts} for prompts of "
-                f"{[len(m.request.prompt) for m in meta]} tokens"))
         for m, s in zip(meta, starts):
-            m.start = int(s)
-        self._rows_per_layer = [self._rows(m.seq, m.start, len(m.request.prompt)) for m in meta]
-        flat = self._flat = [r for rows in self._rows_per_layer for r in rows]
-        if theirs is not None and sum(theirs) != len(flat):
-            raise self._fail([m.seq for m in meta], TransferError(
-                f"rank {self.link.rank}: the receiver's runs {theirs[:10]} do not cover the {len(flat)} rows"))
+            m.start = s
+        self._rows_per_layer, self._flat = rows, flat
         # Rows that lie in a few runs of consecutive ids (the free stack hands blocks out in runs) are sent
         # straight from the pool; scattered ones are gathered into staging first. Messages are cut wherever a
         # run starts on either side, so each lands in one slice of the receiver's pool.
@@ -447,9 +518,8 @@ class KVReceiver(_Connector):
     def poll_requests(self) -> list[RemoteRequest] | None:
         """The next step's requests from the sender; None when the sender is done."""
         got = self.link.recv_json(self.peer, TAG_ANNOUNCE)
-        if not got:
-            return None
-        return [RemoteRequest(int(i), tuple(int(t) for t in p), int(f), tenant) for i, p, f, tenant in got]
+        requests = check_announce(got)
+        return requests or None
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: RemoteRequest) -> int:
@@ -497,15 +567,7 @@ class KVReceiver(_Connector):
         try:
             self.link.send_json({"starts": [m.start for m in meta],
                                  "runs": [n for _, n in self._runs] if direct else None}, self.peer, TAG_PLAN)
-            segments = self.link.recv_json(self.peer, TAG_SEGMENTS)
-            pieces, at = [], 0
-            for n in segments:
-                pieces.append((at, n))
-                at += n
-            if at != len(flat) or len(pieces) >= 1 << 12 or direct and any(
-                    flat[a + n - 1] - flat[a] != n - 1 for a, n in pieces):
-                raise TransferError(f"rank {self.link.rank}: the sender cuts {len(flat)} rows into segments "
-                                    f"{segments[:10]} that do not fit this rank's blocks")
+            pieces = check_segments(self.link.recv_json(self.peer, TAG_SEGMENTS), flat, direct)
             self._recvs = []
             for layer in range(self.storage.spec.num_layers):
                 halves = self._halves(layer)

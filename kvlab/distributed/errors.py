@@ -22,3 +22,9 @@ class TransferTimeoutError(TransferError):
 
 class SpecMismatchError(TransferError, ConfigError):
     """The two ranks' KV layouts (layers, KV heads, head size, dtype) differ: refused before any block moves."""
+
+
+class ProtocolError(TransferError):
+    """The peer sent a control message the protocol does not allow (not JSON, the wrong shape or types, a size
+    out of range, a plan that does not cover this rank's blocks exactly once): refused before any byte of K/V
+    lands, and the step's blocks given back."""

@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from kvlab.core.checks import check_positive, check_real
 from kvlab.core.errors import ConfigError, KVLabError
-from kvlab.distributed.errors import PeerLostError, TransferError, TransferTimeoutError
+from kvlab.distributed.errors import PeerLostError, ProtocolError, TransferError, TransferTimeoutError
 
 DEFAULT_TIMEOUT = 30.0  # seconds any wait on a peer may take
+MAX_MESSAGE = 1 << 26  # bytes of one control message (an announce of 64 MiB: prompts of millions of tokens)
 RankFn = Callable[..., Any]
 
 
@@ -126,12 +127,22 @@ class Link:
             self.send(data, dst, tag)
 
     def recv_json(self, src: int, tag: int) -> Any:
+        """A value :meth:`send_json` sent; :class:`ProtocolError` for a length out of range (read before any
+        memory is taken for it) or bytes that are not UTF-8 JSON. The peer is not trusted: check what it says."""
         n = self.control([0])
         self.recv(n, src, tag)
-        data = torch.empty(int(n), dtype=torch.uint8, device=self.device)
-        if int(n):
+        size = int(n)
+        if not 0 <= size <= MAX_MESSAGE:
+            raise ProtocolError(f"rank {self.rank}: rank {src} announced a control message of {size} bytes "
+                                f"(at most {MAX_MESSAGE:,})")
+        data = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if size:
             self.recv(data, src, tag)
-        return json.loads(bytes(data.cpu().numpy()).decode())
+        try:
+            return json.loads(bytes(data.cpu().numpy()).decode())
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the parser
+            raise ProtocolError(f"rank {self.rank}: rank {src} sent a control message that is not JSON "
+                                f"({type(e).__name__}: {str(e)[:120]})") from None
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         try:
