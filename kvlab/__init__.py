@@ -56,7 +56,14 @@ from kvlab.serve.claims import (BASELINES, Claim, claims_report, measure_claims,
 from kvlab import exercises
 from kvlab.exercises import fast_mode, sized
 
+from kvlab.core.interrupts import install as _install_interrupts, install_for_ipython as _install_for_ipython
+
 __version__ = "0.1.0"
+
+# An interrupt (Jupyter's "interrupt kernel") is held while a kvlab mutation runs and raised as it returns
+# (kvlab.core.interrupts); outside kvlab's calls SIGINT behaves as Python's own handler.
+_install_interrupts()
+_install_for_ipython()
 
 __all__ = [
     "AllocationAbandoned", "AllocationQueued", "AllocationRecord", "AllocationServed", "DefragReport",

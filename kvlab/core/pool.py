@@ -46,11 +46,13 @@ from kvlab.core.freelists import FreeLists
 from kvlab.core.meta import FIELDS, NO_OWNER, BlockMeta
 from kvlab.core.spec import KVSpec
 from kvlab.core.storage import KVStorage
+from kvlab.core.interrupts import atomic
 
 RANKED = 8  # candidates an Evicted event lists: the victim, then the ones it was preferred to
 Ids = Sequence[int] | np.ndarray | torch.Tensor
 
 
+@atomic()
 class BlockPool:
     """``num_blocks`` KV blocks (or as many as ``total_memory`` bytes hold) of ``spec``'s shape, with states,
     refcounts, an ``eviction_policy`` (``"lru"``, ``"fifo"``, ``"lfu"``, ``"random"`` or an

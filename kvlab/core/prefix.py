@@ -38,6 +38,7 @@ from kvlab.core.events import Event
 from kvlab.core.checks import TokenBytes, check_list, check_positive, check_tenant, is_int, token_bytes
 from kvlab.core.eviction import FutureUses
 from kvlab.core.pool import BlockPool
+from kvlab.core.interrupts import atomic
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor | TokenBytes
 
@@ -49,6 +50,7 @@ def _check_parent(parent: object) -> bytes | None:
     return parent
 
 
+@atomic()
 class PrefixCache:
     """Hash chains of full blocks over ``pool``. Hooks itself into the pool's eviction and migration."""
 

@@ -35,10 +35,12 @@ from kvlab.core.events import Event
 from kvlab.core.checks import TOKEN_MAX, TokenBytes, check_flag, check_tenant, is_int, token_ids, token_list
 from kvlab.core.pool import BlockPool
 from kvlab.core.prefix import PrefixCache
+from kvlab.core.interrupts import atomic
 
 NewTokens = int | Seq[int]
 
 
+@atomic()
 class SequenceManager:
     """Registry of live sequences (each a :class:`Sequence`, defined below) over ``pool``, with an optional
     :class:`PrefixCache` (``prefix_cache=True`` builds one). Registers a relocation hook so ``pool.migrate``

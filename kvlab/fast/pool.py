@@ -43,6 +43,7 @@ from kvlab.core.events import notify
 from kvlab.core.pool import RANKED, BlockPool, Ids
 from kvlab.core.prefix import ChainGuard, PrefixCache
 from kvlab.core.sequence import NewTokens, Sequence, SequenceManager
+from kvlab.core.interrupts import atomic
 
 BATCH_MIN = 9  # measured crossover: numpy's per-call cost pays from about 9 blocks on
 _HOLDS_DATA = (ALLOCATED, PENDING)
@@ -55,6 +56,7 @@ class _WalkVoid(Exception):
     """A walk of the eviction order went void half-way (the policy changed under it)."""
 
 
+@atomic()
 class PyFastBlockPool(BlockPool):
     """A :class:`BlockPool` whose common allocate/free calls take inlined and vectorised Python paths."""
 
@@ -448,6 +450,7 @@ class PyFastBlockPool(BlockPool):
         return self._scratch[a].tobytes() == pos.tobytes()
 
 
+@atomic()
 class PyFastSequenceManager(SequenceManager):
     """A :class:`SequenceManager` whose ``append_tokens`` (the engine's call every step) takes one lean pass for
     the common batch: live resident sequences of this manager, named once, each given a list of exact-int token
@@ -530,6 +533,7 @@ if _FastPath is not None:
     from kvlab.fast._fastpath import token_bytes as _token_bytes
     from kvlab.fast._fastpath import walk_chain as _walk_chain
 
+    @atomic()
     class FastBlockPool(_FastPath, PyFastBlockPool):  # type: ignore[misc,valid-type]
         """:class:`PyFastBlockPool` with ``allocate``, ``free``, ``incref``, ``mark_reusable``, ``set_owner``
         and ``set_token_counts`` compiled (``kvlab/fast/_fastpath.c``): the C serves what the Python fast paths serve
@@ -572,6 +576,7 @@ if _FastPath is not None:
         data = _token_bytes(x) if type(x) is list else None
         return None if data is None else TokenBytes(data)
 
+    @atomic()
     class FastPrefixCache(PrefixCache):
         """A :class:`PrefixCache` whose lookups and stores check a list of token ids in C (``_checked``) and whose
         lookups walk the hash chain in C (``kvlab/fast/_fastpath.c``'s ``walk_chain``: the same hashes, checks and
@@ -592,6 +597,7 @@ if _FastPath is not None:
                 self._drop(stale)
             return ids, last
 
+    @atomic()
     class FastSequenceManager(PyFastSequenceManager):
         """:class:`PyFastSequenceManager` with the loop over the batch compiled (``kvlab/fast/_fastpath.c``'s
         ``plan_append`` and ``apply_append``, which read and write the same fields; the pool calls between them

@@ -41,6 +41,7 @@ from kvlab.core.block import FREE, BlockStatus
 from kvlab.core.checks import check_flag, check_kv_data, check_owner, check_real, is_int
 from kvlab.core.errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
 from kvlab.core.pool import BlockPool
+from kvlab.core.interrupts import atomic
 from kvlab.textbook.pool import KVBlock
 
 STRATEGIES = ("exact", "split", "merge", "evict")
@@ -112,6 +113,7 @@ class AllocationAbandoned(ev.Event):
     reason: str
 
 
+@atomic()
 class DynamicAllocator:
     """Serves one-block requests on ``pool`` by exact fit, split, merge, planned eviction, or the wait queue.
 

@@ -41,6 +41,7 @@ from kvlab.core.block import ALLOCATED, FREE
 from kvlab.core.errors import ConfigError
 from kvlab.core.checks import check_count, check_flag, check_real
 from kvlab.core.pool import BlockPool
+from kvlab.core.interrupts import atomic
 
 
 
@@ -157,6 +158,7 @@ class Defragmented(ev.Event):
     bytes_moved: int
 
 
+@atomic()
 class DefragmentationStrategy:
     """Merge free buddies, then compact ``pool`` (see the module docstring), then sort its free lists so the
     free region is handed out as runs of consecutive ids again.

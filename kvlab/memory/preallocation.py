@@ -27,10 +27,12 @@ from kvlab.core.errors import ConfigError, OutOfBlocksError
 from kvlab.core.checks import check_count, check_real, is_int
 from kvlab.core.checks import INT32_MAX, check_owner
 from kvlab.core.pool import BlockPool
+from kvlab.core.interrupts import atomic
 
 Key = tuple[int, int]  # (owner, size_class)
 
 
+@atomic()
 class Preallocator:
     """Reserves blocks per ``(owner, size_class)`` ahead of predicted bursts (see the module docstring).
 

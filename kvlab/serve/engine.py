@@ -58,6 +58,7 @@ from kvlab.serve.sampling import sample
 from kvlab.core.checks import is_int
 from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event
+from kvlab.core.interrupts import atomic
 from kvlab.serve.metrics import MetricsLog, RequestRecord, StepMetrics, format_table
 from kvlab.serve.model import Llama
 from kvlab.workloads.mixes import HASH_BLOCK, Request, Workload
@@ -67,6 +68,7 @@ from kvlab.serve.job import FINISHED, NO_KV, RUNNING, SWAPPED, WAITING, Job
 from kvlab.serve.memory import ContiguousMemory, Memory, PagedMemory
 
 
+@atomic("step add_requests remove_tenant")
 class Engine:
     """Continuous batching of ``workload`` (a :class:`Workload` or requests) on a paged pool or the baseline.
 
