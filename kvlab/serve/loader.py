@@ -68,9 +68,13 @@ def model_path(name_or_path: str | os.PathLike[str]) -> Path:
         raise ConfigError(f"a model is a name ({', '.join(MODELS)}) or a path to a .gguf file, got {name_or_path!r}")
     path = Path(name_or_path)
     if not path.is_file():
-        if path.exists():  # a FIFO would block the read for ever, a directory is no model: say which it is
-            regular_file(path, "model file")
-        raise ConfigError(f"no model named {shown(name_or_path)}: kvlab knows {', '.join(MODELS)}, "
+        kind = ""
+        if os.fspath(name_or_path) and path.exists():  # a FIFO would block the read for ever: say what it is
+            try:
+                regular_file(path, "model file")
+            except ConfigError as e:
+                kind = f" ({e})"
+        raise ConfigError(f"no model named {shown(name_or_path)}{kind}: kvlab knows {', '.join(MODELS)}, "
                           "or give the path of a .gguf file")
     return path
 
