@@ -101,16 +101,14 @@ def hostile(kind: str, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path
 KINDS = ["fifo", "directory", "device", "missing", "nul in path", "too large", "gzip bomb", "gzip bomb, one line",
          "deep JSON, first line", "deep JSON, later line", "long line", "huge value in a message",
          "lone surrogate tenant"]
-# The readers a kind reaches: read_trace takes no gzip; the Azure and Mooncake readers refuse a kvlab record on
-# its first line (another TraceFormatError), which the grid checks too.
-SKIP = {("read_trace", "gzip bomb"), ("read_trace", "gzip bomb, one line")}
+# Every reader with every kind it can meet: read_trace takes no gzip (a .gz name is no trace of its); the Azure and
+# Mooncake readers refuse a kvlab record on its first line (another TraceFormatError), which the grid checks too.
+GRID = [(reader, kind) for reader in READERS for kind in KINDS
+        if not (reader == "read_trace" and kind.startswith("gzip bomb"))]
 
 
-@pytest.mark.parametrize("reader", list(READERS))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reader, kind", GRID)
 def test_a_hostile_file_gets_a_typed_short_error_naming_it(tmp_path, monkeypatch, reader, kind):
-    if (reader, kind) in SKIP:
-        pytest.skip("read_trace reads .jsonl and .csv, not .gz")
     path, error, word = hostile(kind, tmp_path, monkeypatch)
     with deadline(20), pytest.raises(KVLabError) as got:
         READERS[reader](path)
