@@ -1,6 +1,6 @@
 """Behaviours that no test used to pin down, found by planting bugs one at a time (a quota's boundary, waiting
 for another tenant's prefill, the order swapped requests come back in, timestamps going back after the first row,
-a str that lies, a fork whose parent and child then differ). Each
+the blocks counted as sent across block sizes, a str that lies, a fork whose parent and child then differ). Each
 test here fails on the bug named in its docstring."""
 from __future__ import annotations
 
@@ -146,3 +146,21 @@ def test_a_fork_whose_parent_and_child_append_different_tokens_keeps_both():
     assert read(child) == ([1, 2, 3, 4, 5, 6, 70, 80, 90], [1, 2, 3, 4, 5, 6, 70, 80, 90])
     assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
     mgr.check_invariants()
+
+
+# ---------------------------------------------------------------- the KV connector's accounting
+@pytest.mark.parametrize("decode_block_size, received, skipped", [(8, 27 + 12, 15), (32, 9 + 6, 3), (16, 15 + 9, 6)])
+def test_blocks_counted_across_block_sizes(decode_block_size, received, skipped):
+    """Bug: counting the blocks sent by the tokens moved (``(n - start) // B``) or in the receiver's block size.
+    Two batches of three 70-token prompts sharing 40 tokens; the sender's blocks are of 16 tokens, the
+    receiver's of ``decode_block_size``. The second batch finds its shared prefix cached on the receiver (whole
+    receiver blocks: 40, 32 or 32 tokens), so each rank counts, in its own blocks: a request's blocks
+    (ceil(70 / B)) less the blocks before its start."""
+    from kvlab.distributed import demo_batches, run_disagg
+
+    batches = demo_batches(3, 70, 40)
+    res = run_disagg(batches, 2, decode_block_size=decode_block_size, threads=True, timeout=20)
+    start = 40 // decode_block_size * decode_block_size  # the second batch's first token to send
+    assert res.sent.blocks_sent == 3 * 5 + 3 * (5 - start // 16)
+    assert res.received.blocks_received == received and res.received.blocks_skipped == skipped
+    assert res.sent.requests == res.received.requests == 6
