@@ -79,9 +79,9 @@ def read_file(path: object, what: str, limit: int | None = None) -> bytes:
 def gunzip(data: bytes, where: str, fault: Callable[[list[bytes], str], Exception],
            limit: int | None = None) -> bytes:
     """``data`` decompressed (every gzip member of it), never holding more than ``limit`` bytes of output
-    (default :data:`MAX_FILE_BYTES`). A
-    corrupt or cut-off stream raises ``fault(what was decompressed so far, the problem)`` (the caller says where
-    the readable part stops); output past ``limit`` is a :class:`ConfigError` naming ``where``."""
+    (default :data:`MAX_FILE_BYTES`). A corrupt or cut-off stream raises ``fault(what was decompressed so far,
+    the problem)`` (the caller says where the readable part stops); output past ``limit`` is a
+    :class:`ConfigError` naming ``where``."""
     limit = MAX_FILE_BYTES if limit is None else limit
     out: list[bytes] = []
     size, rest = 0, data

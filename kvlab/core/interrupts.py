@@ -75,14 +75,14 @@ def _hold(outer: FrameType) -> None:
     local, global_ = outer.f_trace, sys.gettrace()
 
     def tracer(fr: FrameType, event: str, arg: Any) -> Any:
-        chained = local(fr, event, arg) if local is not None else None
+        if local is not None:  # the frame's own tracer sees every event; this one must see the return
+            local(fr, event, arg)
         if event == "return":
             _held.clear()
             fr.f_trace = local
             if global_ is None:
                 sys.settrace(None)
             raise KeyboardInterrupt
-        del chained  # the frame's own tracer, if any, saw the event; this one must see the return
         return tracer
 
     outer.f_trace = tracer
