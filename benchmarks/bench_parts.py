@@ -13,7 +13,9 @@ The parts (:data:`kvlab.fast.PARTS`) and the benchmarks that run them:
   and 32 tokens after a 2,000-token one, batch 1, the prefill not timed (``pool``, ``append``, ``decode``);
 * ``batch decode``: the same model decoding 16 tokens for each of 8 sequences together, each after its own
   2,000-token prompt (a serving step's batch; ``decode`` only: the prefill of 16,000 tokens takes ~40 s a run);
-  TinyLlama where the model is not installed (and in ``--quick``), and the row says so;
+* ``sampling``: parallel sampling, 8 samples forked from one 4,000-token prompt (its blocks shared, §2.2.4),
+  decoding 16 tokens each (``decode`` only; the prompt is prefilled once, before the rounds); TinyLlama where the
+  model is not installed (and in ``--quick``), and the row says so;
 * ``mooncake`` (``--mooncake`` only, minutes): the whole Mooncake conversation trace through the engine, as
   ``kvlab run --trace mooncake-conversation`` runs it.
 
@@ -42,7 +44,8 @@ from kvlab.workloads.mixes import make_workload
 
 FAST = Path(kvlab.fast.__file__).parent
 USES = {"replay": ("pool", "append", "prefix"), "engine": ("pool", "append", "prefix"),
-        "decode": ("pool", "append", "decode"), "batch": ("decode",), "mooncake": ("pool", "append", "prefix")}
+        "decode": ("pool", "append", "decode"), "batch": ("decode",), "sampling": ("decode",),
+        "mooncake": ("pool", "append", "prefix")}
 
 
 def c_lines() -> dict[str, int]:
@@ -120,6 +123,32 @@ def decode_bench(model: Any, prompt_len: int, tokens: int, batch: int = 1) -> Ca
     return run
 
 
+def sampling_bench(model: Any, prompt_len: int, tokens: int, samples: int) -> Callable[[], float]:
+    """Parallel sampling: ``samples`` sequences forked from one ``prompt_len``-token prompt (prefilled once, here),
+    each decoding ``tokens`` tokens from its own first token: the seconds of the decode steps alone. Every step reads
+    the shared prompt's blocks once per sample."""
+    prompt = [1 + 7 * i % min(1000, model.cfg.vocab_size - 1) for i in range(prompt_len)]
+    fast = choose()
+    per_seq = -(-(prompt_len + tokens) // 16)
+    mgr = fast.manager(fast.pool(samples * per_seq, spec=model.cfg.kv_spec(16, model.dtype, model.device)))
+    model.attention = fast.attention
+    root = mgr.create(prompt)
+    first = int(model.step(mgr, [root], [prompt])[-1].argmax())
+
+    def run() -> float:
+        model.attention = choose().attention
+        seqs = [mgr.fork(root) for _ in range(samples)]
+        t = time.perf_counter()
+        logits = model.step(mgr, seqs, [[(first + s) % model.cfg.vocab_size] for s in range(samples)])
+        for _ in range(tokens - 1):
+            logits = model.step(mgr, seqs, [[int(row.argmax())] for row in logits])
+        took = time.perf_counter() - t
+        for seq in seqs:
+            mgr.free(seq)
+        return took
+    return run
+
+
 def mooncake_bench() -> Callable[[], None]:
     w, B = load_trace("mooncake-conversation"), 16
     keep = sum(-(-r.total_len // B) for r in w.requests)
@@ -167,9 +196,12 @@ def measure(quick: bool, mooncake: bool) -> tuple[dict[str, dict[str, float]], s
     benches["decode"] = decode_bench(model, 43, 4 if quick else 64)
     benches[f"decode after {long:,} tokens"] = decode_bench(model, long, 4 if quick else 32)
     benches[f"batch decode, 8 sequences after {long:,} tokens"] = decode_bench(model, long, 4 if quick else 16, 8)
+    shared = 64 if quick else 4000
+    benches[f"sampling: 8 samples forked from one {shared:,}-token prompt"] = sampling_bench(
+        model, shared, 4 if quick else 16, 8)
     if mooncake:
         benches["mooncake"] = mooncake_bench()
-    return {name: best_seconds(fn, ["", *USES[name.split()[0]]], 1 if name == "mooncake" else rounds)
+    return {name: best_seconds(fn, ["", *USES[name.split()[0].rstrip(":")]], 1 if name == "mooncake" else rounds)
             for name, fn in benches.items()}, label
 
 def python_twin(quick: bool) -> dict[str, dict[str, float]]:
@@ -192,7 +224,7 @@ def rows_of(times: dict[str, dict[str, float]], lines: dict[str, int], twin: str
             if not part:
                 continue
             gain = by[part] / by[""]
-            what = f"{bench}, {label}" if bench.startswith(("decode", "batch")) else bench
+            what = f"{bench}, {label}" if bench.startswith(("decode", "batch", "sampling")) else bench
             rows.append({"name": f"{twin}{part} ({lines[part]} lines): {what}, "
                                  f"part on the reference / all fast",
                          "value": by[part], "unit": "s", "baseline": by[""], "ratio": gain,
