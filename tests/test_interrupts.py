@@ -3,23 +3,32 @@ kvlab runs during a mutation, and each time the call either completed or changed
 clean KeyboardInterrupt, invariants hold and K/V already written reads back bitwise (kvlab/core/interrupts.py)."""
 from __future__ import annotations
 
+import datetime
+import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import kvlab
 from kvlab import BlockPool, FastBlockPool, KVSpec, Request, SequenceManager
 from kvlab.core.interrupts import install
+from kvlab.distributed import Link, TransferError, decode_rank, prefill_rank
+from kvlab.distributed.disagg import DECODE, PREFILL, make_manager
 from kvlab.serve.engine import Engine
 
 from _util import pool_state, same_state
 
 KVLAB = os.path.dirname(kvlab.__file__)
+CFG = kvlab.TinyConfig()
+BATCHES = [[[(7 * i + j) % CFG.vocab_size for j in range(40 + 9 * i)] for i in range(3)] for _ in range(2)]
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, device="cpu")
 
 
@@ -174,3 +183,58 @@ def test_outside_kvlab_an_interrupt_is_raised_at_once():
         signal.raise_signal(signal.SIGINT)
         hit.append("after")  # never reached: the handler raised at once, as Python's own does
     assert hit == []
+
+
+def _rank_interrupted_at(here: int, fire_at: int | None) -> tuple[int, bool]:
+    """Rank ``here`` (PREFILL or DECODE) on the main thread, the one signals reach, the other in a thread, over
+    one gloo pair; a SIGINT at kvlab's line ``fire_at`` of rank ``here``. Checks what each side holds after;
+    returns (lines run, whether rank ``here`` was interrupted)."""
+    store, timeout = dist.HashStore(), 10.0
+    managers = {PREFILL: make_manager(CFG, 16, 128), DECODE: make_manager(CFG, 16, 128)}
+    calls = {PREFILL: lambda link: prefill_rank(link, BATCHES, manager=managers[PREFILL]),
+             DECODE: lambda link: decode_rank(link, manager=managers[DECODE], max_new_tokens=2)}
+    there = DECODE if here == PREFILL else PREFILL
+    result: dict[str, Any] = {}
+
+    def other() -> None:
+        group = dist.ProcessGroupGloo(store, there, 2, datetime.timedelta(seconds=timeout))
+        try:
+            result["out"] = calls[there](Link(group, there, 2, timeout))
+        except BaseException as e:  # noqa: BLE001 - judged below
+            result["error"] = e
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    group = dist.ProcessGroupGloo(store, here, 2, datetime.timedelta(seconds=timeout))
+    link = Link(group, here, 2, timeout)
+    try:
+        seen = _lines(partial(calls[here], link), fire_at)
+        interrupted = False
+    except KeyboardInterrupt:
+        seen, interrupted = fire_at or 0, True
+    mine, theirs = managers[here], managers[there]
+    mine.check_invariants()
+    assert len(mine) == 0, f"line {fire_at}: the interrupted rank still holds sequences"
+    kv = mine.pool.storage_of().kv.clone()
+    link.abort()
+    del link, group  # closing its sockets is what wakes a peer blocked on this rank (abort alone does not)
+    gc.collect()
+    thread.join(timeout + 5)
+    assert not thread.is_alive()
+    assert "out" in result or isinstance(result.get("error"), TransferError), result
+    theirs.check_invariants()
+    assert len(theirs) == 0
+    assert torch.equal(mine.pool.storage_of().kv, kv), "a message landed after the interrupt"
+    return seen, interrupted
+
+
+@pytest.mark.parametrize("here", [PREFILL, DECODE], ids=["prefill rank", "decode rank"])
+def test_a_disaggregated_step_interrupted_anywhere_frees_it_on_both_ranks(here):
+    """A KV transfer interrupted at any line of one rank (its connector calls, the driver between them, the
+    model): that rank gives back every sequence, no posted receive lands later, and the other rank stops with a
+    TransferError (or finishes) holding nothing."""
+    assert install()
+    n, _ = _rank_interrupted_at(here, None)
+    assert n > 100
+    outcomes = [_rank_interrupted_at(here, k)[1] for k in range(1, n + 1, max(1, n // 40))]
+    assert any(outcomes)  # some interrupts land between calls, and are raised there

@@ -2,10 +2,12 @@
 
 Jupyter's "interrupt kernel" sends SIGINT, and Python raises :class:`KeyboardInterrupt` at whatever bytecode the
 main thread is running: between a block table's switch and the copy that should follow it, say. kvlab marks its
-mutating methods *atomic* (:func:`atomic`, one line a class) and handles SIGINT itself (:func:`install`): when the
-signal comes while an atomic method is on the main thread's stack, it is held, and raised as the outermost one
-returns, so the caller sees a clean ``KeyboardInterrupt`` after a complete call. Elsewhere it is raised at once,
-as Python's own handler does. Long loops (``Engine.run``) are not atomic: an interrupt stops them between steps.
+mutating methods *atomic* (:func:`atomic`, one line a class or function) and handles SIGINT itself
+(:func:`install`): when the signal comes while an atomic method is on the main thread's stack, it is held, and
+raised as the outermost one returns, so the caller sees a clean ``KeyboardInterrupt`` after a complete call (and
+never gets its return value: a caller that must not lose what a call made passes a list for it to fill, as
+:mod:`kvlab.distributed.disagg` does). Elsewhere it is raised at once, as Python's own handler does. Long
+loops (``Engine.run``) are not atomic: an interrupt stops them between steps.
 
 Nothing is paid until a signal comes: marking keeps a set of code objects, and only the handler walks the stack.
 Holding the signal sets a trace function on the outermost atomic frame (chained to any tracer already there,
@@ -19,7 +21,7 @@ import sys
 import threading
 from inspect import CO_COROUTINE, CO_GENERATOR
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import CodeType, FrameType, FunctionType
 from typing import Any, TypeVar
 
 ATOMIC: set[CodeType] = set()  # the code of every atomic method
@@ -28,16 +30,19 @@ _held: list[FrameType] = []  # the frame whose return raises the held interrupt 
 
 
 def atomic(names: str | None = None) -> Callable[[T], T]:
-    """Class decorator: the class's own public methods (or those ``names``, space-separated, private ones
-    too) run to the end when an interrupt comes."""
-    def mark(cls: T) -> T:
-        chosen = names.split() if names is not None else [n for n in vars(cls) if not n.startswith("_")]
-        for name in chosen:
-            fn = getattr(vars(cls)[name], "__func__", vars(cls)[name])  # a staticmethod's or classmethod's
+    """Decorator: a function, or a class's own public methods (or those ``names``, space-separated, private ones
+    too), run to the end when an interrupt comes."""
+    def mark(obj: T) -> T:
+        if isinstance(obj, FunctionType):
+            fns: list[Any] = [obj]
+        else:
+            chosen = names.split() if names is not None else [n for n in vars(obj) if not n.startswith("_")]
+            fns = [getattr(vars(obj)[n], "__func__", vars(obj)[n]) for n in chosen]  # a static/classmethod's
+        for fn in fns:
             code = getattr(fn, "__code__", None)  # a property, a C method: nothing to mark
             if code is not None and not code.co_flags & (CO_GENERATOR | CO_COROUTINE):  # they return at each yield
                 ATOMIC.add(code)
-        return cls
+        return obj
     return mark
 
 

@@ -35,12 +35,17 @@ other layers, KV heads, head size or dtype: before any block moves). If the peer
 the link's timeout, the connector aborts the link (pending receives are cancelled, so no late message can land
 in a block once it is reused), frees every sequence of the step (blocks go FREE or back to the prefix cache;
 none stays half-written in a table) and raises :class:`PeerLostError` / :class:`TransferTimeoutError`.
+
+Interrupts: each public method is atomic (:mod:`kvlab.core.interrupts`): a Ctrl-C during one is held until it
+returns, so it lands after the current wait on the peer (bounded by the link's timeout) and the call's
+bookkeeping. A driver stopped *between* calls, with receives or sends still posted into its pool, calls
+:meth:`~_Connector.cancel`, as :func:`kvlab.distributed.decode_rank` and ``prefill_rank`` do.
 """
 from __future__ import annotations
 
 import time
 from bisect import bisect_right
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +55,7 @@ import torch
 from kvlab.core.checks import TOKEN_MAX, is_text, show
 from kvlab.core.errors import ConfigError
 from kvlab.core.events import Event
+from kvlab.core.interrupts import atomic
 from kvlab.core.sequence import Sequence, SequenceManager
 from kvlab.core.spec import KVSpec
 from kvlab.distributed.errors import ProtocolError, SpecMismatchError, TransferError
@@ -349,16 +355,26 @@ class _Connector:
         """Bytes of one row (K and V) of one layer."""
         return 2 * self._halves(0)[0][0].numel() * self.storage.kv.element_size()
 
-    def _fail(self, seqs: Seq[Sequence], error: TransferError) -> TransferError:
-        """Abort the link (no late message may land in a block that is about to be freed), then give back
-        every sequence of the failed step (a live one only), so the pool holds nothing of it."""
+    def _held(self) -> list[Sequence]:
+        """The sequences this connector holds for a step: in flight, or waiting for the next one."""
+        raise NotImplementedError
+
+    def cancel(self, seqs: Iterable[Sequence] = ()) -> None:
+        """Abandon the transfer: abort the link (no message in flight may land in a block that is about to be
+        freed), then give back every sequence the connector holds for a step and ``seqs`` (the live ones), so the
+        pool holds nothing of them. Every later call on the link fails."""
         self.link.abort()
-        for s in seqs:
+        for s in [*self._held(), *seqs]:
             if s.alive:
                 self.manager.free(s)
+
+    def _fail(self, error: TransferError) -> TransferError:
+        """:meth:`cancel` after a fault of the step; returns the error to raise."""
+        self.cancel()
         return error
 
 
+@atomic()
 class KVSender(_Connector):
     """The prefill rank's connector: ships the KV blocks of finished prefills to ``peer``."""
 
@@ -391,6 +407,9 @@ class KVSender(_Connector):
         self._finished.append(SaveSpec(request, seq))
         return True
 
+    def _held(self) -> list[Sequence]:
+        return [m.seq for m in (*self._step, *self._finished)]
+
     def build_connector_meta(self) -> list[SaveSpec]:
         """The requests this step ships (all finished since the last step)."""
         meta, self._finished = self._finished, []
@@ -413,7 +432,7 @@ class KVSender(_Connector):
             flat = [r for rr in rows for r in rr]
             check_plan({"starts": starts, "runs": theirs}, lengths, len(flat))  # the runs against the rows
         except TransferError as e:
-            raise self._fail([m.seq for m in meta], e) from e
+            raise self._fail(e) from e
         for m, s in zip(meta, starts):
             m.start = s
         self._rows_per_layer, self._flat = rows, flat
@@ -434,7 +453,7 @@ class KVSender(_Connector):
         try:
             self.link.send_json([n for _, n in self._pieces], self.peer, TAG_SEGMENTS)
         except TransferError as e:
-            raise self._fail([m.seq for m in meta], e) from e
+            raise self._fail(e) from e
 
     def save_kv_layer(self, layer: int) -> None:
         """Start sending this step's rows of ``layer``: K and V of each run straight from the pool, or, when
@@ -456,7 +475,7 @@ class KVSender(_Connector):
                 for i, t in enumerate(segments):
                     self._sends.append(self.link.isend(t, self.peer, segment_tag(layer, j, i)))
         except TransferError as e:
-            raise self._fail([m.seq for m in self._step], e) from e
+            raise self._fail(e) from e
         if self.pool.events:
             per_row = self._row_bytes()
             for m, rows in zip(self._step, self._rows_per_layer):
@@ -473,7 +492,7 @@ class KVSender(_Connector):
             for work in self._sends:
                 self.link.wait(work, f"sending the KV of requests {[m.request.request_id for m in self._step]}")
         except TransferError as e:
-            raise self._fail([m.seq for m in self._step], e) from e
+            raise self._fail(e) from e
         r, B = self.report, self.pool.block_size
         for m in self._step:
             n = len(m.request.prompt)
@@ -496,6 +515,7 @@ class KVSender(_Connector):
         self.start_save([])
 
 
+@atomic()
 class KVReceiver(_Connector):
     """The decode rank's connector: loads the KV blocks the prefill rank ``peer`` ships into this pool."""
 
@@ -541,6 +561,9 @@ class KVReceiver(_Connector):
             ids = tuple(seq.block_table[:start // self.pool.block_size])
             self._publish(BlocksSkipped(self.pool.clock.now(), request.request_id, ids, start))
 
+    def _held(self) -> list[Sequence]:
+        return [m.seq for m in (*self._step, *self._pending)]
+
     def build_connector_meta(self) -> list[LoadSpec]:
         """The loads of this step (every request allocated since the last step)."""
         meta, self._pending = self._pending, []
@@ -576,7 +599,7 @@ class KVReceiver(_Connector):
                 self._recvs.append([self.link.irecv(t, self.peer, segment_tag(layer, j, i))
                                     for j in (0, 1) for i, t in enumerate(targets[j])])
         except TransferError as e:
-            raise self._fail([m.seq for m in meta], e) from e
+            raise self._fail(e) from e
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Wait for ``layer`` (bounded by the link's timeout), then write it into the pool with one
@@ -590,7 +613,7 @@ class KVReceiver(_Connector):
                 self.link.wait(work, f"receiving layer {layer} of requests "
                                      f"{[m.request.request_id for m in self._step]}")
         except TransferError as e:
-            raise self._fail([m.seq for m in self._step], e) from e
+            raise self._fail(e) from e
         if self._buffers:
             for half, data in zip(self._halves(layer), self._buffers[layer]):
                 copy_rows(half, self._runs, data, None, self._index)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvlab.core.errors import ConfigError, KVLabError
+from kvlab.core.interrupts import atomic
 from kvlab.core.checks import check_count, check_device, check_positive, check_real, check_seed, check_token_ids
 from kvlab.serve.model import TinyConfig, TinyLlama, check_pool, greedy
 from kvlab.core.pool import BlockPool
@@ -82,25 +83,31 @@ def prefill_rank(link: Link, batches: Batches, *, cfg: TinyConfig | None = None,
     first: list[list[int]] = []
     logits: list[list[list[float]]] = []
     rid = 0
-    for batch in batches:
-        seqs = [manager.create(p) for p in batch]
-        out = model.step(manager, seqs, [p[s.num_tokens:] for s, p in zip(seqs, batch)])
-        tokens = out.argmax(-1).tolist()
-        by_id = {}
-        for s, p, t in zip(seqs, batch, tokens):
-            conn.request_finished(RemoteRequest(rid, tuple(p), int(t)), s)
-            by_id[rid] = s
-            rid += 1
-        conn.start_save(conn.build_connector_meta())
-        for layer in range(cfg.num_layers):
-            conn.save_kv_layer(layer)
-            if pace:
-                time.sleep(pace)
-        conn.wait_for_save()
-        for r in conn.get_finished():
-            manager.free(by_id[r])
-        first.append(tokens)
-        logits.append(out.tolist())
+    seqs: list[Sequence] = []
+    try:
+        for batch in batches:
+            seqs = []
+            _open(manager, batch, seqs)
+            out = model.step(manager, seqs, [p[s.num_tokens:] for s, p in zip(seqs, batch)])
+            tokens = out.argmax(-1).tolist()
+            by_id = {}
+            for s, p, t in zip(seqs, batch, tokens):
+                conn.request_finished(RemoteRequest(rid, tuple(p), int(t)), s)
+                by_id[rid] = s
+                rid += 1
+            conn.start_save(conn.build_connector_meta())
+            for layer in range(cfg.num_layers):
+                conn.save_kv_layer(layer)
+                if pace:
+                    time.sleep(pace)
+            conn.wait_for_save()
+            for r in conn.get_finished():
+                manager.free(by_id[r])
+            first.append(tokens)
+            logits.append(out.tolist())
+    except KeyboardInterrupt:  # stopped between calls: no send still posted may read a block once it is reused
+        conn.cancel(seqs)
+        raise
     conn.finish()
     manager.check_invariants()
     return {"first_tokens": first, "logits": logits, "report": conn.report.as_dict()}
@@ -119,33 +126,60 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
     conn = KVReceiver(link, manager, peer)
     tokens: list[list[list[int]]] = []
     logits: list[list[list[list[float]]]] = []
-    while (requests := conn.poll_requests()) is not None:
-        seqs: list[Sequence] = []
-        try:
-            for r in requests:
-                seq = manager.create(list(r.prompt), tenant=r.tenant)  # the local prefix hit
-                seqs.append(seq)
-                manager.append_tokens([seq], [list(r.prompt[seq.num_tokens:])])  # blocks for what will arrive
-                conn.update_state_after_alloc(r, seq)
-        except KVLabError:  # e.g. out of blocks: give back what this step took, then report it
+    seqs: list[Sequence] = []
+    try:
+        while (requests := conn.poll_requests()) is not None:
+            seqs = []
+            _admit(manager, conn, requests, seqs)
+            conn.start_load_kv(conn.build_connector_meta())
+            for layer in range(cfg.num_layers):
+                conn.wait_for_layer_load(layer)
+                if pace:
+                    time.sleep(pace)
+            conn.get_finished()
+            for s in seqs:
+                manager.cache_full_blocks(s)  # the received blocks serve later prompts with the same prefix
+            rest, steps = greedy(model.step, manager, seqs, [[r.first_token] for r in requests], max_new_tokens - 1)
             for s in seqs:
                 manager.free(s)
-            raise
-        conn.start_load_kv(conn.build_connector_meta())
-        for layer in range(cfg.num_layers):
-            conn.wait_for_layer_load(layer)
-            if pace:
-                time.sleep(pace)
-        conn.get_finished()
-        for s in seqs:
-            manager.cache_full_blocks(s)  # the received blocks serve later prompts with the same prefix
-        rest, steps = greedy(model.step, manager, seqs, [[r.first_token] for r in requests], max_new_tokens - 1)
-        for s in seqs:
-            manager.free(s)
-        tokens.append([[r.first_token, *more] for r, more in zip(requests, rest)])
-        logits.append([lg.tolist() for lg in steps])
+            tokens.append([[r.first_token, *more] for r, more in zip(requests, rest)])
+            logits.append([lg.tolist() for lg in steps])
+    except KeyboardInterrupt:  # stopped between calls: no receive still posted may land in a block once reused
+        conn.cancel(seqs)
+        raise
     manager.check_invariants()
     return {"tokens": tokens, "logits": logits, "report": conn.report.as_dict()}
+
+
+@atomic()
+def _open(manager: SequenceManager, prompts: list[list[int]], seqs: list[Sequence]) -> None:
+    """A sequence per prompt into ``seqs``, all or none. Into the caller's list, not returned: an interrupt is
+    raised as this returns, and a sequence made but never listed would leak."""
+    try:
+        for p in prompts:
+            seqs.append(manager.create(p))
+    except KVLabError:
+        for s in seqs:
+            manager.free(s)
+        raise
+
+
+@atomic()
+def _admit(manager: SequenceManager, conn: KVReceiver, requests: list[RemoteRequest],
+           seqs: list[Sequence]) -> None:
+    """A sequence per request into ``seqs`` (as :func:`_open`), holding its local prefix hit and blocks for
+    what will arrive, each handed to the connector; all or none (out of blocks: what this step took is given
+    back, then the error raised)."""
+    try:
+        for r in requests:
+            seq = manager.create(list(r.prompt), tenant=r.tenant)  # the local prefix hit
+            seqs.append(seq)
+            manager.append_tokens([seq], [list(r.prompt[seq.num_tokens:])])  # blocks for what will arrive
+            conn.update_state_after_alloc(r, seq)
+    except KVLabError:
+        for s in seqs:
+            manager.free(s)
+        raise
 
 
 def reference(batches: Batches, max_new_tokens: int, *, cfg: TinyConfig | None = None,

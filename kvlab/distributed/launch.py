@@ -265,20 +265,30 @@ def run_threads(fns: Sequence[RankFn], kwargs: Sequence[dict[str, Any]] | None =
     store = dist.HashStore()
     got: dict[int, tuple[bool, Any]] = {}
 
+    links: dict[int, Link] = {}  # while its rank runs: a finished rank's group must go, so its peers see it leave
+
     def body(r: int) -> None:
         try:
             # a gloo backend built directly (its stubs type it apart from ProcessGroup; it has what Group needs)
             group = cast(Group, dist.ProcessGroupGloo(store, r, world_size, datetime.timedelta(seconds=timeout)))
-            got[r] = (True, fns[r](Link(group, r, world_size, float(timeout)), **kwargs[r]))
+            links[r] = Link(group, r, world_size, float(timeout))
+            got[r] = (True, fns[r](links[r], **kwargs[r]))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             got[r] = (False, e)
+        finally:
+            links.pop(r, None)
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"kvlab-rank-{r}")
                for r in range(world_size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout + 30.0)
+    try:
+        for t in threads:
+            t.join(timeout + 30.0)
+    except KeyboardInterrupt:  # the ranks see no signal: each stops at its next call on its aborted link (a wait
+        for link in list(links.values()):  # already blocked, at its timeout) and gives back its step meanwhile
+            link.abort()
+        raise
     errors = [got[r][1] for r in sorted(got) if not got[r][0]]
     if errors:
         raise errors[0]
