@@ -238,3 +238,46 @@ def test_a_disaggregated_step_interrupted_anywhere_frees_it_on_both_ranks(here):
     assert n > 100
     outcomes = [_rank_interrupted_at(here, k)[1] for k in range(1, n + 1, max(1, n // 40))]
     assert any(outcomes)  # some interrupts land between calls, and are raised there
+
+
+def test_an_interrupted_live_run_pauses_shows_the_exact_pool_and_goes_on():
+    """A cell running ``LiveRun.run`` interrupted at any line: the run is paused, the last frame sent shows the
+    pool exactly as it is, the pool's invariants hold, and ``run()`` then finishes the workload."""
+    from kvlab.viz.frames import decode_frame, frame_of
+    from kvlab.viz.live import LiveRun, RandomWorkload
+
+    class Sink:
+        def __init__(self) -> None:
+            self.frames: list[bytes] = []
+
+        def show_frame(self, frame) -> None:
+            self.frames.append(frame.data)
+
+    def blocks(data: bytes) -> tuple:
+        f = decode_frame(data)
+        return tuple(f.state.tolist()), tuple(f.refcount.tolist())
+
+    def build() -> tuple[BlockPool, LiveRun, Sink]:
+        pool = BlockPool(24, with_storage=False)
+        sink = Sink()
+        return pool, LiveRun(pool, RandomWorkload(pool, seed=5, steps=12), [sink], fps=1e9), sink
+
+    assert install()
+    n = _lines(build()[1].run, None)
+    assert n > 100
+    interrupted = 0
+    for k in range(1, n + 1, max(1, n // 60)):
+        pool, run, sink = build()
+        try:
+            _lines(run.run, k)
+            continue  # the interrupt came after the run's last line
+        except KeyboardInterrupt:
+            interrupted += 1
+        pool.check_invariants()
+        assert run.state in ("paused", "done") or run.state == "idle" and run.steps == 0, f"line {k}: {run.state}"
+        assert run.state == "idle" or blocks(sink.frames[-1]) == blocks(frame_of(pool).data), f"line {k}: the view is stale"
+        run.run()
+        assert run.state == "done"
+        assert blocks(sink.frames[-1]) == blocks(frame_of(pool).data)
+        pool.check_invariants()
+    assert interrupted > 30

@@ -25,6 +25,7 @@ import numpy as np
 from kvlab.core.block import ALLOCATED, FREE, BlockStatus
 from kvlab.core.checks import check_positive, check_real, check_seed
 from kvlab.core.errors import ConfigError, OutOfBlocksError
+from kvlab.core.interrupts import atomic
 from kvlab.core.pool import BlockPool
 from kvlab.viz.frames import Frame, FrameBuilder
 
@@ -100,6 +101,7 @@ class Pacer:
 StepFn = Callable[[], bool]
 
 
+@atomic("_end _interrupted")  # the final frame and the closing are never cut short
 class LiveRun:
     """Run ``step_fn`` (one step of a workload on ``pool``; returns False when the workload is done) and stream
     paced frames to ``views``. Every sent frame is kept in ``recording`` (up to ``record_bytes``).
@@ -108,8 +110,9 @@ class LiveRun:
     the ``steps`` of a :class:`RandomWorkload`. Functions in ``on_state`` are called with each new state.
 
     Invariants: at most ``fps`` frames a second (on the :class:`Pacer`'s cadence), each built from the pool at
-    send time; the state after the last step is always sent (also on stop, pause and failure); once :meth:`stop`
-    returns or the task ends, no task of this run is left on the loop.
+    send time; the state after the last step is always sent (also on stop, pause, interrupt and failure); once
+    :meth:`stop` returns or the task ends, no task of this run is left on the loop. An interrupted :meth:`run` or
+    :meth:`step` (Ctrl-C, "interrupt kernel") pauses the run, and it can go on.
     """
 
     def __init__(self, pool: BlockPool, step_fn: StepFn, views: Iterable[FrameSink] = (), *, fps: float = 30.0,
@@ -185,44 +188,52 @@ class LiveRun:
         self.builder.close()
         self.state = state  # last: whoever hears of the end finds the final frame already sent
 
+    def _interrupted(self) -> None:
+        """An interrupted cell (Ctrl-C) pauses the run: the views get the pool exactly as the interrupt left it
+        (re-read: a step cut short may have changed it without an event), and ``run()``, ``step()`` or
+        ``start()`` goes on from there."""
+        self.builder.resync()
+        self.state = "paused"
+        self.send(force=True)
+
     def step(self) -> bool:
         """Exactly one step now, its frame always sent (the Step button). False once the run is over."""
         if self.finished:
             return False
-        try:
-            more = self._one()
-        except Exception as e:
-            self.error = e
-            self._end("failed")
-            raise
-        if more:
-            if self.state == "idle":
-                self.state = "paused"
-            self.send(force=True)
-        else:
-            self._end("done")
-        return more
+        state = "paused" if self.state == "idle" else self.state
+        return self._steps(1, state, state, paced=False) > 0 and not self.finished
 
     def run(self, max_steps: int | None = None) -> int:
         """Step in the calling code until done (or ``max_steps`` more steps), sending paced frames; returns the
         number of steps taken. Use in scripts and tests; in a notebook this blocks the kernel (no clicks)."""
         if self.finished:
             return 0
-        self.state, n, more = "running", 0, True
+        return self._steps(max_steps, "running", "paused", paced=True)
+
+    def _steps(self, max_steps: int | None, during: str, after: str, paced: bool) -> int:
+        """Up to ``max_steps`` steps in state ``during``, then ``after`` (or done), the state sent (and, if
+        ``paced``, frames as they are due after each step); an interrupt pauses the run."""
+        n, more = 0, True
         try:
+            self.state = during
             while more and (max_steps is None or n < max_steps):
                 more = self._one()
                 n += 1
-                self.send()
-        except BaseException as e:  # an interrupt (KeyboardInterrupt) also ends the run cleanly
+                if paced:
+                    self.send()
+            if more:
+                self.state = after
+                self.send(force=True)
+            else:
+                self._end("done")
+        except KeyboardInterrupt:
+            if not self.finished:
+                self._interrupted()
+            raise
+        except BaseException as e:
             self.error = e
             self._end("failed" if isinstance(e, Exception) else "stopped")
             raise
-        if more:
-            self.state = "paused"
-            self.send(force=True)
-        else:
-            self._end("done")
         return n
 
     # ------------------------------------------------------------------ the asyncio task
@@ -330,6 +341,7 @@ PRESETS: dict[str, dict[str, float]] = {
 }
 
 
+@atomic("__call__ close")  # an interrupt lands between steps: the workload's lists always match the pool
 class RandomWorkload:
     """A seeded random workload over a pool, one operation per call: admit a sequence (blocks for its tokens,
     half of them marked reusable), grow one, finish one (its reusable blocks become cached), share and unshare
