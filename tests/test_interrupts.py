@@ -274,8 +274,8 @@ def test_an_interrupted_live_run_pauses_shows_the_exact_pool_and_goes_on():
         except KeyboardInterrupt:
             interrupted += 1
         pool.check_invariants()
-        assert run.state in ("paused", "done") or run.state == "idle" and run.steps == 0, f"line {k}: {run.state}"
-        assert run.state == "idle" or blocks(sink.frames[-1]) == blocks(frame_of(pool).data), f"line {k}: the view is stale"
+        assert run.state in ("paused", "done") or run.state == "idle" and run.steps == 0, k
+        assert run.state == "idle" or blocks(sink.frames[-1]) == blocks(frame_of(pool).data), f"line {k}: stale"
         run.run()
         assert run.state == "done"
         assert blocks(sink.frames[-1]) == blocks(frame_of(pool).data)
