@@ -9,9 +9,11 @@ import hashlib
 import json
 import random
 import re
+import signal
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 
 from kvlab import BlockPool, ConfigError, DoubleFreeError
 from kvlab.core.block import ALLOCATED, EVICTING, FREE
+from kvlab.core.interrupts import _on_sigint, install
 from kvlab.viz import (PRESETS, FrameBuilder, LiveRun, Pacer, RandomWorkload, Recording, build_frame, decode_frame,
                        export_html, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool, record)
 from kvlab.viz import frames as fr
@@ -279,6 +282,66 @@ def test_live_run_on_asyncio_finishes_pauses_and_stops_without_leftover_tasks():
 
 async def _await(run: LiveRun) -> None:
     await run
+
+
+@pytest.mark.parametrize("click", ["resume", "stop"])
+def test_a_click_from_another_thread_reaches_a_paused_run(click):
+    """The reported freeze: ipywidgets may deliver a button click on a kernel subshell's thread while a cell awaits
+    the run and the kernel's thread sits in the event loop's select. Paused, then resumed or stopped from that
+    thread, the run must go on or end: an asyncio Event set from another thread never woke the paused task."""
+    p = BlockPool(64, with_storage=False)
+
+    async def main() -> tuple[str, int]:
+        run = LiveRun(p, RandomWorkload(p, seed=1, steps=40), [], steps_per_second=500)
+        run.start()
+        await asyncio.sleep(0.01)
+        threading.Timer(0.0, run.pause).start()
+        await asyncio.sleep(0.1)
+        assert run.state == "paused" and run.steps < 40
+        threading.Timer(0.05, getattr(run, click)).start()  # comes while the loop waits, with no timer due
+        await asyncio.wait_for(asyncio.gather(run.task, return_exceptions=True), 5)
+        return run.state, run.steps
+
+    try:
+        state, steps = asyncio.run(main())
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+        pytest.fail(f"a {click} from another thread never reached the paused run")
+    assert (state, steps) == (("stopped", steps) if click == "stop" else ("done", 40))
+    assert not p.events.subscribers
+
+
+def test_interrupting_a_cell_that_awaits_a_paused_run_ends_the_wait_and_the_run():
+    """The reported freeze, second half: Kernel > Interrupt sends SIGINT while the kernel's thread waits in the
+    event loop's select (a paused run takes no step). The cell awaiting the run must end with KeyboardInterrupt
+    (IPython shows it, as for any cell) with the run stopped, the loop still running and kvlab's SIGINT handler
+    back."""
+    p = BlockPool(64, with_storage=False)
+
+    async def cell(run: LiveRun) -> str:
+        try:
+            await run
+        except KeyboardInterrupt:  # IPython's run_code catches it and shows it
+            return "interrupted"
+        return "finished"
+
+    async def main() -> tuple[str, str]:
+        run = LiveRun(p, RandomWorkload(p, seed=2), [])
+        waiter = asyncio.ensure_future(cell(run))
+        await asyncio.sleep(0.02)
+        run.pause()
+        threading.Timer(0.05, signal.raise_signal, (signal.SIGINT,)).start()  # as the kernel's manager sends it
+        got = await asyncio.wait_for(waiter, 10)
+        await asyncio.sleep(0)  # the loop goes on
+        return got, run.state
+
+    assert install()
+    try:
+        got = asyncio.run(main())
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped the event loop instead of ending the awaiting cell")
+    assert got == ("interrupted", "stopped")
+    assert signal.getsignal(signal.SIGINT) is _on_sigint
+    assert not p.events.subscribers
 
 
 def test_a_failing_step_ends_the_run_and_keeps_the_error():

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -25,7 +27,7 @@ import numpy as np
 from kvlab.core.block import ALLOCATED, FREE, BlockStatus
 from kvlab.core.checks import check_positive, check_real, check_seed
 from kvlab.core.errors import ConfigError, OutOfBlocksError
-from kvlab.core.interrupts import atomic
+from kvlab.core.interrupts import atomic, install
 from kvlab.core.pool import BlockPool
 from kvlab.viz.frames import Frame, FrameBuilder
 
@@ -139,6 +141,8 @@ class LiveRun:
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
         self._resume = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the task's loop, and the thread that runs it
+        self._loop_thread = 0
         self._resume.set()
         for v in self.views:
             follow = getattr(v, "follow", None)
@@ -197,9 +201,12 @@ class LiveRun:
         self.send(force=True)
 
     def step(self) -> bool:
-        """Exactly one step now, its frame always sent (the Step button). False once the run is over."""
+        """Exactly one step now, its frame always sent (the Step button). False once the run is over (from
+        another thread than the task's: the step is handed to its loop, and this says whether the run was on)."""
         if self.finished:
             return False
+        if self._elsewhere(self.step):
+            return True
         state = "paused" if self.state == "idle" else self.state
         return self._steps(1, state, state, paced=False) > 0 and not self.finished
 
@@ -245,10 +252,11 @@ class LiveRun:
             return self.task
         self.state = "running"
         self._resume.set()
-        self.task = asyncio.get_event_loop().create_task(self._loop())
+        self._loop, self._loop_thread = asyncio.get_event_loop(), threading.get_ident()
+        self.task = self._loop.create_task(self._run_task())
         return self.task
 
-    async def _loop(self) -> None:
+    async def _run_task(self) -> None:
         try:
             while True:
                 if self.state == "paused":
@@ -269,20 +277,36 @@ class LiveRun:
             self._end("failed")
             raise
 
+    def _elsewhere(self, fn: Callable[[], Any]) -> bool:
+        """Hand ``fn`` to the task's loop if this is another thread, and say so. ipywidgets may deliver a click on
+        a kernel subshell's thread while a cell awaits the run; asyncio's objects belong to their loop's thread
+        (an ``Event`` set from another one never wakes its waiter: the run stayed paused for good)."""
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread or loop.is_closed():
+            return False
+        loop.call_soon_threadsafe(fn)
+        return True
+
     def pause(self) -> None:
         """Stop stepping (the task waits); the current state is sent so the view is exact."""
+        if self._elsewhere(self.pause):
+            return
         if self.state == "running":
             self.state = "paused"
             self._resume.clear()
             self.send(force=True)
 
     def resume(self) -> None:
+        if self._elsewhere(self.resume):
+            return
         if self.state == "paused":
             self.state = "running"
             self._resume.set()
 
     def stop(self) -> None:
         """End the run: cancel its task (if any) and send the final frame. Idempotent."""
+        if self._elsewhere(self.stop):
+            return
         if self.task is not None and not self.task.done():
             self.task.cancel()
             self.state = "stopping"
@@ -298,13 +322,36 @@ class LiveRun:
 
     async def _wait(self) -> None:
         task = self.task if self.task is not None else self.start()
+        loop = asyncio.get_running_loop()
+        interrupt = loop.create_future()
+        # While the cell waits, the kernel's thread sits in the loop's select (a paused run takes no step): a
+        # KeyboardInterrupt raised there never reaches the cell. The loop's own SIGINT handler wakes the wait.
+        def on_sigint() -> None:
+            if not interrupt.done():
+                interrupt.set_result(None)
+
         try:
-            await asyncio.shield(task)
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+            handled = True
+        except (RuntimeError, NotImplementedError, ValueError):  # not the main thread, or no signals here
+            handled = False
+        try:
+            await asyncio.wait([task, interrupt], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # interrupted: the run stops with the wait
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise KeyboardInterrupt
+            await task  # its outcome: None, its error, or CancelledError if it was stopped
         except asyncio.CancelledError:
-            if not task.done():  # the awaiter was cancelled (interrupt), not the task: stop it as well
+            if not task.done():  # the awaiter was cancelled, not the task: stop it as well
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             raise
+        finally:
+            interrupt.cancel()
+            if handled:
+                loop.remove_signal_handler(signal.SIGINT)
+                install()  # kvlab's handler again (removing the loop's leaves Python's)
 
 
 def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Recording:
