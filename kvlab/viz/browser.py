@@ -104,7 +104,7 @@ def open_notebook(page: Any, lab_url: str, name: str, timeout_ms: int = 90_000) 
 def run_cell(page: Any, index: int) -> None:
     """Run cell ``index`` of the notebook in front (as Shift+Enter on it would), without waiting for it."""
     page.evaluate("""(i) => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = i;
-                     return window.jupyterapp.commands.execute('notebook:run-cell'); }""", index)
+                     window.jupyterapp.commands.execute('notebook:run-cell'); }""", index)  # no await
 
 
 def view_roots(page: Any) -> Any:

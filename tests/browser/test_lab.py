@@ -15,7 +15,7 @@ import pytest
 from conftest import KNOWN_KEYS, KNOWN_POOL
 
 from kvlab.app import bench
-from kvlab.viz.browser import open_notebook, write_notebook
+from kvlab.viz.browser import open_notebook, run_cell, write_notebook
 from kvlab.viz.palette import STATE_RGB
 
 pytestmark = pytest.mark.browser
@@ -157,4 +157,39 @@ def test_a_live_65536_block_pool_view_streams_and_draws_every_frame(browser, lab
     assert res["sent_seen"] == res["sent"] and res["received"] == res["sent"], counts  # none dropped
     assert len(set(res["drawn"])) >= len(res["arrivals"]), counts  # and each one that arrived was drawn
     assert res["arrivals"] == sorted(res["arrivals"]) and not errors, errors
+    page.close()
+
+
+def test_pause_resume_and_interrupt_an_awaited_live_run(browser, lab):
+    """The reported freeze, in JupyterLab: a cell awaits a live run; the view's button pauses it, then resumes it
+    (the run must step again: it used to stay paused for good, labelled "running"); Kernel > Interrupt then ends
+    the cell with KeyboardInterrupt, the run stopped, and the kernel runs the next cell."""
+    cells = ["from kvlab import BlockPool\nfrom kvlab.viz import PoolView, RandomWorkload\n"
+             "q = BlockPool(256, with_storage=False)\nv = PoolView(q)\nv",
+             "run = v.live(RandomWorkload(q, seed=1, steps=10**6), steps_per_second=40)\nawait run",
+             "print('USABLE', run.state, q.check_invariants() is None)"]
+    write_notebook(lab["work"] / "awaited.ipynb", cells)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    open_notebook(page, lab["url"], "awaited.ipynb")
+    run_cell(page, 0)
+    wait_until(lambda: roots(page).count() >= 1, 60, "the view")
+    run_cell(page, 1)
+    wait_until(lambda: data(page, 0)["status"] == "running", 30, "the awaited run")
+    toggle = roots(page).nth(0).locator("[data-act=toggle]")
+    toggle.click()  # pause
+    wait_until(lambda: data(page, 0)["status"] == "paused", 20, "paused")
+    time.sleep(0.5)
+    frozen = int(data(page, 0)["framesReceived"])
+    time.sleep(0.5)
+    assert int(data(page, 0)["framesReceived"]) == frozen
+    toggle.click()  # resume
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) > frozen + 5, 20, "frames again after resuming")
+    page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")
+    page.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
+    wait_until(lambda: data(page, 0)["status"] == "stopped", 20, "the run stopped")
+    run_cell(page, 2)
+    page.locator(".jp-OutputArea-output pre", has_text="USABLE stopped True").wait_for(timeout=30_000)
+    assert not errors, errors
     page.close()
