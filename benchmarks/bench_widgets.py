@@ -57,9 +57,9 @@ def snapshot_frame(p: BlockPool) -> bytes:
     n_used = int(np.count_nonzero(s["status"]))
     free = N - n_used
     header = {"magic": MAGIC, "seq": 0, "num_blocks": N, "block_size": p.block_size, "step": float(p.clock.now()),
-              "utilisation": n_used / N, "external": unusable_free_percent(p) / 100,
+              "blocks_held": n_used / N, "unusable_free": unusable_free_percent(p) / 100,
               "internal_waste": 1 - s["tokens"].sum() / max(1, n_used * p.block_size),
-              "scatter": 1 - runs.max() / free if free else 0.0, "flags": 0, "tail_len": 0}
+              "external_fragmentation": 1 - runs.max() / free if free else 0.0, "flags": 0, "tail_len": 0}
     head = HEADER.pack(*(header[name] for name, _, _ in HEADER_FIELDS))
     return head + state.tobytes() + np.minimum(s["refcount"], 255).astype(np.uint8).tobytes() + \
         (s["size_class"] << 3).astype(np.uint8).tobytes()

@@ -60,10 +60,10 @@ def test_frames_match_the_pool(seed, preset, multi, steps):
     for key, want in ref.items():
         assert np.array_equal(getattr(f, key), want), key
     assert f.num_blocks == 128 and f.block_size == p.block_size and f.step == p.clock.now()
-    assert f.utilisation == pytest.approx(np.count_nonzero(p.arrays.status) / 128)
-    assert f.external == pytest.approx(TextbookPool(p).calculate_fragmentation() / 100)
+    assert f.blocks_held == pytest.approx(np.count_nonzero(p.arrays.status) / 128)
+    assert f.unusable_free == pytest.approx(TextbookPool(p).calculate_fragmentation() / 100)
     runs = p.free_runs()
-    assert f.scatter == pytest.approx(1 - runs.max() / runs.sum() if runs.size else 0.0)
+    assert f.external_fragmentation == pytest.approx(1 - runs.max() / runs.sum() if runs.size else 0.0)
     used = p.arrays.status != 0
     waste = 1 - p.arrays.tokens.sum() / (used.sum() * p.block_size) if used.any() else 0.0
     assert f.internal_waste == pytest.approx(waste, abs=1e-6)
@@ -934,3 +934,41 @@ def test_recording_never_drops_the_newest_frame():
     assert list(rec) == [b"\x09" * 25] and rec.nbytes == 25 and rec.trimmed == 2
     rec.append(b"\x07" * 3)
     assert list(rec) == [b"\x07" * 3] and rec.nbytes == 3 and rec.trimmed == 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fragmentation_picture_names_and_shows_what_the_detector_prints(seed):
+    """One vocabulary: each gauge of the fragmentation picture carries a name the chapters' GLOSSARY.md defines,
+    and the value beside it is the one ``FragmentationDetector.detect_fragmentation()`` prints under that name
+    (the views called unusable free memory "external fragmentation" and the contiguity measure "free-space
+    scatter", so 2.2.4 printed external_fragmentation 0.945 beside a picture saying 58.0%)."""
+    from kvlab.memory.fragmentation import FragmentationDetector, memory_usage
+
+    glossary = (REPO / "chapters" / "GLOSSARY.md").read_text()
+    rng = random.Random(seed)
+    p = BlockPool(256, block_sizes=[16, 32, 64, 128], with_storage=False, seed=seed)
+    held = []
+    for _ in range(60):
+        if held and rng.random() < 0.4:
+            p.free(held.pop(rng.randrange(len(held))))
+        else:
+            try:
+                ids = p.allocate(1, size_class=rng.randrange(4))
+            except Exception:  # noqa: BLE001 - a full pool: free instead
+                continue
+            p.set_token_counts(ids, [rng.randint(1, 16 << p.arrays.size_class[ids[0]])])
+            held.append(ids)
+    d = FragmentationDetector(p).detect_fragmentation()
+    usage = memory_usage(p)
+    printed = {"unusable free memory": d["fragmentation_percent"],
+               "external fragmentation (contiguity)": 100 * d["external_fragmentation"],
+               "internal waste": 100 * d["internal_waste"],
+               "blocks held": 100 * usage["used"] / usage["total"]}
+    fig = plot_fragmentation(p)
+    labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    shown = {m.group(1): float(m.group(2)) for m in (re.fullmatch(r"(.+) (\d+\.\d)%", s) for s in labels)}
+    assert set(shown) == set(printed), labels
+    for name, value in shown.items():
+        assert f" {name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
+        assert value == pytest.approx(printed[name], abs=0.051), (name, value, printed[name])
+    assert d["fragmentation_percent"] > 0 and d["external_fragmentation"] > 0  # both measures are exercised

@@ -36,8 +36,8 @@ def test_the_browser_gets_pythons_layout():
     layout = kv_frame(fr.layout_js())
     for view in VIEWS:
         assert kv_frame(esm_source(view)) == layout, view
-    values = {"magic": b"KVF1", "seq": 7, "num_blocks": 9, "block_size": 16, "step": 2.5, "utilisation": 0.25,
-              "external": 0.5, "internal_waste": 0.125, "scatter": 0.75, "flags": 1, "tail_len": 3}
+    values = {"magic": b"KVF1", "seq": 7, "num_blocks": 9, "block_size": 16, "step": 2.5, "blocks_held": 0.25,
+              "unusable_free": 0.5, "internal_waste": 0.125, "external_fragmentation": 0.75, "flags": 1, "tail_len": 3}
     packed = fr.HEADER.pack(*(values[name] for name, _, _ in fr.HEADER_FIELDS))
     assert layout["headerSize"] == len(packed) and packed[:4].decode() == layout["magic"]
     assert [name for name, _, _ in layout["header"]] == [name for name, _, _ in fr.HEADER_FIELDS[1:]]

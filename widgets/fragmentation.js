@@ -1,5 +1,5 @@
 // FragmentationView panel: the arena as a memory map (the pool's state colours, the largest free run in yellow),
-// gauges for utilisation / external fragmentation / internal waste / free-space scatter, their time series,
+// gauges for blocks held / unusable free memory / internal waste / external fragmentation, their time series,
 // and the moves of a compaction drawn as arrows from old to new block, animated when they arrive live.
 
 const KV_GAUGES = KV_PALETTE_DATA.gauges; // [label, frame field, colour, dash]

@@ -66,10 +66,10 @@ HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("num_blocks", "I", "n, the base blocks"),
     ("block_size", "I", "tokens per base block"),
     ("step", "d", "the pool's clock"),
-    ("utilisation", "f", "share of base blocks not FREE"),
-    ("external", "f", "share of FREE memory the largest request cannot use"),
+    ("blocks_held", "f", "share of base blocks not FREE (in use, cached or in flight)"),
+    ("unusable_free", "f", "share of FREE memory the largest request cannot use"),
     ("internal_waste", "f", "share of the used blocks' token slots holding no token"),
-    ("scatter", "f", "1 - largest run of FREE base blocks / FREE base blocks"),
+    ("external_fragmentation", "f", "1 - largest run of FREE base blocks / FREE base blocks"),
     ("flags", "I", "FLAG_DETAILS when the details sections follow the body"),
     ("tail_len", "I", "bytes of the JSON tail"),
 )
@@ -122,10 +122,10 @@ class Frame:
     num_blocks: int
     block_size: int
     step: float
-    utilisation: float
-    external: float
+    blocks_held: float
+    unusable_free: float
     internal_waste: float
-    scatter: float
+    external_fragmentation: float
     state: np.ndarray
     refcount: np.ndarray
     meta: np.ndarray  # size_class << FLASH_BITS | flash
@@ -342,7 +342,7 @@ class FrameBuilder:
 
         State, refcount and size class come from the events. What no event carries is read from the pool, under
         its lock: the sum of the tokens (internal waste: ``set_token_counts`` publishes nothing) and the unusable
-        free memory (``external``: 0 without a scan on a one-size pool), two aggregates; the clock; and, for a
+        free memory (``unusable_free``: 0 without a scan on a one-size pool), two aggregates; the clock; and, for a
         small pool, every block's tokens, owner and last access (``set_owner`` and ``touch`` publish nothing)."""
         p, n = self.pool, self.pool.num_blocks
         with p.lock:
@@ -351,16 +351,16 @@ class FrameBuilder:
                 self.resync()
                 _, runs = free_runs(self._state)
             tokens = int(p.arrays.tokens.sum(dtype=self._tokens_sum))
-            external = unusable_free_percent(p) / 100
+            unusable = unusable_free_percent(p) / 100
             details = self._details() if self.details else b""
             free = int(runs.sum())
             used = n - free
             tail = self._tail(extra)
             tail_bytes = json.dumps(tail, separators=(",", ":")).encode() if tail else b""
             header = {"magic": MAGIC, "seq": next(_SEQ) & 0xFFFFFFFF, "num_blocks": n, "block_size": p.block_size,
-                      "step": float(p.clock.now()), "utilisation": _f32(used / n), "external": _f32(external),
+                      "step": float(p.clock.now()), "blocks_held": _f32(used / n), "unusable_free": _f32(unusable),
                       "internal_waste": _f32(1 - tokens / (used * p.block_size) if used else 0.0),
-                      "scatter": _f32(1 - int(runs.max()) / free if free else 0.0),
+                      "external_fragmentation": _f32(1 - int(runs.max()) / free if free else 0.0),
                       "flags": FLAG_DETAILS if self.details else 0, "tail_len": len(tail_bytes)}
             np.left_shift(self._order, FLASH_BITS, out=self._meta)
             np.bitwise_or(self._meta, self._flash, out=self._meta)

@@ -58,14 +58,16 @@ OTHER_WORDS = {
 
 # Gauges: (label, Frame attribute, colour, line dash in the time series).
 GAUGES: tuple[tuple[str, str, RGB, tuple[int, ...]], ...] = (
-    ("utilisation", "utilisation", OKABE_ITO["blue"], ()),
-    ("external fragmentation", "external", OKABE_ITO["vermillion"], (6, 3)),
+    ("blocks held", "blocks_held", OKABE_ITO["blue"], ()),
+    ("unusable free memory", "unusable_free", OKABE_ITO["vermillion"], (6, 3)),
     ("internal waste", "internal_waste", OKABE_ITO["reddish purple"], (2, 2)),
-    ("free-space scatter", "scatter", OKABE_ITO["black"], (8, 3, 2, 3)),
+    ("external fragmentation (contiguity)", "external_fragmentation", OKABE_ITO["black"], (8, 3, 2, 3)),
 )
 GAUGE_WORDS = {
-    "utilisation": "share of blocks in use", "external": "free space a largest-class request cannot use",
-    "internal_waste": "share of used slots holding no token", "scatter": "1 - largest free run / free blocks",
+    "blocks_held": "share of blocks not free: in use, cached or in flight",
+    "unusable_free": "share of free memory a largest-class request cannot use",
+    "internal_waste": "share of held slots holding no token",
+    "external_fragmentation": "1 - largest free run / free blocks (contiguity)",
 }
 
 # What an eviction candidate's score means, per policy, and which way the order runs. A view shows the score as

@@ -177,7 +177,7 @@ def plot_evictions(evictions: Sequence[dict[str, Any]]) -> Picture:
 
 
 def plot_fragmentation(x: FrameLike, series: Sequence[Sequence[float]] = ()) -> Picture:
-    """Memory map, gauges and (given ``series`` rows of utilisation, external, waste, scatter) time series."""
+    """Memory map, gauges and (given ``series`` rows of the four gauges, in ``GAUGES``' order) time series."""
     fig = Picture(figsize=(13, 5), layout="constrained")
     gs = fig.add_gridspec(2, 2, width_ratios=(1.5, 1))
     draw_fragmentation(fig.add_subplot(gs[:, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, 1]),

@@ -33,6 +33,7 @@ from kvlab.core.pool import BlockPool
 from kvlab.viz.assets import css_source, esm_source
 from kvlab.viz.frames import Frame, decode_frame, decode_recording, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
+from kvlab.viz.palette import GAUGES
 from kvlab.viz.static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
@@ -88,7 +89,7 @@ class FrameView(anywidget.AnyWidget):
         """Send one frame: one message carrying ``frame`` and ``frames_sent``. A :class:`Frame` (from a builder)
         is sent as it is; bytes (a frame from elsewhere, e.g. a recording) are decoded and checked first."""
         f = frame if isinstance(frame, Frame) else decode_frame(frame)
-        self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
+        self.series.append(tuple(getattr(f, key) for _, key, _, _ in GAUGES))
         self.evictions.extend(f.evictions)
         self.history.append(f.data)
         self.shown = f
@@ -110,7 +111,7 @@ class FrameView(anywidget.AnyWidget):
         frames = frames[len(frames) - len(rec):]  # what the history keeps
         self.history, self.shown = rec, frames[-1]
         for f in frames:
-            self.series.append((f.utilisation, f.external, f.internal_waste, f.scatter))
+            self.series.append(tuple(getattr(f, key) for _, key, _, _ in GAUGES))
             self.evictions.extend(f.evictions)
         with self.hold_sync():
             self.frame = rec[len(rec) - 1]
@@ -260,8 +261,9 @@ class EvictionView(FrameView):
 
 
 class FragmentationView(FrameView):
-    """Memory map with free runs, gauges (utilisation, external fragmentation, internal waste, scatter) and their
-    time series; migrations drawn as moving arrows."""
+    """Memory map with free runs, gauges (blocks held, unusable free memory, internal waste, external
+    fragmentation: the names of the chapters' GLOSSARY.md) and their time series; migrations drawn as moving
+    arrows."""
 
     view = "fragmentation"
 

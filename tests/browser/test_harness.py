@@ -301,9 +301,9 @@ def test_fragmentation_view_map_gauges_and_moves(harness):
     assert cell(harness, 2) == list(STATE_RGB["FREE"])
     assert cell(harness, 13) == list(RUN_RGB)
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "4"
-    fill = harness.evaluate("() => document.querySelector('.kv-gauge[data-key=utilisation] .kv-fill').style.width")
+    fill = harness.evaluate("() => document.querySelector('.kv-gauge[data-key=blocks_held] .kv-fill').style.width")
     # 8 of 16 blocks in use
-    assert fill == "50%" and harness.locator(".kv-gauge[data-key=utilisation]").inner_text().endswith("50.0%")
+    assert fill == "50%" and harness.locator(".kv-gauge[data-key=blocks_held]").inner_text().endswith("50.0%")
     harness.evaluate("() => document.querySelector('.kv-root').kv.show(1)")
     assert cell(harness, 14) == list(RUN_RGB)  # 11..15 is now the largest run
     assert harness.evaluate("() => document.querySelector('.kv-frag').dataset.largestRun") == "5"
@@ -358,8 +358,8 @@ def test_every_view_has_a_legend_and_text_readable_on_a_projector(harness, known
     for view, keys in (("pool", {"FREE", "PENDING", "ALLOC1", "ALLOC8", "EVICTING", "CACHED", "FLASH1", "FLASH2",
                                  "FLASH3", "FADE", "OUTLINE"}),
                        ("fragmentation", {"FREE", "RUN", "PENDING", "ALLOC1", "ALLOC8", "EVICTING", "CACHED",
-                                          "FLASH1", "FLASH2", "FLASH3", "FADE", "MOVE", "LINE_utilisation",
-                                          "LINE_external", "LINE_internal_waste", "LINE_scatter"}),
+                                          "FLASH1", "FLASH2", "FLASH3", "FADE", "MOVE", "LINE_blocks_held",
+                                          "LINE_unusable_free", "LINE_internal_waste", "LINE_external_fragmentation"}),
                        ("eviction", {"VICTIM", "CANDIDATE"})):
         harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
         mount(harness, view, [build_frame(p)])
