@@ -972,3 +972,10 @@ def test_the_fragmentation_picture_names_and_shows_what_the_detector_prints(seed
         assert f" {name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
         assert value == pytest.approx(printed[name], abs=0.051), (name, value, printed[name])
     assert d["fragmentation_percent"] > 0 and d["external_fragmentation"] > 0  # both measures are exercised
+
+
+def test_a_still_of_the_fragmentation_view_shows_its_one_point_in_the_time_series():
+    """A still (one frame, no history) drew four lines of one point each: an empty panel (2.2.4's figure)."""
+    fig = plot_fragmentation(BlockPool(64, with_storage=False))
+    lines = fig.axes[2].get_lines()
+    assert len(lines) == 4 and all(line.get_marker() == "o" and len(line.get_xdata()) == 1 for line in lines)

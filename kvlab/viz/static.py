@@ -146,10 +146,12 @@ def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
     gauge_ax.set_xlim(0, 1)
     gauge_ax.invert_yaxis()
     data = np.array(list(series) or [vals], np.float64)
+    one = len(data) == 1  # a line through one point draws nothing: show the point
     for j, (name, _, c, dash) in enumerate(GAUGES):
-        series_ax.plot(data[:, j], color=rgb01(c), label=name, lw=1.5, dashes=dash or (None, None))
+        series_ax.plot(data[:, j], color=rgb01(c), label=name, lw=1.5, dashes=dash or (None, None),
+                       marker="o" if one else None)
     series_ax.set_ylim(0, 1)
-    series_ax.set_xlabel("picture", fontsize=8)
+    series_ax.set_xlabel("picture (one so far: a still)" if one else "picture", fontsize=8)
     series_ax.tick_params(labelsize=8)
     series_ax.legend(fontsize=7, loc="upper left", ncols=2, frameon=False)
 
