@@ -979,3 +979,25 @@ def test_a_still_of_the_fragmentation_view_shows_its_one_point_in_the_time_serie
     fig = plot_fragmentation(BlockPool(64, with_storage=False))
     lines = fig.axes[2].get_lines()
     assert len(lines) == 4 and all(line.get_marker() == "o" and len(line.get_xdata()) == 1 for line in lines)
+
+
+@given(st.lists(st.floats(0, 1e12, allow_nan=False), min_size=1, max_size=12))
+def test_bars_start_at_zero_or_where_the_smallest_is_a_third_of_the_largest(scores):
+    base = palette.bar_axis(scores)
+    lo, hi = min(scores), max(scores)
+    if base:
+        assert lo > 2 * (hi - lo) and (lo - base) / (hi - base) == pytest.approx(1 / 3)
+    else:
+        assert hi == lo or lo <= 2 * (hi - lo)
+
+
+def test_the_eviction_still_tells_a_victim_from_close_runners_up():
+    """LRU's last uses 1109 and 1113 drew bars from zero of equal length; the still's axis now starts below the
+    smallest score, and says where."""
+    e = {"step": 5, "at": 3, "victim": 1, "policy": "lru", "reason": "allocation pressure",
+         "candidates": [[1, 1109.0], [2, 1110.0], [3, 1113.0]], "axis": palette.bar_axis([1109.0, 1110.0, 1113.0])}
+    fig = plot_evictions([e])
+    ax = fig.axes[0]
+    widths = [bar.get_width() for bar in ax.patches]
+    assert widths[0] < 0.4 * widths[2] and ax.get_xlim()[0] == e["axis"] == 1107.0
+    assert "the axis starts at 1107" in ax.get_xlabel()

@@ -46,9 +46,11 @@ function kvEvictionPanel(parent, model) {
     const words = kvScoreWords(last.policy);
     title.textContent = `${kvWhen(last)}: ${last.policy.toUpperCase()} evicted block ${last.victim} · ` +
       `reason: ${kvReason(last.reason)} · ${total} eviction${total === 1 ? "" : "s"} so far`;
-    explain.textContent = `score = ${words.what}; ${words.order}. Bars start at zero.`;
     const shown = last.candidates.map(([, s]) => words.sign * Number(s));
     const top = Math.max(...shown.map((v) => Number.isFinite(v) ? Math.abs(v) : 0), 0);
+    const base = Number(last.axis) || 0; // computed in Python (palette.bar_axis): 0, or below close scores
+    explain.textContent = `score = ${words.what}; ${words.order}. ` +
+      (base ? `Bars start at ${kvFmt(base)}, not zero: the scores are close.` : "Bars start at zero.");
     bars.replaceChildren(...last.candidates.map(([b], r) => {
       const victim = b === last.victim, v = shown[r];
       const row = kvEl("div", "kv-bar-row");
@@ -56,7 +58,7 @@ function kvEvictionPanel(parent, model) {
       kvEl("span", "kv-bar-name", row, `${victim ? "evicted" : "#" + (r + 1)} · block ${b}`);
       const track = kvEl("span", "kv-bar-track", row), fill = kvEl("span", "kv-bar", track);
       fill.style.background = kvCss(victim ? KV_PALETTE_DATA.victim : KV_PALETTE_DATA.candidate);
-      const frac = !Number.isFinite(v) ? 1 : top ? Math.abs(v) / top : 0;
+      const frac = !Number.isFinite(v) ? 1 : top > base ? (Math.abs(v) - base) / (top - base) : 0;
       fill.style.width = `${Math.max(0.5, 100 * frac)}%`; // a zero score still shows a sliver at the axis
       kvEl("span", "kv-bar-value", row, kvFmt(v));
       return row;

@@ -51,6 +51,7 @@ from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
 from kvlab.memory.fragmentation import unusable_free_percent
+from kvlab.viz.palette import bar_axis, shown_score
 
 CACHED = len(POOL_STATES)  # a frame's fifth state: ALLOCATED with refcount 0
 STATE_NAMES = (*POOL_STATES, "CACHED")
@@ -295,8 +296,10 @@ class FrameBuilder:
         elif isinstance(e, ev.Evicted):
             self._set((e.block_id,), FREE, 0, FLASH_EVICTED)
             self._evictions_total += 1
+            candidates = [[b, _score(s)] for b, s in e.candidates]
             self._evictions.append({"step": e.step, "at": self.step, "victim": e.block_id, "policy": e.policy,
-                                    "reason": e.reason, "candidates": [[b, _score(s)] for b, s in e.candidates]})
+                                    "reason": e.reason, "candidates": candidates,
+                                    "axis": bar_axis([shown_score(e.policy, float(s)) for _, s in e.candidates])})
             del self._evictions[:-MAX_EVICTIONS]
         elif isinstance(e, ev.Split):  # a FREE block of class k became two of class k - 1
             self._order[e.block_id:e.block_id + (1 << e.size_class)] = e.size_class - 1

@@ -95,6 +95,15 @@ def shown_score(policy: str, score: float) -> float:
     return score_words(policy)["sign"] * score
 
 
+def bar_axis(shown: list[float]) -> float:
+    """Where the bars of scores ``shown`` start: 0, unless the scores sit far from zero compared with their spread
+    (LRU's last uses 1109 and 1113: bars from zero look identical); then half their spread below the smallest,
+    so the smallest bar is a third of the largest. Never-again scores (infinite) take the full bar."""
+    finite = [abs(v) for v in shown if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
+    return 0.0 if hi == lo or lo <= 2 * (hi - lo) else lo - (hi - lo) / 2
+
+
 def fmt_score(x: float) -> str:
     """A score in words: ``∞`` for never, integers without decimals, draws to three places."""
     if math.isinf(x):

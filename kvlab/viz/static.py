@@ -112,7 +112,8 @@ def _when(e: dict[str, Any]) -> str:
 
 
 def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
-    """The latest eviction's candidates, bars from zero of the quantity the policy ranks by."""
+    """The latest eviction's candidates, bars of the quantity the policy ranks by, from the frame's ``axis``
+    (:func:`~kvlab.viz.palette.bar_axis`: zero, or below the smallest score when the scores are close)."""
     if not evictions:
         ax.set_title("no eviction yet", fontsize=10)
         ax.set_axis_off()
@@ -121,15 +122,17 @@ def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
     words = score_words(e["policy"])
     ids = [c[0] for c in e["candidates"]]
     shown = [shown_score(e["policy"], float(c[1])) for c in e["candidates"]]
+    base = float(e.get("axis", 0.0))
     top = max((abs(v) for v in shown if math.isfinite(v)), default=0.0) or 1.0
-    lengths = [top if not math.isfinite(v) else abs(v) for v in shown]  # never again: the longest bar
+    lengths = [top - base if not math.isfinite(v) else abs(v) - base for v in shown]  # never again: the longest
     colors = [rgb01(VICTIM_RGB if b == e["victim"] else CANDIDATE_RGB) for b in ids]
-    ax.barh(range(len(ids)), lengths, color=colors)
+    ax.barh(range(len(ids)), lengths, left=base, color=colors)
     ax.set_yticks(range(len(ids)), [f"{'evicted' if b == e['victim'] else f'#{r + 1}'} · block {b} · {fmt_score(v)}"
                                     for r, (b, v) in enumerate(zip(ids, shown))], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.05)
-    ax.set_xlabel(f"{words['what']}; {words['order']}", fontsize=8)
+    ax.set_xlim(base, base + (top - base) * 1.05)
+    ax.set_xlabel(f"{words['what']}; {words['order']}" + (f" (the axis starts at {fmt_score(base)})" if base else ""),
+                  fontsize=8)
     ax.tick_params(labelsize=8)
     ax.set_title(f"{_when(e)}: {e['policy'].upper()} evicted block {e['victim']}\nreason: {e['reason']}",
                  fontsize=10)

@@ -257,6 +257,14 @@ def centre(page, selector: str, nth: int = 0) -> tuple[float, float]:
     return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
 
 
+def _bars(harness) -> list[list[float]]:
+    """Each bar's drawn width, its track's width and the score it shows."""
+    return harness.evaluate("() => [...document.querySelectorAll('.kv-bar-row')].map(r => "
+                            "[r.querySelector('.kv-bar').getBoundingClientRect().width, "
+                            "r.querySelector('.kv-bar-track').clientWidth, "
+                            "Number(r.querySelector('.kv-bar-value').textContent)])")
+
+
 def test_eviction_view_explains_the_score_and_draws_bars_from_zero(harness):
     p = BlockPool(8, with_storage=False)
     b = FrameBuilder(p)
@@ -269,21 +277,44 @@ def test_eviction_view_explains_the_score_and_draws_bars_from_zero(harness):
     title = harness.locator(".kv-evictions .kv-title").inner_text()
     assert "LRU evicted block 7" in title and "reason: an allocation needed room" in title
     assert "demo" not in title and "1 eviction so far" in title
-    assert harness.locator(".kv-explain").inner_text().startswith("score = last use (pool clock tick); least "
-                                                                  "recently used goes first")
+    assert harness.locator(".kv-explain").inner_text() == ("score = last use (pool clock tick); least recently used "
+                                                           "goes first. Bars start at zero.")
     assert screen(harness, *centre(harness, ".kv-bar-row[data-victim='1'] .kv-bar")) == list(VICTIM_RGB)
-    # From zero: each bar's length is its score over the largest score (close scores make close bars).
-    widths = harness.evaluate("() => [...document.querySelectorAll('.kv-bar-row')].map(r => "
-                              "[r.querySelector('.kv-bar').getBoundingClientRect().width, "
-                              "r.querySelector('.kv-bar-track').clientWidth, "
-                              "Number(r.querySelector('.kv-bar-value').textContent)])")
+    # Equal scores: from zero, each bar's length is its score over the largest score.
+    widths = _bars(harness)
     top = max(v for *_, v in widths)
     for bar, track, value in widths:
         assert bar == pytest.approx(track * value / top, abs=1.5)
-    assert len(widths) == 8 and min(v for *_, v in widths) > 0.5 * top  # scores close together: bars close too
+    assert len(widths) == 8
     assert harness.locator(".kv-evlist li").all_inner_texts() == [
         f"pool tick {p.clock.now()}: LRU evicted block 7 (an allocation needed room), ranked 1 of the 8 "
         "candidates shown"]
+    b.close()
+
+
+def test_close_eviction_scores_get_bars_that_tell_the_victim_apart(harness):
+    """Scores far from zero and close together (last uses 1001 ... 1008) drew bars that looked identical: the axis
+    starts half their spread below the smallest (``palette.bar_axis``, shipped in the frame), and says so."""
+    p = BlockPool(8, with_storage=False)
+    for _ in range(1000):
+        p.clock.tick()
+    b = FrameBuilder(p)
+    ids = p.allocate(8)
+    p.mark_reusable(ids)
+    for i in ids:
+        p.free([i])    # last uses one tick apart: block 0 is the least recently used
+    p.allocate(1)
+    mount(harness, "eviction", [b.build()])
+    assert harness.locator(".kv-explain").inner_text().endswith("not zero: the scores are close.")
+    widths = _bars(harness)
+    values = [v for *_, v in widths]
+    lo, hi = min(values), max(values)
+    base = lo - (hi - lo) / 2
+    for bar, track, value in widths:
+        assert bar == pytest.approx(track * (value - base) / (hi - base), abs=1.5)
+    victim = harness.evaluate("() => document.querySelector(\".kv-bar-row[data-victim='1'] .kv-bar\")"
+                              ".getBoundingClientRect().width")
+    assert victim < 0.4 * max(bar for bar, *_ in widths)  # a third of the longest, not ~100% of it
     b.close()
 
 
