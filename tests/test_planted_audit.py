@@ -284,6 +284,30 @@ def test_a_reveal_without_a_prediction_forgets_the_earlier_verdict(fresh_progres
     assert (s.predicted, s.matched) == (0, 0) and dict(s.rows)[key] == "未预测 (not predicted)"
 
 
+def test_a_new_or_cleared_prediction_is_not_judged_by_the_last_reveal(fresh_progress):
+    """Found by the audit: ``predict`` kept the earlier reveal's verdict, so clearing a matched prediction read
+    "predictions 1/0 matched", and a new wrong prediction showed "matched" before any reveal."""
+    key = "2.2.1-waste-trend"
+    ex.predict(key, "rises")
+    assert ex.reveal(key, "rises").ok
+    ex.predict(key, ...)
+    s = ex.summary("2.2.1")
+    assert (s.predicted, s.matched) == (0, 0)
+    ex.predict(key, "falls")
+    s = ex.summary("2.2.1")
+    assert (s.predicted, s.matched) == (1, 0) and "matched" not in dict(s.rows)[key].split("(")[-1]
+    assert not ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 0
+
+
+def test_exactly_as_many_segments_as_the_tag_holds_are_taken():
+    """Found by the audit: 12 bits of tag hold segment indices 0 ... 4095, so 4,096 segments fit, as the
+    docstring says; ``>=`` refused them."""
+    n = MAX_SEGMENTS
+    assert check_segments([1] * n, list(range(n)), False) == [(i, 1) for i in range(n)]
+    with pytest.raises(ProtocolError):
+        check_segments([1] * (n + 1), list(range(n + 1)), False)
+
+
 def test_a_three_item_answer_with_one_wrong_item_says_one_of_three(fresh_progress):
     """Bug: the per-item verdict counting the right items as the wrong ones. One wrong item of three reads
     "1/3", with the two right ones ticked."""

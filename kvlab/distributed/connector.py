@@ -159,7 +159,7 @@ def check_plan(value: Any, lengths: Seq[int], rows: int | None = None) -> tuple[
     theirs = value["runs"]
     if theirs is not None:
         theirs = _ints(theirs, "the plan's runs", 1, rows if rows is not None else TOKEN_MAX)
-        if len(theirs) >= MAX_SEGMENTS or (rows is not None and sum(theirs) != rows):
+        if len(theirs) > MAX_SEGMENTS or (rows is not None and sum(theirs) != rows):
             raise ProtocolError(f"the receiver's runs {show(theirs)} do not cover the {rows} rows")
     return starts, theirs
 
@@ -171,7 +171,7 @@ def check_segments(value: Any, flat: Seq[int], direct: bool) -> list[tuple[int, 
     runs would write blocks this rank never gave it)."""
     n = len(flat)
     lengths = _ints(value, "the sender's segments", 1, max(n, 1))
-    if sum(lengths) != n or len(lengths) >= MAX_SEGMENTS:
+    if sum(lengths) != n or len(lengths) > MAX_SEGMENTS:
         raise ProtocolError(f"the sender cuts {n} rows into segments {show(lengths)}, which do not cover them once")
     pieces, at = [], 0
     for k in lengths:

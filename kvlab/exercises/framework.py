@@ -253,6 +253,7 @@ def predict(key: str, value: Any) -> str:
     p = _prediction(key)
     if value is Ellipsis:
         _PROGRESS.predicted.pop(key, None)
+        _PROGRESS.revealed.pop(key, None)  # a verdict is about the prediction it judged
         return f"[{key}] 还没有预测 (no prediction yet)"
     try:
         c = canon(value)
@@ -265,6 +266,7 @@ def predict(key: str, value: Any) -> str:
         raise ConfigError(f"prediction {key!r}: expected a finite number of at most {PREDICTION_MAX:.0e} in size, "
                           f"got {show(value)}")
     _PROGRESS.predicted[key] = c
+    _PROGRESS.revealed.pop(key, None)  # a new prediction is not judged until the next reveal
     return f"[{key}] 已记录预测 (prediction recorded): {c!r}"
 
 
