@@ -379,3 +379,20 @@ def test_the_one_size_exercise_takes_percent_then_moves(fresh_progress):
     moves = sum(b >= len(held) for b in held)
     assert ex.check("2.2.4-one-size", (0, moves)).ok
     assert not ex.check("2.2.4-one-size", (moves, 0)).ok
+
+
+def test_a_request_swapped_out_by_a_step_is_not_swapped_back_in_by_the_same_step():
+    """Found by the audit: a request the step's placement swapped out was swapped straight back in by the same
+    step (its freed blocks were enough), out of the batch, so it made no progress and paid two host copies a step
+    (out and in at engine steps 12, 13, 14 and 15 here). Now it waits a step; the run is no longer."""
+    reqs = [Request(0, 0.0, 6, 20, tenant="b"), Request(1, 0.0, 2, 20, tenant="a"),
+            Request(2, 0.0, 3, 2, tenant="c")]
+    e = Engine(reqs, num_blocks=8, block_size=4, max_model_len=40, max_batched_tokens=4, prefix_caching=False,
+               preemption="swap")
+    events: list = []
+    e.events.subscribe(events.append)
+    e.run()
+    out = {(x.engine_step, x.request_id) for x in events if isinstance(x, Preempted)}
+    back = {(x.engine_step, x.request_id) for x in events if isinstance(x, SwappedIn)}
+    assert out and back and not out & back
+    assert e.finished_count == 3 and e.step_count == 30 and e.swap_ins == len(back) == 3

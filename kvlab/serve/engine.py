@@ -330,6 +330,7 @@ class Engine:
         cfg, mem = self.config, self.memory
         budget, bs = cfg.max_batched_tokens, cfg.block_size
         batch: list[tuple[Job, int]] = []
+        earlier = len(self.swapped)  # a request this step's placement swaps out comes back in a later step
         # Decode tokens first (they keep TPOT low), then continuing prompt chunks.
         for job in sorted(self.running, key=lambda j: len(j.tokens) - j.kv.num_tokens > 1):
             if job.state != RUNNING or not budget:
@@ -346,7 +347,8 @@ class Engine:
         # Preempting a later request may have removed one already placed in the batch.
         batch = [(j, n) for j, n in batch if j.state == RUNNING]
         budget = cfg.max_batched_tokens - sum(n for _, n in batch)
-        while self.swapped and len(self.running) < cfg.max_num_seqs:
+        while earlier and len(self.running) < cfg.max_num_seqs:  # (swapping it straight back in made no progress)
+            earlier -= 1
             job = self.swapped.popleft()
             if self._fits(job.req.tenant, mem.swap_need(job)):
                 self._sync_in += self._swap_in(job, prefetched=False)
