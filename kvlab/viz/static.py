@@ -173,8 +173,8 @@ def plot_pool(x: FrameLike) -> Picture:
 
 
 def plot_evictions(evictions: Sequence[dict[str, Any]]) -> Picture:
-    """The latest eviction's ranked candidates, bars from zero, the victim black; ``evictions`` as in frame
-    tails."""
+    """The latest eviction's ranked candidates, bars from the frame's axis (zero unless the scores are close), the
+    victim black; ``evictions`` as in frame tails."""
     fig = Picture(figsize=(10, 4), layout="constrained")
     draw_evictions(fig.add_subplot(), evictions)
     legend(fig, ["eviction"])
