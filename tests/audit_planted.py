@@ -126,7 +126,7 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
      "        r.seconds += time.perf_counter() - self._t0\n", CONNECTOR),
     ("conn-plan-start-at-prompt-end", CONN, "any(s >= n for s, n in zip(starts, lengths))",
      "any(s > n for s, n in zip(starts, lengths))", CONNECTOR),
-    ("conn-segments-count-unchecked", CONN, "if sum(lengths) != n or len(lengths) >= MAX_SEGMENTS:",
+    ("conn-segments-count-unchecked", CONN, "if sum(lengths) != n or len(lengths) > MAX_SEGMENTS:",
      "if sum(lengths) != n:", CONNECTOR),
     # -------------------------------------------------------------------------------------------- the checkers
     ("fw-hint-stage-unclamped", FW, "stage = min(max(stage, 1), len(HINT_STAGES))", "stage = max(stage, 1)",
@@ -137,9 +137,9 @@ BUGS: list[tuple[str, str, str, str, list[str]]] = [
     ("fw-close-tolerance-loosened", FW, "rel_tol=max(rel_tol, 1e-9), abs_tol=1e-9)",
      "rel_tol=max(rel_tol, 1e-6), abs_tol=1e-9)", CHECKERS),
     ("fw-prediction-bound-exclusive", FW, "abs(c) <= PREDICTION_MAX", "abs(c) < PREDICTION_MAX", CHECKERS),
-    ("fw-reveal-keeps-an-old-verdict", FW,
-     "        _PROGRESS.revealed.pop(key, None)\n        return Result(key, False",
-     "        return Result(key, False", CHECKERS),
+    ("fw-predict-keeps-an-old-verdict", FW,
+     "    _PROGRESS.predicted[key] = c\n    _PROGRESS.revealed.pop(key, None)", "    _PROGRESS.predicted[key] = c",
+     CHECKERS),
     ("fw-same-counts-right-items", FW, "wrong = sum(w != g for w, g in zip(want, got))",
      "wrong = sum(w == g for w, g in zip(want, got))", CHECKERS),
     ("fw-same-length-unchecked", FW, "    if len(got) != len(want):\n        return False, f\"答案应有 {len(want)} 项，"

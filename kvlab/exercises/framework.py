@@ -276,8 +276,7 @@ def reveal(key: str, measured: Any) -> Result:
     truth = canon(measured)
     if p.choices and truth not in p.choices:
         raise ConfigError(f"prediction {key!r}: the measurement {measured!r} is not one of {list(p.choices)}")
-    if key not in _PROGRESS.predicted:
-        _PROGRESS.revealed.pop(key, None)
+    if key not in _PROGRESS.predicted:  # (then it has no verdict either: predict clears it)
         return Result(key, False, f"没有记录预测 (no prediction recorded); 测得 (measured) {truth!r}")
     guess = _PROGRESS.predicted[key]
     ok = _close(truth, guess, p.rel_tol) if isinstance(truth, (int, float)) else truth == guess
