@@ -293,6 +293,8 @@ class _Connector:
     """What both sides share: the link, the pool, the handshake, row addressing and staging memory."""
 
     role = ""
+    _step: Seq[SaveSpec | LoadSpec]  # the step in flight
+    _waiting: Seq[SaveSpec | LoadSpec]  # what the next step will take (build_connector_meta)
 
     def __init__(self, link: Link, manager: SequenceManager, peer: int) -> None:
         if not isinstance(manager, SequenceManager):
@@ -357,7 +359,7 @@ class _Connector:
 
     def _held(self) -> list[Sequence]:
         """The sequences this connector holds for a step: in flight, or waiting for the next one."""
-        raise NotImplementedError
+        return [m.seq for m in (*self._step, *self._waiting)]
 
     def cancel(self, seqs: Iterable[Sequence] = ()) -> None:
         """Abandon the transfer: abort the link (no message in flight may land in a block that is about to be
@@ -382,7 +384,7 @@ class KVSender(_Connector):
 
     def __init__(self, link: Link, manager: SequenceManager, peer: int) -> None:
         super().__init__(link, manager, peer)
-        self._finished: list[SaveSpec] = []
+        self._waiting: list[SaveSpec] = []
         self._step: list[SaveSpec] = []
         self._rows_per_layer: list[list[int]] = []
         self._sends: list[Any] = []
@@ -404,15 +406,12 @@ class KVSender(_Connector):
         if seq.num_tokens != len(request.prompt):
             raise ConfigError(f"request {request.request_id}: the sequence holds {seq.num_tokens} tokens, the "
                               f"prompt has {len(request.prompt)}")
-        self._finished.append(SaveSpec(request, seq))
+        self._waiting.append(SaveSpec(request, seq))
         return True
-
-    def _held(self) -> list[Sequence]:
-        return [m.seq for m in (*self._step, *self._finished)]
 
     def build_connector_meta(self) -> list[SaveSpec]:
         """The requests this step ships (all finished since the last step)."""
-        meta, self._finished = self._finished, []
+        meta, self._waiting = self._waiting, []
         return meta
 
     # ---------------------------------------------------------------- worker side
@@ -523,7 +522,7 @@ class KVReceiver(_Connector):
 
     def __init__(self, link: Link, manager: SequenceManager, peer: int) -> None:
         super().__init__(link, manager, peer)
-        self._pending: list[LoadSpec] = []
+        self._waiting: list[LoadSpec] = []
         self._step: list[LoadSpec] = []
         self._recvs: list[list[Any]] = []
         self._buffers: list[torch.Tensor] = []
@@ -556,17 +555,14 @@ class KVReceiver(_Connector):
             raise ConfigError(f"request {request.request_id}: update_state_after_alloc needs a live sequence holding "
                               f"the whole prompt ({len(request.prompt)} tokens), got {seq!r}")
         start = seq.num_cached_tokens
-        self._pending.append(LoadSpec(request, seq, start))
+        self._waiting.append(LoadSpec(request, seq, start))
         if start:
             ids = tuple(seq.block_table[:start // self.pool.block_size])
             self._publish(BlocksSkipped(self.pool.clock.now(), request.request_id, ids, start))
 
-    def _held(self) -> list[Sequence]:
-        return [m.seq for m in (*self._step, *self._pending)]
-
     def build_connector_meta(self) -> list[LoadSpec]:
         """The loads of this step (every request allocated since the last step)."""
-        meta, self._pending = self._pending, []
+        meta, self._waiting = self._waiting, []
         return meta
 
     # ---------------------------------------------------------------- worker side: bytes

@@ -130,7 +130,7 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
     try:
         while (requests := conn.poll_requests()) is not None:
             seqs = []
-            _admit(manager, conn, requests, seqs)
+            _open(manager, [r.prompt for r in requests], seqs, (conn, requests))
             conn.start_load_kv(conn.build_connector_meta())
             for layer in range(cfg.num_layers):
                 conn.wait_for_layer_load(layer)
@@ -152,30 +152,19 @@ def decode_rank(link: Link, *, max_new_tokens: int = 8, cfg: TinyConfig | None =
 
 
 @atomic()
-def _open(manager: SequenceManager, prompts: list[list[int]], seqs: list[Sequence]) -> None:
-    """A sequence per prompt into ``seqs``, all or none. Into the caller's list, not returned: an interrupt is
-    raised as this returns, and a sequence made but never listed would leak."""
+def _open(manager: SequenceManager, prompts: Seq[Seq[int]], seqs: list[Sequence],
+          receiving: tuple[KVReceiver, Seq[RemoteRequest]] | None = None) -> None:
+    """A sequence per prompt into ``seqs``, all or none (out of blocks: what was made is given back, then the
+    error raised). Into the caller's list, not returned: an interrupt is raised as this returns, and a sequence
+    made but never listed would leak. ``receiving`` (the connector and the prompts' requests): each sequence
+    also takes blocks for what will arrive, beyond its local prefix hit, and is handed to the connector."""
     try:
-        for p in prompts:
-            seqs.append(manager.create(p))
-    except KVLabError:
-        for s in seqs:
-            manager.free(s)
-        raise
-
-
-@atomic()
-def _admit(manager: SequenceManager, conn: KVReceiver, requests: list[RemoteRequest],
-           seqs: list[Sequence]) -> None:
-    """A sequence per request into ``seqs`` (as :func:`_open`), holding its local prefix hit and blocks for
-    what will arrive, each handed to the connector; all or none (out of blocks: what this step took is given
-    back, then the error raised)."""
-    try:
-        for r in requests:
-            seq = manager.create(list(r.prompt), tenant=r.tenant)  # the local prefix hit
+        for i, p in enumerate(prompts):
+            seq = manager.create(list(p), tenant=receiving[1][i].tenant if receiving else None)
             seqs.append(seq)
-            manager.append_tokens([seq], [list(r.prompt[seq.num_tokens:])])  # blocks for what will arrive
-            conn.update_state_after_alloc(r, seq)
+            if receiving:
+                manager.append_tokens([seq], [list(p[seq.num_tokens:])])
+                receiving[0].update_state_after_alloc(receiving[1][i], seq)
     except KVLabError:
         for s in seqs:
             manager.free(s)

@@ -138,11 +138,16 @@ def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
                  fontsize=10)
 
 
+def gauge_values(f: Frame) -> tuple[float, ...]:
+    """The frame's gauges, in :data:`~kvlab.viz.palette.GAUGES`' order (a row of a view's series)."""
+    return tuple(getattr(f, key) for _, key, _, _ in GAUGES)
+
+
 def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
                        series: Sequence[Sequence[float]] = ()) -> None:
     _draw_grid(map_ax, map_colors(f), f"memory map, {f.when}\nlargest free run "
                                       f"{int(f.num_blocks and _largest(f))} blocks")
-    vals = [getattr(f, key) for _, key, _, _ in GAUGES]
+    vals = list(gauge_values(f))
     gauge_ax.barh(range(len(GAUGES)), vals, color=[rgb01(c) for _, _, c, _ in GAUGES])
     gauge_ax.set_yticks(range(len(GAUGES)), [f"{name} {100 * v:.1f}%" for (name, *_), v in zip(GAUGES, vals)],
                         fontsize=8)

@@ -33,8 +33,8 @@ from kvlab.core.pool import BlockPool
 from kvlab.viz.assets import css_source, esm_source
 from kvlab.viz.frames import Frame, decode_frame, decode_recording, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
-from kvlab.viz.palette import GAUGES
-from kvlab.viz.static import Picture, figure_png, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from kvlab.viz.static import (Picture, figure_png, gauge_values, plot_dashboard, plot_evictions, plot_fragmentation,
+                              plot_pool)
 
 HISTORY_CHUNK = 8 << 20  # bytes of frames per history message
 HISTORY_BYTES = 256 << 20  # frames a view keeps to send as history (the oldest go first)
@@ -69,7 +69,7 @@ class FrameView(anywidget.AnyWidget):
         self.pool = pool
         self.run: LiveRun | None = None
         self.history = Recording(max_bytes=HISTORY_BYTES)  # every frame sent (views share the bytes objects)
-        self.series: deque[tuple[float, float, float, float]] = deque(maxlen=300)
+        self.series: deque[tuple[float, ...]] = deque(maxlen=300)
         self.evictions: deque[dict[str, Any]] = deque(maxlen=8)
         self.displays: list[Any] = []  # IPython display handles of this view (see refresh_if_unwatched)
         self.shown: Frame | None = None  # the latest frame sent: what figure() draws
@@ -89,7 +89,7 @@ class FrameView(anywidget.AnyWidget):
         """Send one frame: one message carrying ``frame`` and ``frames_sent``. A :class:`Frame` (from a builder)
         is sent as it is; bytes (a frame from elsewhere, e.g. a recording) are decoded and checked first."""
         f = frame if isinstance(frame, Frame) else decode_frame(frame)
-        self.series.append(tuple(getattr(f, key) for _, key, _, _ in GAUGES))
+        self.series.append(gauge_values(f))
         self.evictions.extend(f.evictions)
         self.history.append(f.data)
         self.shown = f
@@ -111,7 +111,7 @@ class FrameView(anywidget.AnyWidget):
         frames = frames[len(frames) - len(rec):]  # what the history keeps
         self.history, self.shown = rec, frames[-1]
         for f in frames:
-            self.series.append(tuple(getattr(f, key) for _, key, _, _ in GAUGES))
+            self.series.append(gauge_values(f))
             self.evictions.extend(f.evictions)
         with self.hold_sync():
             self.frame = rec[len(rec) - 1]
