@@ -92,7 +92,7 @@ __all__ = [
 ]
 
 
-_LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "ChatView")
+_LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "ChatView", "BlockTableView")
 
 
 def __getattr__(name: str):

@@ -34,6 +34,11 @@ def chats(view: ChatView) -> list[dict]:
     return [decode_frame(f).tail["chat"] for f in view.recording]
 
 
+def tables(data: bytes) -> list[dict]:
+    """The block-table rows a chat frame carries (tail["tables"], as a BlockTableView reads them)."""
+    return decode_frame(data).tail["tables"]["rows"]
+
+
 def assert_clean(view: ChatView) -> None:
     pool = view.session.pool
     assert not pool.arrays.refcount.any() and len(view.session.manager) == 0
@@ -54,7 +59,7 @@ def test_a_turn_records_a_frame_per_token_with_the_chat_in_its_tail():
     answers = [c["turns"][0]["answers"][0] for c in chats(v)[2:-1]]
     assert [len(a.split()) for a in answers] == [1, 2, 3, 4, 5, 6]  # streamed token by token
     assert all(c["turns"][0]["live"] for c in chats(v)[1:-1])
-    assert chats(v)[-2]["tables"][0] == [0, 1, 2, 3]  # 9 + 5 fed tokens: four blocks
+    assert tables(v.recording[len(v.recording) - 2])[0]["blocks"] == [0, 1, 2, 3]  # 9 + 5 fed tokens: four blocks
     assert frames[-2].state[:4].tolist() == [2] * 4 and frames[-2].refcount[:4].tolist() == [1] * 4
     assert frames[-1].state[:3].tolist() == [4] * 3  # released: the full blocks stay cached
     # sent paced, the last always: what the browser has is the newest frame
@@ -73,14 +78,16 @@ def test_a_second_turn_hits_the_cache_and_forks_share_with_refcount_two():
     assert "9 prompt tokens, 8 from cache, not recomputed" in turn["status"]
     assert "2 answers forked, 1 block copied on write" in turn["status"] and len(turn["answers"]) == 2
     first = decode_frame(v.recording[start + 1])  # after prefill and the fork, the first token sampled
-    chat = first.tail["chat"]
-    tail = chat["tables"][0][2]  # the block of the prompt's last token, computed (not a hit)
-    assert chat["hit_blocks"] == 2 and chat["tables"] == [[0, 1, tail]] * 2
+    rows = tables(first.data)
+    tail = rows[0]["blocks"][2]  # the block of the prompt's last token, computed (not a hit)
+    assert [r["label"] for r in rows] == ["answer 1", "answer 2"] and [r["hits"] for r in rows] == [2, 2]
+    assert [r["blocks"] for r in rows] == [[0, 1, tail]] * 2 and [r["copied"] for r in rows] == [[], []]
     assert first.refcount[[0, 1, tail]].tolist() == [2, 2, 2] and first.state[[0, 1, tail]].tolist() == [2, 2, 2]
     copied = decode_frame(v.recording[start + 2])  # both appended into the shared tail: one copied it first
-    chat = copied.tail["chat"]
-    (j, pos, block), = chat["copied"]
-    assert pos == 2 and chat["tables"][j][2] == block != tail and chat["tables"][1 - j][2] == tail
+    rows = tables(copied.data)
+    (j,) = [j for j, r in enumerate(rows) if r["copied"]]
+    block = rows[j]["blocks"][2]
+    assert rows[j]["copied"] == [2] and block != tail and rows[1 - j]["blocks"][2] == tail
     assert copied.refcount[[0, 1]].tolist() == [2, 2] and copied.refcount[[tail, block]].tolist() == [1, 1]
     assert_clean(v)
 
@@ -263,8 +270,8 @@ def test_a_real_chat_streams_words_hits_the_system_prompt_and_forks(smol):
     assert f"{second.prompt_tokens} prompt tokens, 16 from cache, not recomputed" in turn["status"]
     assert "2 answers forked, 1 block copied on write" in turn["status"] and turn["answers"] == second.texts
     shared = decode_frame(v.recording[start + 1])  # the first token: both forks hold the prompt's blocks
-    table = shared.tail["chat"]["tables"]
-    assert shared.tail["chat"]["hit_blocks"] == 1 and table[0][0] == table[1][0]
-    assert shared.refcount[table[0][0]] == 2  # the prefix hit, shared by the two forks
+    rows = tables(shared.data)
+    assert [r["hits"] for r in rows] == [1, 1] and rows[0]["blocks"][0] == rows[1]["blocks"][0]
+    assert shared.refcount[rows[0]["blocks"][0]] == 2  # the prefix hit, shared by the two forks
     assert "Paris" in v.figure().axes[1].texts[0].get_text()  # the PNG fallback shows the answer
     assert_clean(v)

@@ -14,6 +14,7 @@ from kvlab.viz.export import export_html
 from kvlab.viz.frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
 from kvlab.viz.static import Picture, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
+from kvlab.viz.tables import BlockTables, frame_tables, plot_block_table
 
 _VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView", "DASHBOARD_PRESETS")
 
@@ -25,12 +26,16 @@ def __getattr__(name: str) -> Any:
     if name == "ChatView":
         from kvlab.viz.chat import ChatView
         return ChatView
+    if name == "BlockTableView":
+        from kvlab.viz.blocktable import BlockTableView
+        return BlockTableView
     raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
 
 
 __all__ = [
-    "CACHED", "ChatView", "DASHBOARD_PRESETS", "Dashboard", "EvictionView", "Frame", "FrameBuilder", "FrameView",
+    "BlockTableView", "BlockTables", "CACHED", "ChatView", "DASHBOARD_PRESETS", "Dashboard", "EvictionView", "Frame",
+    "FrameBuilder", "FrameView",
     "FragmentationView", "LiveRun", "PRESETS", "Pacer", "Picture", "PoolView", "RandomWorkload", "Recording",
     "STATE_NAMES", "build_frame", "decode_frame", "export_html", "frame_of", "palette", "plot_dashboard",
-    "plot_evictions", "plot_fragmentation", "plot_pool", "record",
+    "plot_evictions", "plot_fragmentation", "plot_pool", "record", "frame_tables", "plot_block_table",
 ]

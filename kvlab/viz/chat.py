@@ -19,11 +19,13 @@ to the loop, so clicks and later cells run between two tokens; a click handler t
 itself would hold the kernel until the answer ended. :meth:`ChatView.ask` runs the turn in the calling cell.
 
 Frames. After every token the view builds one frame (:mod:`kvlab.viz.frames`) whose JSON tail also carries the
-conversation so far, the block tables and the status line (``tail["chat"]``): ``recording`` keeps every one, so
-``ChatView(recording=...)``, ``PoolView(recording=...)`` and :meth:`ChatView.export_html` replay the chat token by
-token. The browser gets them paced (at most ``fps`` a second, the latest, and always the last of a turn), since
-unpaced sends are dropped by the server's iopub rate limit. The display bundle's PNG (:func:`plot_chat`) shows the
-latest pool and answer where no JavaScript runs.
+conversation so far with its status lines (``tail["chat"]``) and the answers' block tables (``tail["tables"]``, made
+by :class:`~kvlab.viz.tables.BlockTables`, as a :class:`~kvlab.viz.BlockTableView` draws them): ``recording`` keeps
+every one, so ``ChatView(recording=...)``, ``BlockTableView(recording=...)``, ``PoolView(recording=...)`` and
+:meth:`ChatView.export_html` replay the chat token by token; ``BlockTableView(view)`` draws each frame this view
+shows as it shows it. The browser gets them paced (at most ``fps`` a second, the latest, and always the last of a
+turn), since unpaced sends are dropped by the server's iopub rate limit. The display bundle's PNG
+(:func:`plot_chat`) shows the latest pool and answer where no JavaScript runs.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from kvlab.viz.export import export_html
 from kvlab.viz.frames import Frame, FrameBuilder, frame_of
 from kvlab.viz.live import Pacer, Recording
 from kvlab.viz.static import Picture, as_frame, draw_pool, legend
+from kvlab.viz.tables import BlockTables, Row, frame_tables
 from kvlab.viz.views import FrameView
 
 MAX_ANSWERS = 8  # answers per turn the view offers: each is a fork listed with its block table
@@ -99,6 +102,8 @@ class ChatView(FrameView):
         self.recording = Recording()  # every frame built, one per token (the browser gets them paced)
         self.turns: list[dict[str, Any]] = []
         self.tables: list[list[int]] = []  # the block tables of the latest request (its last step's)
+        self.block_tables: BlockTables | None = None  # the latest turn's, for the frames' tail["tables"]
+        self.mirrors: list[FrameView] = []  # views shown every frame this one shows (a BlockTableView)
         self.task: asyncio.Task[ChatReply | None] | None = None
         self._turn: dict[str, Any] = {}
         super().__init__(None if session is None else session.pool, recording=recording,
@@ -113,25 +118,32 @@ class ChatView(FrameView):
 
     # ------------------------------------------------------------------ frames
     def chat_state(self) -> dict[str, Any]:
-        """What a frame's ``tail["chat"]`` holds: every turn (prompt, answers, status), the block tables of the
-        latest request, how many leading entries the prefix cache served, the blocks copied on write."""
-        turn = self._turn
+        """What a frame's ``tail["chat"]`` holds: every turn (prompt, answers, status) and whether one is being
+        answered. The latest request's block tables go in ``tail["tables"]`` (:meth:`table_rows`)."""
         return {"turns": [{k: t[k] for k in ("prompt", "answers", "status", "live")} for t in self.turns],
-                "tables": self.tables, "hit_blocks": turn.get("hit_blocks", 0), "copied": turn.get("copied", []),
-                "answering": bool(turn.get("live"))}
+                "answering": bool(self._turn.get("live"))}
+
+    def table_rows(self) -> list[Row]:
+        """The latest request's block tables as rows (one per answer, empty once it ended) for
+        :class:`~kvlab.viz.tables.BlockTables`: the first ``hit_blocks`` entries of each came from the prefix
+        cache."""
+        hits, n = self._turn.get("hit_blocks", 0), len(self.tables)
+        return [(j, "request" if n == 1 else f"answer {j + 1}", table, hits) for j, table in enumerate(self.tables)]
 
     def update(self) -> None:
         """Send the pool's current state with the conversation (no flashes)."""
         if self.session is None:
             raise ConfigError("this ChatView replays a recording and has no pool to update from")
-        self._emit(frame_of(self.session.pool, chat=self.chat_state()), force=True)
+        tables = {} if self.block_tables is None else self.block_tables.tail()
+        self._emit(frame_of(self.session.pool, chat=self.chat_state(), **tables), force=True)
 
     def _emit(self, frame: Frame, force: bool = False) -> None:
         """Record the frame; send it if one is due (or ``force``)."""
         self.recording.append(frame.data)
         if force or self.pacer.due():
             self.pacer.mark()
-            self.show_frame(frame)
+            for view in (self, *self.mirrors):
+                view.show_frame(frame)
 
     def export_html(self, path: str | Path, title: str = "kvlab chat") -> Path:
         """The recorded chat as one standalone HTML replay (:func:`kvlab.viz.export_html`)."""
@@ -157,12 +169,15 @@ class ChatView(FrameView):
         assert self.session is not None  # checked by _open
         shown = prompt if isinstance(prompt, str) else "token ids " + " ".join(map(str, prompt))
         self._turn = {"prompt": shown, "answers": [""] * n, "status": "reading the prompt", "live": True,
-                      "answers_n": n, "prompt_tokens": 0, "hit_tokens": 0, "hit_blocks": 0, "cow": 0, "copied": [],
+                      "answers_n": n, "prompt_tokens": 0, "hit_tokens": 0, "hit_blocks": 0, "cow": 0,
                       "evicted": 0, "generated": 0, "finish": [], "error": ""}
         self.turns.append(self._turn)
         self.tables = []
         self.n, self.temperature, self.message, self.busy = n, temperature, "", True
         self._builder = FrameBuilder(self.session.pool)
+        # the turn's copies on write are marked afresh: a block id copied in an earlier turn may be reused
+        self.block_tables = BlockTables(self.table_rows, pool=self.session.pool)
+        self._builder.tail_sources.append(self.block_tables.tail)
         self._unsubscribe = self.session.pool.events.subscribe(self._on_event)
         self._emit(self._builder.frame(chat=self.chat_state()), force=True)
         return stream
@@ -172,7 +187,6 @@ class ChatView(FrameView):
             self._turn["evicted"] += 1
         elif isinstance(e, CopiedOnWrite):
             self._turn["cow"] += 1
-            self._turn.setdefault("new_copies", []).append(e.dst)
 
     def _step(self, step: ChatStep) -> None:
         """One token: the answers, the tables and the status line, then a frame (sent if one is due)."""
@@ -182,12 +196,6 @@ class ChatView(FrameView):
         t["hit_blocks"], t["generated"] = step.prefix_hit_tokens // block, sum(map(len, step.all_tokens))
         if any(step.tables):  # at the end every answer has released its blocks: keep the last tables shown
             self.tables = [list(table) for table in step.tables]
-        # A copy is marked where it landed (answer, position) while it stays there: a block that fills up may
-        # be swapped for an equal cached one, and the copy's id be reused elsewhere.
-        for b in t.pop("new_copies", []):
-            t["copied"] += [[j, p, b] for j, table in enumerate(self.tables) for p, x in enumerate(table) if x == b]
-        t["copied"] = [[j, p, b] for j, p, b in t["copied"]
-                       if j < len(self.tables) and p < len(self.tables[j]) and self.tables[j][p] == b]
         t["status"] = status_line(t)
         self._emit(self._builder.frame(chat=self.chat_state()))
 
@@ -209,7 +217,10 @@ class ChatView(FrameView):
                 self._builder.resync()
             self._emit(self._builder.frame(chat=self.chat_state()), force=True)
             self._builder.close()
-            self.refresh_if_unwatched()
+            if self.block_tables is not None:
+                self.block_tables.close()
+            for view in (self, *self.mirrors):
+                view.refresh_if_unwatched()
         finally:  # after the last frame: the front end shows the final status before it offers Send again
             self.busy = False
 
@@ -293,7 +304,7 @@ def plot_chat(x: Any) -> Picture:
     fig = Picture(figsize=(13, 5.5), layout="constrained")
     pool_ax, text_ax = fig.subplots(1, 2, width_ratios=(1, 1.3))
     draw_pool(pool_ax, f)
-    legend(fig, ["pool"])
+    legend(fig, ["pool"], f, below=True)  # only the colours drawn; below: the transcript takes the right
     lines: list[str] = []
     for i, turn in list(enumerate(chat.get("turns", []), 1))[-3:]:
         lines += textwrap.wrap(f"turn {i}, you: {turn['prompt']}", 80, max_lines=2)
@@ -301,8 +312,8 @@ def plot_chat(x: Any) -> Picture:
             who = "model" if len(turn["answers"]) == 1 else f"answer {j}"
             lines += textwrap.wrap(f"{who}: {answer}", 80, max_lines=4, initial_indent="  ", subsequent_indent="  ")
         lines += textwrap.wrap(turn["status"], 80, initial_indent="  ", subsequent_indent="  ")
-    for j, table in enumerate(chat.get("tables", []), 1):
-        lines += textwrap.wrap(f"block table {j}: {' '.join(map(str, table))}", 80)
+    for row in frame_tables(f)[0]:
+        lines += textwrap.wrap(f"block table of the {row.label}: {' '.join(map(str, row.blocks))}", 80)
     text_ax.text(0, 1, "\n".join(lines) or "no question yet", va="top", ha="left", fontsize=9, wrap=True)
     text_ax.set_axis_off()
     return fig

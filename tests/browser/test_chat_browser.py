@@ -162,8 +162,9 @@ def test_send_streams_an_answer_while_the_pool_fills_in_jupyterlab(browser, lab,
     assert page.locator(".kv-answer").count() == 3
     shared = page.evaluate("""() => {  // the first frame of turn 2 with both forks' tables: show it
       const root = document.querySelector('.jp-OutputArea-output .kv-root'), hist = root.kv.hist;
-      const i = hist.findIndex(f => f.tail.chat && f.tail.chat.turns.length === 2 && f.tail.chat.tables.length === 2
-                                    && f.tail.chat.tables.every(t => t.length));
+      const i = hist.findIndex(f => f.tail.chat && f.tail.chat.turns.length === 2 && f.tail.tables
+                                    && f.tail.tables.rows.length === 2
+                                    && f.tail.tables.rows.every(r => r.blocks.length));
       if (i >= 0) root.kv.show(i);
       return i;
     }""")
