@@ -40,10 +40,10 @@ def test_hints_escalate_with_each_miss_and_stop_at_the_formula():
 def test_tuple_answers_are_judged_item_by_item_without_giving_away_the_wrong_ones():
     r = ex.check("2.2.2-refcount", (0, "ALLOCATED"))
     assert not r.ok and "1/2" in r.message
-    assert r.details[0].startswith("✗ reference_count") and "1" not in r.details[0].split(":")[1]
+    assert r.details[0].startswith("× reference_count") and "1" not in r.details[0].split(":")[1]
     assert r.details[1] == "✓ status = 'ALLOCATED'"
     r = ex.check("2.2.2-lru", [2, 3, 0, 1])
-    assert [d[0] for d in r.details] == ["✓", "✓", "✗", "✗"]
+    assert [d[0] for d in r.details] == ["✓", "✓", "×", "×"]
     assert "4" in ex.check("2.2.2-lru", [2, 3]).message  # wrong length: says how many items are wanted
     assert ex.check("2.2.2-refcount", 1).details == ()
 
@@ -125,7 +125,7 @@ def test_summary_counts_right_answers_and_matched_predictions():
     s = ex.summary("2.2.2")
     assert (s.right, s.attempted, s.predicted) == (1, 2, len(keys))
     rows = dict(s.rows)
-    assert rows["2.2.2-refcount"] == "✓ 第一次就对 (first try)" and rows["2.2.2-lru"].startswith("✗")
+    assert rows["2.2.2-refcount"] == "✓ 第一次就对 (first try)" and rows["2.2.2-lru"].startswith("×")
     assert rows["2.2.2-transitions"] == "—"
     ex.check("2.2.2-lru", [2, 3, 1, 0])
     assert dict(ex.summary("2.2.2").rows)["2.2.2-lru"] == "✓ (1 次未中后 after 1 misses)"

@@ -315,7 +315,7 @@ def test_a_three_item_answer_with_one_wrong_item_says_one_of_three(fresh_progres
     "1/3", with the two right ones ticked."""
     r = ex.check("2.2.3-errata-retry", (2, 0, "found"))
     assert not r.ok and r.message.startswith("1/3 ")
-    assert [d[0] for d in r.details] == ["✓", "✓", "✗"]
+    assert [d[0] for d in r.details] == ["✓", "✓", "×"]
 
 
 def test_an_answer_of_the_wrong_length_is_told_the_length(fresh_progress):

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from kvlab.memory.fragmentation import memory_usage
-from kvlab.exercises.framework import Verdict, canon, compare_fn, metadata_pool, register, register_prediction, same
+from kvlab.exercises.framework import (RIGHT, WRONG, Verdict, canon, compare_fn, metadata_pool, register,
+                                      register_prediction, same)
 
 
 def pool_utilisation(lengths: list[int], block_size: int) -> float:
@@ -166,5 +167,5 @@ def _judge_interpret_sweep(answer: Any) -> Verdict:
         return False, f"不认识的名字 (unknown names) {unknown}; 可选 (choose from) {SWEEP_TERMS}"
     if frozenset(got) == truth:
         return True, f"增长的项 (rising terms): {sorted(truth)}"
-    details = tuple(f"{'✓' if (t in got) == (t in truth) else '✗'} {t}" for t in SWEEP_TERMS)
-    return False, f"{sum(d.startswith('✗') for d in details)} 项判断不对 (terms misjudged)", details
+    details = tuple(f"{RIGHT if (t in got) == (t in truth) else WRONG} {t}" for t in SWEEP_TERMS)
+    return False, f"{sum(d.startswith(WRONG) for d in details)} 项判断不对 (terms misjudged)", details

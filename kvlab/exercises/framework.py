@@ -39,6 +39,11 @@ def sized(full: Any, fast: Any) -> Any:
     return fast if fast_mode() else full
 
 
+# The marks of a verdict: glyphs that both DejaVu Sans and Noto Sans CJK (the fonts the README installs) draw. The
+# ballot X (U+2717) is missing from Noto Sans CJK, the emoji cross, check and bulb (U+274C, U+2705, U+1F4A1) from
+# both: they showed as boxes.
+RIGHT, WRONG = "✓", "×"
+
 # What an exercise asks of the student; a chapter needs more than "compute".
 KINDS = ("compute", "errata", "interpret", "parameter")
 HINT_STAGES = ("nudge", "method", "formula")
@@ -65,7 +70,7 @@ class Result:
         return f"提示 {self.stage}/{len(HINT_STAGES)} ({HINT_STAGES[self.stage - 1]})" if self.stage else "提示 (hint)"
 
     def __str__(self) -> str:
-        mark = "✓ 正确 (right)" if self.ok else "✗ 还不对 (not yet)"
+        mark = f"{RIGHT} 正确 (right)" if self.ok else f"{WRONG} 还不对 (not yet)"
         lines = [f"[{self.exercise}] {mark}: {self.message}"] + [f"  {d}" for d in self.details]
         if not self.ok and self.hint:
             lines.append(f"  {self._hint_label()}: {self.hint}")
@@ -74,11 +79,11 @@ class Result:
     __repr__ = __str__
 
     def _repr_markdown_(self) -> str:
-        mark = "✅ **正确 (right)**" if self.ok else "❌ **还不对 (not yet)**"
+        mark = f"{RIGHT} **正确 (right)**" if self.ok else f"{WRONG} **还不对 (not yet)**"
         out = f"`{_md(self.exercise)}` {mark}: {_md(self.message)}" + "".join(f"<br>&nbsp;&nbsp;{_md(d)}"
                                                                           for d in self.details)
         if not self.ok and self.hint:
-            out += f"<br>💡 {self._hint_label()}: {_md(self.hint)}"
+            out += f"<br>**{self._hint_label()}**: {_md(self.hint)}"
         return out
 
 
@@ -324,9 +329,10 @@ def summary(chapter: str) -> Summary:
         if k not in _PROGRESS.solved:
             state = "—"
         elif _PROGRESS.solved[k]:  # a first answer is a prediction: say whether it held
-            state = "✓ 第一次就对 (first try)" if not misses else f"✓ ({misses} 次未中后 after {misses} misses)"
+            state = f"{RIGHT} 第一次就对 (first try)" if not misses else \
+                f"{RIGHT} ({misses} 次未中后 after {misses} misses)"
         else:
-            state = f"✗ ({misses} 次未中 misses)"
+            state = f"{WRONG} ({misses} 次未中 misses)"
         rows.append((k, state))
     for k in preds:
         if k not in _PROGRESS.predicted:
@@ -435,7 +441,7 @@ def same(answer: Any, truth: Any, what: str, labels: Sequence[str] = ()) -> Verd
     if len(got) != len(want):
         return False, f"答案应有 {len(want)} 项，你给了 {len(got)} 项 (expected {len(want)} items, got {len(got)})"
     names = list(labels) if len(labels) == len(want) else [f"第 {i + 1} 项 (item {i + 1})" for i in range(len(want))]
-    details = tuple(f"✓ {n} = {g!r}" if w == g else f"✗ {n}: {g!r} 不对 (is wrong)"
+    details = tuple(f"{RIGHT} {n} = {g!r}" if w == g else f"{WRONG} {n}: {g!r} 不对 (is wrong)"
                     for n, w, g in zip(names, want, got))
     wrong = sum(w != g for w, g in zip(want, got))
     return False, f"{wrong}/{len(want)} 项不对 (items wrong)", details

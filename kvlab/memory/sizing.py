@@ -514,7 +514,7 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
 def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     """A 2x2 matplotlib figure of a sweep: memory (waste, prefix loss), bookkeeping (entries, calls),
     attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure."""
-    from kvlab.viz.static import Picture  # a figure that displays as an image in any kernel
+    from kvlab.viz.static import MIN_PT, Picture  # a figure that displays as an image in any kernel
 
     if not isinstance(result, SweepResult):
         raise ConfigError(f"plot_sweep draws a SweepResult, got {result!r:.80}")
@@ -545,6 +545,6 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
         a.set_xticks(sizes, [str(s) for s in sizes])
         a.set_xlabel("block size (tokens)")
         if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
+            a.legend(fontsize=MIN_PT)
     fig.suptitle(f"block-size sweep: {result.workload} ({result.requests} requests)")
     return fig

@@ -46,6 +46,11 @@ MOVE_RGB = OKABE_ITO["reddish purple"]  # a compaction's move, drawn as an arrow
 VICTIM_RGB = OKABE_ITO["black"]  # the evicted block's bar: the colour its cell flashes
 CANDIDATE_RGB = STATE_RGB["CACHED"]  # the runners-up are cached blocks
 OUTLINE_RGB: RGB = (34, 34, 34)  # the outline around a block of a larger size class
+# Block tables (the BlockTableView, the ChatView's tables): a prefix hit is outlined in the colour of the cached
+# block it came from; a copy made on write in the colour a just-allocated block flashes, its line dashed.
+HIT_RGB = STATE_RGB["CACHED"]
+COPY_RGB = OKABE_ITO["reddish purple"]
+COPY_DASH = (6, 3)
 GAP_RGB: RGB = (255, 255, 255)
 TRACK_RGB: RGB = (225, 225, 225)  # an empty gauge
 
@@ -54,6 +59,9 @@ OTHER_WORDS = {
     "OUTLINE": "outline: one block of a larger size class", "VICTIM": "the block the policy evicted",
     "CANDIDATE": "a cached block it passed over (its runners-up)", "USED": "in use (any number of references)",
     "FADE": "a flash fades over the next 3 pictures",
+    "HIT": "prefix hit: served by the cache, not recomputed", "SHARED": "shared: 2 or more references (×n)",
+    "COPIED": "copied on write", "MAP": "line: logical block to the physical block holding it",
+    "COPYLINE": "dashed: to the block copied on write", "HOST": "swapped out to host memory",
 }
 
 # Gauges: (label, Frame attribute, colour, line dash in the time series).
@@ -64,7 +72,7 @@ GAUGES: tuple[tuple[str, str, RGB, tuple[int, ...]], ...] = (
     ("external fragmentation (contiguity)", "external_fragmentation", OKABE_ITO["black"], (8, 3, 2, 3)),
 )
 GAUGE_WORDS = {
-    "blocks_held": "share of blocks not free: in use, cached or in flight",
+    "blocks_held": "share of blocks not free: referenced, cached (reusable) or in flight",
     "unusable_free": "share of free memory a largest-class request cannot use",
     "internal_waste": "share of held slots holding no token",
     "external_fragmentation": "1 - largest free run / free blocks (contiguity)",
@@ -122,7 +130,8 @@ def palette_js() -> str:
         "name": PALETTE_NAME, "state": {**STATE_RGB, "GAP": GAP_RGB}, "stateWords": STATE_WORDS,
         "flash": FLASH_RGB, "flashWeight": FLASH_WEIGHT, "flashWords": FLASH_WORDS, "run": RUN_RGB,
         "move": MOVE_RGB, "victim": VICTIM_RGB, "candidate": CANDIDATE_RGB, "outline": OUTLINE_RGB,
-        "track": TRACK_RGB, "words": OTHER_WORDS, "gauges": [list(g) for g in GAUGES], "gaugeWords": GAUGE_WORDS,
+        "track": TRACK_RGB, "hit": HIT_RGB, "copied": COPY_RGB, "copyDash": COPY_DASH, "words": OTHER_WORDS,
+        "gauges": [list(g) for g in GAUGES], "gaugeWords": GAUGE_WORDS,
         "scores": SCORES, "unknownScore": UNKNOWN_SCORE,
     }
     return f"const KV_PALETTE_DATA = {json.dumps(data, ensure_ascii=False)};\n"

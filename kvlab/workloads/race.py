@@ -53,17 +53,23 @@ class PolicyRace:
         return "\n".join(lines)
 
     def plot(self) -> Any:
-        """A matplotlib Figure: hit rate against pool size per policy, the never-evicting bound dashed."""
-        from kvlab.viz.static import Picture  # a figure that displays as an image in any kernel
+        """A matplotlib Figure: hit rate against pool size per policy, the never-evicting bound dotted. The y axis
+        runs from 0 to above the largest value: cut to the data's range, small gaps between policies looked
+        large."""
+        from kvlab.viz.static import MIN_PT, Picture  # a figure that displays as an image in any kernel
 
         fig = Picture(figsize=(7, 4.2), layout="constrained")
         ax = fig.subplots()
         for name, rates in self.hit_rate.items():
             ax.plot(self.sizes, [100 * r for r in rates], "o-" if name != "opt" else "k^--", label=name)
         ax.axhline(100 * self.bound, color="grey", ls=":", label="never evicts")
+        top = 100 * max([self.bound, *(r for rates in self.hit_rate.values() for r in rates)])
+        ax.set_ylim(0, min(100.0, top * 1.1) if top > 0 else 1.0)  # headroom over the top line, never past 100%
         ax.set(xscale="log", xlabel="pool size (blocks)", ylabel="prompt tokens served from cache (%)",
                title=f"eviction policies on {self.workload} (block size {self.block_size})")
-        ax.legend(fontsize=8)
+        ax.set_xticks(self.sizes, [f"{s:,}" for s in self.sizes])  # the sizes raced, not 2x10^2
+        ax.set_xticks([], minor=True)
+        ax.legend(fontsize=MIN_PT)
         return fig
 
 
