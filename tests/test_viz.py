@@ -626,7 +626,8 @@ def test_one_palette_for_python_and_every_widget_module():
         assert {k: tuple(v) for k, v in data["state"].items() if k != "GAP"} == STATE_RGB
         assert [g[0] for g in data["gauges"]] == [g[0] for g in palette.GAUGES]
     js = "\n".join((REPO / "widgets" / n).read_text() for n in ("common.js", "pool.js", "fragmentation.js",
-                                                                "eviction.js", "dashboard.js", "chat.js"))
+                                                                "eviction.js", "dashboard.js", "chat.js",
+                                                                "blocktable.js"))
     assert not re.findall(r"\[\s*\d+\s*,\s*\d+\s*,\s*\d+\s*\]", js)  # no colour copied into the JS
     assert set(palette.OKABE_ITO.values()) >= {STATE_RGB[k] for k in ("PENDING", "ALLOC1", "EVICTING", "CACHED")}
     # "just allocated" (the flash) is not the pending colour, and no two states share a colour
@@ -688,8 +689,8 @@ def test_wheel_ships_the_widget_modules(wheel):
     assert widget_dir() == REPO / "widgets"
     assert all("export default" in esm_source(v) for v in VIEWS)
     names = set(wheel.namelist())
-    for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "chat.js", "replay.js",
-              "kvlab.css"):
+    for f in ("common.js", "pool.js", "eviction.js", "fragmentation.js", "dashboard.js", "chat.js", "blocktable.js",
+              "replay.js", "kvlab.css"):
         assert f"kvlab/_widgets/{f}" in names, f
     assert "kvlab/viz/assets.py" in names
 
@@ -963,7 +964,8 @@ def test_the_fragmentation_picture_names_and_shows_what_the_detector_prints(seed
     printed = {"unusable free memory": d["fragmentation_percent"],
                "external fragmentation (contiguity)": 100 * d["external_fragmentation"],
                "internal waste": 100 * d["internal_waste"],
-               "blocks held": 100 * usage["used"] / usage["total"]}
+               "blocks held": 100 * usage["used"] / usage["total"],
+               "cached (reusable)": 100 * usage["cached"] / usage["total"]}  # printed under blocks held
     fig = plot_fragmentation(p)
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     shown = {m.group(1): float(m.group(2)) for m in (re.fullmatch(r"(.+) (\d+\.\d)%", s) for s in labels)}
@@ -1001,3 +1003,83 @@ def test_the_eviction_still_tells_a_victim_from_close_runners_up():
     widths = [bar.get_width() for bar in ax.patches]
     assert widths[0] < 0.4 * widths[2] and ax.get_xlim()[0] == e["axis"] == 1107.0
     assert "the axis starts at 1107" in ax.get_xlabel()
+
+
+def test_the_block_size_dashboard_offers_8_to_512_and_its_waste_moves_with_the_block():
+    """2.2.1's point on its dashboard: the same requests (lengths in tokens, whatever the block size) waste more
+    of a bigger block; the menu reaches 512, and a pool too small for a size is not offered it."""
+    from kvlab.viz import Dashboard
+
+    waste = {}
+    for bs in (8, 16, 64, 256, 512):
+        d = Dashboard(preset="block_size", num_blocks=512, seed=0)
+        assert d.options["block_size"] == [8, 16, 32, 64, 128, 256, 512]
+        d.block_size = bs
+        assert d.own_pool.num_blocks * bs == 512 * 16  # the token capacity stays
+        for _ in range(300):
+            d.step()
+        assert d.workload_fn is not None and d.workload_fn.max_tokens == 6 * 16  # the steady preset, in tokens
+        waste[bs] = d.latest().internal_waste
+    assert list(waste.values()) == sorted(waste.values()), waste  # more waste with every bigger block
+    assert waste[8] < 0.1 < 0.5 < waste[512], waste
+    assert Dashboard(preset="block_size", num_blocks=64, block_size=16).options["block_size"] == [8, 16, 32, 64, 128]
+
+
+def test_an_interrupt_between_cells_pauses_a_background_run_and_leaves_cells_interruptible(monkeypatch):
+    """ipykernel ignores SIGINT between cells; while a run goes on in the background, Kernel > Interrupt (SIGINT)
+    pauses it instead of vanishing; a cell still gets Python's handler (ipykernel swaps it in per cell); once the
+    run's task ends, SIGINT is ignored again. A process that does not run ipykernel is left as it was."""
+    import os
+    import types
+
+    from kvlab.viz import live
+
+    monkeypatch.setitem(sys.modules, "ipykernel", sys.modules.get("ipykernel", types.ModuleType("ipykernel")))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel between cells
+    try:
+        p = BlockPool(64, with_storage=False, seed=1)
+        run = LiveRun(p, RandomWorkload(p, seed=1, steps=10**6), steps_per_second=1000)
+        seen: list[str] = []
+
+        async def main() -> None:
+            run.start()
+            await asyncio.sleep(0.05)
+            assert run.state == "running" and signal.getsignal(signal.SIGINT) == live._between_cells._on_sigint
+            os.kill(os.getpid(), signal.SIGINT)  # Kernel > Interrupt, no cell running
+            await asyncio.sleep(0.05)
+            seen.append(run.state)
+            steps = run.steps
+            await asyncio.sleep(0.05)
+            assert run.steps == steps  # paused: no step taken
+            cell = signal.signal(signal.SIGINT, signal.default_int_handler)  # what ipykernel does for a cell
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                await asyncio.sleep(0.05)
+            signal.signal(signal.SIGINT, cell)
+            assert run.state == "paused"  # a cell's interrupt is the cell's
+            run.resume()
+            await asyncio.sleep(0.05)
+            seen.append(run.state)
+            assert run.steps > steps
+            run.stop()
+            await asyncio.gather(run.task, return_exceptions=True)
+
+        asyncio.run(main())
+        assert seen == ["paused", "running"] and run.state == "stopped"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and live._between_cells.runs == []
+        p.check_invariants()
+        monkeypatch.delitem(sys.modules, "ipykernel")  # a script: SIG_IGN stays what its owner chose
+        q = BlockPool(16, with_storage=False)
+        assert asyncio.run(_handlers_during(LiveRun(q, RandomWorkload(q, seed=2, steps=20)))) == {signal.SIG_IGN}
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+async def _handlers_during(run: LiveRun) -> set:
+    """The SIGINT handlers seen while ``run`` goes on in the background, to its end."""
+    run.start()
+    seen = set()
+    while not run.finished:
+        seen.add(signal.getsignal(signal.SIGINT))
+        await asyncio.sleep(0.001)
+    return seen

@@ -51,6 +51,22 @@ def test_the_browser_gets_pythons_layout():
     assert layout["flagDetails"] == fr.FLAG_DETAILS and layout["flashBits"] == fr.FLASH_BITS
     js = "\n".join(p.read_text() for p in (REPO / "widgets").glob("*.js"))
     assert "KVF1" not in js and not re.search(r"get(Uint|Int|Float)\d+\(\d", js)  # no layout of its own
+    assert "KVR1" not in js  # nor of the saved run's
+
+
+def test_the_browser_gets_the_saved_runs_layout():
+    from kvlab.viz import saved
+    from kvlab.viz.assets import VIEWS, esm_source
+    line = saved.layout_js()
+    layout = json.loads(line.removeprefix("const KV_REPLAY = ").removesuffix(";"))
+    for view in VIEWS:
+        assert line in esm_source(view).splitlines(), view
+    packed = saved.HEAD.pack(saved.MAGIC, 3, 40)
+    assert layout["magic"].encode() == saved.MAGIC and layout["headSize"] == len(packed)
+    assert {name: struct.unpack_from("<" + DATAVIEW_CODES[kind], packed, at)[0]
+            for name, at, kind in layout["head"]} == {"every": 3, "total": 40}
+    size, kind = layout["length"]
+    assert size == saved.LENGTH.size and saved.LENGTH.format.endswith(DATAVIEW_CODES[kind])
 
 
 # ---------------------------------------------------------------------------- frames from events

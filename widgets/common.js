@@ -1,7 +1,8 @@
 // kvlab widgets, shared part: frame decoding, colours, legends, the block grid and the player.
-// The Python side puts two generated constants first, the palette (KV_PALETTE_DATA, from kvlab/viz/palette.py) and
-// the frame layout (KV_FRAME, from the tables in kvlab/viz/frames.py), then this file and the view files, then the
-// `export default` line, so anywidget receives one self-contained ES module (no build step).
+// The Python side puts generated constants first, the palette (KV_PALETTE_DATA, from kvlab/viz/palette.py), the
+// frame layout (KV_FRAME, from the tables in kvlab/viz/frames.py) and the saved run's (KV_REPLAY, from
+// kvlab/viz/saved.py), then this file and the view files, then the `export default` line, so anywidget receives
+// one self-contained ES module (no build step).
 
 const KV_STATES = KV_FRAME.states;
 const KV_FLASHES = KV_FRAME.flashes;
@@ -11,6 +12,7 @@ const KV_FLASH_RGB = KV_PALETTE_DATA.flash;
 const KV_FLASH_WEIGHT = KV_PALETTE_DATA.flashWeight; // a flash fades over the 3 frames after the one it happened in
 const KV_MAX_HISTORY_BYTES = 192 * 1024 * 1024;
 const KV_PLAY_FPS = 12; // replaying received pictures in the browser
+const KV_NO_ANSWER_MS = 3000; // a click the kernel has not answered by then: no kernel is behind this view
 const KV_UTF8 = new TextDecoder();
 
 function kvBytes(v) {
@@ -204,6 +206,28 @@ const kvStateEntries = () => [["FREE", KV_SW.FREE, "swatch", KV_RGB.FREE],
 const kvFlashEntries = () => [...KV_PALETTE_DATA.flashWords.map(([words, code]) =>
   [`FLASH${code}`, words, "flash", KV_FLASH_RGB[code]]), ["FADE", KV_W.FADE, "note"]];
 
+// A run packed into the `replay` trait (kvlab/viz/saved.py lays it out; KV_REPLAY is that layout): { frames,
+// every, total }, or null for anything else. The frames inflate with the browser's own zlib (DecompressionStream),
+// so this is async.
+async function kvUnpackReplay(v) {
+  const u8 = kvBytes(v), L = KV_REPLAY, [lenSize, lenType] = L.length;
+  if (u8.length < L.headSize || String.fromCharCode(...u8.subarray(0, L.magic.length)) !== L.magic) return null;
+  const head = new DataView(u8.buffer, u8.byteOffset, L.headSize), out = { frames: [] };
+  for (const [name, at, type] of L.head) out[name] = head[`get${type}`](at, true);
+  const inflated = new Blob([u8.subarray(L.headSize)]).stream().pipeThrough(new DecompressionStream("deflate"));
+  const body = new Uint8Array(await new Response(inflated).arrayBuffer()), dv = new DataView(body.buffer);
+  for (let at = 0; at + lenSize <= body.length;) {
+    const n = dv[`get${lenType}`](at, true);
+    out.frames.push(body.subarray(at + lenSize, at + lenSize + n));
+    at += lenSize + n;
+  }
+  return out;
+}
+
+// A saved run's label: where its pictures came from and, for a long run, which of them were kept.
+const kvSavedWords = (p) =>
+  `saved run${p.every > 1 ? ` (every ${p.every === 2 ? "2nd" : p.every + "th"} of its ${p.total} pictures)` : ""}`;
+
 const KV_STATUS_WORDS = { idle: "ready to run", running: "running", paused: "paused", stopping: "stopping",
   done: "finished", stopped: "stopped", failed: "failed: see the cell's error" };
 const kvKernelRun = (status) => ["idle", "running", "paused", "stopping"].includes(status);
@@ -211,12 +235,17 @@ const kvKernelRun = (status) => ["idle", "running", "paused", "stopping"].includ
 // Mount panels on a model: keep every received frame (step back and scrub work while Python is busy), count
 // frames, and draw the selected one. The one play / pause button pauses the workload in the kernel when a live run
 // drives the view (its `status` trait), and otherwise plays the received pictures in the browser.
+// Where no kernel is behind the model (a saved notebook reopened, a static page: its widget state came from the
+// file), the run saved in `replay` becomes the history, and kernel controls go once a click is not answered (at
+// once on a page that says it has no kernel: globalThis.kvlabNoKernel): the view is then a player of the saved run.
+// `extra(top, model, ask)` adds controls; `ask(msg)` sends one to the kernel, watching for that answer.
 // Returns the cleanup function anywidget calls on removal.
 function kvMount(model, el, makePanels, extra) {
   const root = kvEl("div", "kv-root", el), top = kvEl("div", "kv-top", root);
   const body = kvEl("div", "kv-body", root), bar = kvEl("div", "kv-player", root);
   const hist = [];
   let idx = -1, live = true, received = 0, histBytes = 0, timer = 0;
+  let answers = 0, noKernel = globalThis.kvlabNoKernel === true, saved = null, fromKernel = false;
   const btn = (act, label, title) => { const b = kvEl("button", "kv-btn", bar, label); b.dataset.act = act; b.title = title; return b; };
   const back = btn("back", "◀", "one picture back");
   const toggle = btn("toggle", "pause", "pause or resume");
@@ -225,8 +254,15 @@ function kvMount(model, el, makePanels, extra) {
   slider.type = "range"; slider.min = 0; slider.max = 0; slider.value = 0;
   const label = kvEl("span", "kv-label", bar);
   const panels = makePanels(body, model);
-  const ctl = extra ? extra(top, model) : null;
-  const status = () => model.get("status") || "";
+  const setNoKernel = (v) => { noKernel = v; root.classList.toggle("kv-no-kernel", v); };
+  const heard = () => { answers++; if (noKernel && globalThis.kvlabNoKernel !== true) setNoKernel(false); };
+  const ask = (msg) => {
+    const before = answers;
+    model.send(msg);
+    setTimeout(() => { if (answers === before && !noKernel) { setNoKernel(true); show(idx); } }, KV_NO_ANSWER_MS);
+  };
+  const ctl = extra ? extra(top, model, ask) : null;
+  const status = () => noKernel ? "" : model.get("status") || "";
 
   function report() {
     root.dataset.framesReceived = received;
@@ -236,9 +272,12 @@ function kvMount(model, el, makePanels, extra) {
     root.dataset.status = status();
     root.dataset.playing = timer ? "1" : "0";
     const f = hist[idx], s = status();
-    const words = s ? KV_STATUS_WORDS[s] || s : hist.length > 1 ? "replay" : "";
+    const orphan = noKernel && globalThis.kvlabNoKernel !== true ? " · no kernel answers: ▶ plays the saved pictures" : "";
+    const words = [s ? KV_STATUS_WORDS[s] || s : "", saved ? kvSavedWords(saved) : !s && hist.length > 1 ? "replay" : ""]
+      .filter(Boolean).join(" · ") + orphan;
     const where = idx < hist.length - 1 ? ` · an earlier picture (${idx + 1} of ${hist.length})` : "";
     label.textContent = f ? `${kvStepText(f)}${words ? " · " + words : ""}${where}` : "waiting for the first picture";
+    for (const e of [back, toggle, fwd, slider]) e.hidden = noKernel && hist.length <= 1; // nothing to replay
     toggle.textContent = kvKernelRun(s) ? (s === "running" ? "❚❚ pause" : "▶ run") : (timer ? "❚❚ pause" : "▶ play");
     toggle.dataset.does = kvKernelRun(s) ? (s === "running" ? "pause" : "run") : (timer ? "stop-replay" : "replay");
   }
@@ -260,16 +299,18 @@ function kvMount(model, el, makePanels, extra) {
     if (draw) { if (live && !timer) show(hist.length - 1); else { slider.max = hist.length - 1; report(); } }
   }
   const stopReplay = () => { clearInterval(timer); timer = 0; };
-  const control = (action) => { stopReplay(); live = true; model.send({ type: "control", action }); show(hist.length - 1); };
+  const control = (action) => { stopReplay(); live = true; ask({ type: "control", action }); show(hist.length - 1); };
   const onFrame = () => {
+    heard();
     received++;
     push(model.get("frame"), true);
     model.set("frames_received", received);
     model.save_changes();
   };
   const onMsg = (msg, buffers) => {
+    heard();
     if (msg.type === "history") { // every frame the view sent so far: they count as received
-      if (msg.reset) { hist.length = 0; histBytes = 0; received = 0; }
+      if (msg.reset) { hist.length = 0; histBytes = 0; received = 0; saved = null; fromKernel = true; }
       for (const b of buffers || []) { push(b, false); received++; }
       const at = msg.index ?? hist.length - 1;
       live = at >= hist.length - 1; show(at);
@@ -277,7 +318,16 @@ function kvMount(model, el, makePanels, extra) {
       model.save_changes();
     } else if (msg.type === "inspect") for (const p of panels) if (p.inspect) p.inspect(msg);
   };
-  const onStatus = () => report();
+  const onStatus = () => { heard(); report(); };
+  // The saved run, unless a kernel's history came first: its frames, then the latest frame if it is newer.
+  const loadSaved = (packed) => {
+    if (!packed || fromKernel || packed.frames.length <= 1) return;
+    const latest = kvDecode(model.get("frame"));
+    hist.length = 0; histBytes = 0;
+    for (const b of packed.frames) push(b, false);
+    if (latest && latest.seq !== hist[hist.length - 1].seq) push(model.get("frame"), false);
+    saved = packed; live = true; show(hist.length - 1);
+  };
   back.onclick = () => { stopReplay(); live = false; show(idx - 1); };
   fwd.onclick = () => {
     stopReplay();
@@ -303,8 +353,11 @@ function kvMount(model, el, makePanels, extra) {
   model.on("msg:custom", onMsg);
   if (kvBytes(model.get("frame")).length) { received++; push(model.get("frame"), true); }
   else report();
+  setNoKernel(noKernel);
+  if (kvBytes(model.get("replay")).length) kvUnpackReplay(model.get("replay")).then(loadSaved, () => {});
   model.send({ type: "ready" });
-  root.kv = { hist, show, get index() { return idx; }, get live() { return live; }, panels };
+  root.kv = { hist, show, get index() { return idx; }, get live() { return live; }, get saved() { return saved; },
+    panels };
   return () => {
     stopReplay();
     model.off("change:frame", onFrame); model.off("change:frames_sent", onStatus); model.off("change:status", onStatus);

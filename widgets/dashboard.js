@@ -18,13 +18,13 @@ function kvDashboardPanels(body, model) {
   });
 }
 
-function kvDashboardControls(top, model) {
+function kvDashboardControls(top, model, ask) {
   const row = kvEl("div", "kv-controls", top);
   for (const [act, label, title] of [["step", "one step", "pause the workload and take one step"],
     ["stop", "stop", "end this run (run again to start afresh)"]]) {
     const b = kvEl("button", "kv-btn", row, label);
     b.dataset.ctl = act; b.title = title;
-    b.onclick = () => model.send({ type: "control", action: act });
+    b.onclick = () => ask({ type: "control", action: act });
   }
   const speedBox = kvEl("label", "kv-field", row, "speed ");
   const speed = kvEl("input", "kv-speed", speedBox);

@@ -27,12 +27,10 @@ function kvBase64(s) {
   return out;
 }
 
-// Mount `render` on `el` with the frames (base64 strings) of a recording; returns the model. `el` gets the class
-// kv-replay, under which the page hides the controls that only a kernel can answer.
+// Mount `render` on `el` with the frames (base64 strings) of a recording; returns the model.
 function kvReplay(el, framesB64, render) {
   const frames = framesB64.map(kvBase64);
   const model = new KvReplayModel(frames);
-  el.classList.add("kv-replay");
   render({ model, el });
   return model;
 }

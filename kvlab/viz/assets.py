@@ -1,9 +1,10 @@
 """The browser side of the views: find the ES modules in ``widgets/`` and assemble one module per view.
 
 In a source checkout (an editable install) the files are the repository's top-level ``widgets/``; in a wheel they
-are packaged as ``kvlab/_widgets``. Each view's module is two generated constants (the palette, ``KV_PALETTE_DATA``,
-and the frame layout, ``KV_FRAME``), ``common.js``, the panel files it needs and one ``export default`` line, because
-anywidget loads a module from a string, where relative imports cannot resolve.
+are packaged as ``kvlab/_widgets``. Each view's module is three generated constants (the palette,
+``KV_PALETTE_DATA``, the frame layout, ``KV_FRAME``, and the saved run's, ``KV_REPLAY``), ``common.js``, the panel
+files it needs and one ``export default`` line, because anywidget loads a module from a string, where relative
+imports cannot resolve.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
 from kvlab.viz.frames import layout_js
 from kvlab.viz.palette import palette_js
+from kvlab.viz.saved import layout_js as replay_layout_js
 
 _PKG = Path(__file__).resolve().parent.parent
 
@@ -23,7 +25,10 @@ VIEWS: dict[str, tuple[tuple[str, ...], str]] = {
     "fragmentation": (("fragmentation.js",), "({ model, el }) => kvMount(model, el, (b, m) => [kvFragPanel(b, m)])"),
     "dashboard": (("pool.js", "fragmentation.js", "eviction.js", "dashboard.js"),
                   "({ model, el }) => kvMount(model, el, kvDashboardPanels, kvDashboardControls)"),
-    "chat": (("pool.js", "chat.js"), "({ model, el }) => kvMount(model, el, kvChatPanels, kvChatControls)"),
+    "chat": (("pool.js", "blocktable.js", "chat.js"),
+             "({ model, el }) => kvMount(model, el, kvChatPanels, kvChatControls)"),
+    "blocktable": (("pool.js", "blocktable.js"),
+                   "({ model, el }) => kvMount(model, el, (b, m) => [kvBlockTablePanel(b, m)])"),
 }
 
 
@@ -49,9 +54,10 @@ def _check(view: str) -> tuple[tuple[str, ...], str]:
 
 def script_source(view: str) -> str:
     """The view's code without an export: the palette (:func:`~kvlab.viz.palette.palette_js`), the frame layout
-    (:func:`~kvlab.viz.frames.layout_js`), ``common.js`` and its panel files."""
+    (:func:`~kvlab.viz.frames.layout_js`), the saved run's layout (:func:`~kvlab.viz.saved.layout_js`),
+    ``common.js`` and its panel files."""
     files, _ = _check(view)
-    return "\n".join([palette_js(), layout_js(), *(_read(f) for f in ("common.js", *files))])
+    return "\n".join([palette_js(), layout_js(), replay_layout_js(), *(_read(f) for f in ("common.js", *files))])
 
 
 def render_expr(view: str) -> str:

@@ -37,28 +37,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The settings every package installed in this environment ships (kvlab's turns widget state saving on).
+INSTALLED_SETTINGS = Path(sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.d"
+FRONT_ENDS = {"lab": ("jupyterlab", "LabApp"), "notebook": ("notebook", "JupyterNotebookApp")}
+
+
 @contextmanager
-def lab_server(root: str | Path | None = None, *, timeout: float = 90) -> Iterator[dict[str, Any]]:
-    """JupyterLab on 127.0.0.1 serving ``<root>/work`` (default: a temporary folder): no token, xsrf off, the
-    app exposed as ``window.jupyterapp``, deferred windowing (every cell rendered), no news. Yields
-    ``{"url", "work", "log"}``; the server is stopped on exit. A server that does not answer within ``timeout``
-    seconds raises :class:`ConfigError` with the end of its log."""
+def lab_server(root: str | Path | None = None, *, timeout: float = 90, app: str = "lab") -> Iterator[dict[str, Any]]:
+    """JupyterLab (``app="lab"``) or Notebook 7 (``"notebook"``) on 127.0.0.1 serving ``<root>/work`` (default:
+    a temporary folder): no token, xsrf off, the app exposed as ``window.jupyterapp``, deferred windowing (every
+    cell rendered), no news, and the settings the environment's packages install. Yields ``{"url", "work",
+    "log", "app"}``; the server is stopped on exit. A server that does not answer within ``timeout`` seconds
+    raises :class:`ConfigError` with the end of its log."""
+    if app not in FRONT_ENDS:
+        raise ConfigError(f"app must be one of {sorted(FRONT_ENDS)}, got {app!r:.80}")
+    module, app_class = FRONT_ENDS[app]
     with tempfile.TemporaryDirectory(prefix="kvlab-lab-") as tmp:
         base = Path(root) if root is not None else Path(tmp)
         settings, work = base / "settings", base / "work"
-        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "overrides.d").mkdir(parents=True, exist_ok=True)
         work.mkdir(exist_ok=True)
+        for shipped in sorted(INSTALLED_SETTINGS.glob("*.json")):  # as a server with its own settings dir would not
+            (settings / "overrides.d" / shipped.name).write_bytes(shipped.read_bytes())
         (settings / "overrides.json").write_text(json.dumps({
             "@jupyterlab/notebook-extension:tracker": {"windowingMode": "defer"},
             "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"},
         }))
-        port, log_path = free_port(), base / "lab.log"
+        port, log_path = free_port(), base / f"{app}.log"
         env = {**os.environ, "JUPYTER_CONFIG_DIR": str(base / "config"), "JUPYTER_RUNTIME_DIR": str(base / "runtime")}
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", f"--port={port}",
+                [sys.executable, "-m", module, "--allow-root", "--no-browser", f"--port={port}",
                  "--ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.disable_check_xsrf=True",
-                 "--LabApp.expose_app_in_browser=True", f"--LabApp.app_settings_dir={settings}",
+                 f"--{app_class}.expose_app_in_browser=True", f"--{app_class}.app_settings_dir={settings}",
                  f"--ServerApp.root_dir={work}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
             url = f"http://127.0.0.1:{port}"
@@ -70,9 +81,9 @@ def lab_server(root: str | Path | None = None, *, timeout: float = 90) -> Iterat
                         break
                     except OSError:
                         if proc.poll() is not None or time.monotonic() > deadline:
-                            raise ConfigError(f"jupyter lab did not start:\n{log_path.read_text()[-3000:]}") from None
+                            raise ConfigError(f"{module} did not start:\n{log_path.read_text()[-3000:]}") from None
                         time.sleep(0.5)
-                yield {"url": url, "work": work, "log": log_path}
+                yield {"url": url, "work": work, "log": log_path, "app": app}
             finally:
                 proc.terminate()
                 try:
@@ -92,10 +103,11 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
     return path
 
 
-def open_notebook(page: Any, lab_url: str, name: str, timeout_ms: int = 90_000) -> None:
-    """Open notebook ``name`` (relative to the server's root) in ``page`` as the only tab (``?reset``: notebooks
-    an earlier page opened are not restored) and wait until it is in front with its kernel idle."""
-    page.goto(f"{lab_url}/lab/tree/{name}?reset")
+def open_notebook(page: Any, lab_url: str, name: str, timeout_ms: int = 90_000, app: str = "lab") -> None:
+    """Open notebook ``name`` (relative to the server's root) in ``page`` and wait until it is in front with its
+    kernel idle: in JupyterLab as the only tab (``?reset``: notebooks an earlier page opened are not restored),
+    in Notebook 7 (``app="notebook"``) on its own page."""
+    page.goto(f"{lab_url}/lab/tree/{name}?reset" if app == "lab" else f"{lab_url}/notebooks/{name}")
     page.wait_for_function("(name) => window.jupyterapp?.shell.currentWidget?.context?.path === name && "
                            "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'",
                            arg=name, timeout=timeout_ms)

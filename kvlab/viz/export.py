@@ -1,8 +1,8 @@
 """Export a recorded run as one standalone HTML file: the view's JS and CSS inlined, the frames embedded as
 base64, and a replay model standing in for the kernel. It opens on the run's last frame and plays (play / pause,
 step, slider) offline, with no kernel and no network: a lecture demo that survives a dead projector laptop's
-kernel, or a run to hand in with an exercise. Controls that only a kernel can answer (the dashboard's run, step,
-speed and settings) are hidden.
+kernel, or a run to hand in with an exercise. The page says it has no kernel (``globalThis.kvlabNoKernel``), so
+the views leave out the controls only a kernel could answer (the dashboard's step, stop, speed and settings).
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ _PAGE = """<!DOCTYPE html>
 <style>
 body {{ margin: 16px; font-family: {fonts}; }}
 {css}
-.kv-replay .kv-controls {{ display: none; }}
 </style>
 </head>
 <body>
@@ -34,6 +33,7 @@ body {{ margin: 16px; font-family: {fonts}; }}
 <div id="kvlab-app"></div>
 <script id="kvlab-frames" type="application/json">{frames}</script>
 <script type="module">
+globalThis.kvlabNoKernel = true;  // the views drop the controls only a kernel could answer
 {script}
 {replay}
 const frames = JSON.parse(document.getElementById("kvlab-frames").textContent);

@@ -14,6 +14,14 @@ sections (``n`` values each, in order), then the details sections if ``flags & F
 "evictions_total": k, "moves": [[src, dst], ...], "run": {"step": s, "steps": total or null}}``, each key left
 out when it has nothing to say (a ChatView adds ``"chat"``).
 
+A frame that shows block tables (a :class:`~kvlab.viz.BlockTableView`, a ChatView; written by
+:class:`kvlab.viz.tables.BlockTables`) adds ``"tables": {"rows": [{"id": i, "label": "seq 3", "blocks": [b0, b1,
+...], "hits": h, "copied": [p, ...], "more": m}, ...], "left_out": k}``: one row per live sequence, at most
+:data:`~kvlab.viz.tables.MAX_ROWS` (``left_out`` counts the others). ``blocks[p]`` is the physical block of logical
+block ``p`` (-1: swapped out to host memory), at most :data:`~kvlab.viz.tables.MAX_ROW_BLOCKS` of them (``more``
+counts the rest); the first ``hits`` came from the prefix cache; ``copied`` lists the positions holding a copy
+made on write. Who shares a block is the body's refcount.
+
 ``step`` in the header is the pool's clock (it ticks once per pool operation); ``run`` in the tail is the step of
 the workload driving the pool, the count the cells print ("step 507 of 600"), present when a live run or
 :func:`~kvlab.viz.record` built the frame. Each eviction carries ``at``, the workload step it happened in (or
@@ -96,7 +104,8 @@ MAX_EVICTIONS = 8  # per frame: the latest ones, as many as a view lists; ``evic
 MAX_MOVES = 256
 _SEQ = count()  # frame numbers are unique in the process, so no two frames are equal bytes (a synced trait
 #                 set to equal bytes sends nothing, and the browser would count one frame less)
-_DATAVIEW = {"B": "Uint8", "H": "Uint16", "i": "Int32", "I": "Uint32", "f": "Float32", "d": "Float64"}
+DATAVIEW = {  # struct code -> the DataView getter the browser reads it with
+    "B": "Uint8", "H": "Uint16", "i": "Int32", "I": "Uint32", "f": "Float32", "d": "Float64"}
 
 
 def layout_js() -> str:
@@ -105,10 +114,10 @@ def layout_js() -> str:
     type]``, and the names of the states and flashes. :func:`kvlab.viz.assets.script_source` puts it in every
     view's module."""
     data = {"magic": MAGIC.decode(), "headerSize": HEADER.size, "flagDetails": FLAG_DETAILS, "flashBits": FLASH_BITS,
-            "header": [[name, HEADER_OFFSETS[name], _DATAVIEW[code]] for name, code, _ in HEADER_FIELDS
+            "header": [[name, HEADER_OFFSETS[name], DATAVIEW[code]] for name, code, _ in HEADER_FIELDS
                        if name != "magic"],
-            "body": [[name, struct.calcsize(code), _DATAVIEW[code]] for name, code, _ in BODY],
-            "details": [[name, struct.calcsize(code), _DATAVIEW[code]] for name, code, _ in DETAILS],
+            "body": [[name, struct.calcsize(code), DATAVIEW[code]] for name, code, _ in BODY],
+            "details": [[name, struct.calcsize(code), DATAVIEW[code]] for name, code, _ in DETAILS],
             "states": STATE_NAMES, "flashes": FLASH_NAMES}
     return f"const KV_FRAME = {json.dumps(data)};\n"
 
@@ -209,7 +218,9 @@ class FrameBuilder:
     listening pool builds an event object for every mutation.
 
     Whoever drives the workload sets :attr:`step` (the step being taken, then the last one taken) and
-    :attr:`steps` (how many the workload will take, None if unknown); frames then say "step 507 of 600"."""
+    :attr:`steps` (how many the workload will take, None if unknown); frames then say "step 507 of 600".
+    Each function in :attr:`tail_sources` is called for every frame, and the entries of the dict it returns join
+    the tail (a BlockTableView adds its block tables to the frames of the run it follows this way)."""
 
     def __init__(self, pool: BlockPool, *, details_limit: int = DETAILS_LIMIT) -> None:
         self.pool = pool
@@ -230,6 +241,7 @@ class FrameBuilder:
         self.step: int | None = None
         self.steps: int | None = None
         self.resyncs = 0  # reads of the whole pool: 1 (attaching) unless events fell short (see frame)
+        self.tail_sources: list[Callable[[], dict[str, Any]]] = []
         with pool.lock:  # subscribed and read in one hold of the lock: no event falls between the two
             self._unsubscribe: Callable[[], None] | None = pool.events.subscribe(self._on_event)
             self.resync()
@@ -391,6 +403,8 @@ class FrameBuilder:
         if self._moves:
             tail["moves"] = self._moves
         self._evictions, self._moves = [], []
+        for source in self.tail_sources:
+            tail.update(source())
         return {**tail, **extra}
 
 

@@ -16,6 +16,7 @@ import asyncio
 import math
 import random
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -259,6 +260,7 @@ class LiveRun:
     async def _run_task(self) -> None:
         try:
             while True:
+                _between_cells.hear(self)
                 if self.state == "paused":
                     await self._resume.wait()
                     continue
@@ -276,6 +278,8 @@ class LiveRun:
             self.error = e
             self._end("failed")
             raise
+        finally:
+            _between_cells.forget(self)
 
     def _elsewhere(self, fn: Callable[[], Any]) -> bool:
         """Hand ``fn`` to the task's loop if this is another thread, and say so. ipywidgets may deliver a click on
@@ -295,6 +299,12 @@ class LiveRun:
             self.state = "paused"
             self._resume.clear()
             self.send(force=True)
+
+    def pause_soon(self) -> None:
+        """Pause between two steps, from the loop's queue: safe where the run may be mid-step (a signal
+        handler runs between any two bytecodes of the loop's thread)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.pause)
 
     def resume(self) -> None:
         if self._elsewhere(self.resume):
@@ -354,6 +364,41 @@ class LiveRun:
                 install()  # kvlab's handler again (removing the loop's leaves Python's)
 
 
+class _BetweenCells:
+    """Kernel > Interrupt while no cell runs pauses the runs going on in the background (``start()``, not
+    awaited), as an interrupted ``run()`` does. ipykernel ignores SIGINT between cells (``SIG_IGN``; for each
+    cell it puts Python's handler in and the previous one back after), so a background run would never hear the
+    interrupt. While such runs exist, this handler takes the place of the ignore, and ipykernel still swaps it out
+    for every cell, so interrupting a cell works as before. Anywhere else (a script: SIGINT raises there) nothing
+    changes."""
+
+    def __init__(self) -> None:
+        self.runs: list[LiveRun] = []
+
+    def hear(self, run: LiveRun) -> None:
+        """Called by a run's task before each step, on the loop's thread."""
+        if run not in self.runs:
+            self.runs.append(run)
+        if (threading.current_thread() is threading.main_thread() and "ipykernel" in sys.modules
+                and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def forget(self, run: LiveRun) -> None:
+        """The run's task ended: once none is left, SIGINT is ignored between cells again."""
+        if run in self.runs:
+            self.runs.remove(run)
+        if (not self.runs and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) == self._on_sigint):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_sigint(self, _signum: int, _frame: Any) -> None:
+        for run in self.runs:
+            run.pause_soon()
+
+
+_between_cells = _BetweenCells()
+
+
 def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Recording:
     """Run ``steps`` steps (fewer if ``step_fn`` finishes) building a frame every ``every`` steps and after the
     last: a recording to replay or export, made without a kernel or pacing."""
@@ -375,8 +420,11 @@ def record(pool: BlockPool, step_fn: StepFn, steps: int, every: int = 1) -> Reco
 
 
 # ---------------------------------------------------------------------------- a built-in workload
+# Requests are as long in tokens whatever the block size (lengths are drawn in units of TOKEN_UNIT tokens, not of
+# blocks): a bigger block then holds the same requests with more empty slots, which is 2.2.1's point.
+TOKEN_UNIT = 16
 PRESETS: dict[str, dict[str, float]] = {
-    # op weights; "tokens" is the longest sequence in base blocks
+    # op weights; "tokens" is the longest sequence in units of TOKEN_UNIT tokens
     "steady": {"admit": 3, "grow": 4, "finish": 3, "share": 1, "unshare": 1, "evict": 0.3, "swap": 0.3,
                "reserve": 0.5, "compact": 0, "tokens": 6},
     "bursty": {"admit": 5, "grow": 1, "finish": 2.5, "share": 0.3, "unshare": 0.3, "evict": 0.5, "swap": 0.2,
@@ -408,7 +456,7 @@ class RandomWorkload:
         self.pool, self.preset, self.steps, self.done = pool, preset, check_steps(steps, "steps"), 0
         self.rng = random.Random(seed)
         w = PRESETS[preset]
-        self.max_tokens = int(w["tokens"]) * pool.block_size
+        self.max_tokens = int(w["tokens"]) * TOKEN_UNIT
         self.ops = [op for op in w if op != "tokens" and w[op]]
         self.weights = [w[op] for op in self.ops]
         self.seqs: dict[int, list[int]] = {}  # owner -> blocks it references (one reference each)
@@ -481,7 +529,7 @@ class RandomWorkload:
         if not self.seqs:
             return self._admit()
         owner = self.rng.choice(list(self.seqs))
-        blocks, tokens = self.seqs[owner], self.tokens[owner] + self.rng.randint(1, self.pool.block_size)
+        blocks, tokens = self.seqs[owner], self.tokens[owner] + self.rng.randint(1, TOKEN_UNIT)
         cap = sum(self.pool.block_size << self.pool.fields.size_class[b] for b in blocks)
         if tokens > cap:
             extra = self._alloc_for(tokens - cap, owner)

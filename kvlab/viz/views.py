@@ -33,6 +33,7 @@ from kvlab.core.pool import BlockPool
 from kvlab.viz.assets import css_source, esm_source
 from kvlab.viz.frames import Frame, decode_frame, decode_recording, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, RandomWorkload, Recording, StepFn, check_steps
+from kvlab.viz.saved import pack_frames
 from kvlab.viz.static import (Picture, figure_png, gauge_values, plot_dashboard, plot_evictions, plot_fragmentation,
                               plot_pool)
 
@@ -42,9 +43,11 @@ _DISPLAYED: weakref.WeakSet[FrameView] = weakref.WeakSet()  # views shown with a
 
 
 def _refresh_after_cell(*_result: Any) -> None:
-    """IPython's post_run_cell hook: bring the pictures of unwatched views up to date."""
+    """IPython's post_run_cell hook: bring the pictures of unwatched views and every view's saved run up to
+    date."""
     for view in list(_DISPLAYED):
         view.refresh_if_unwatched()
+        view.save_replay()
 CONTROLS = ("run", "pause", "step", "stop")  # what the browser's buttons send
 ENDED = ("done", "stopped", "failed")
 
@@ -60,6 +63,8 @@ class FrameView(anywidget.AnyWidget):
     # Written by the browser after every frame; not echoed back (ipywidgets would send one more message per frame)
     frames_received = traitlets.Int(0).tag(sync=True, echo_update=False)
     status = traitlets.Unicode("").tag(sync=True)  # the state of the LiveRun driving the view; "" for none
+    # The frames so far, packed (kvlab.viz.saved): saved with the notebook, replayed where no kernel answers
+    replay = traitlets.Bytes(b"").tag(sync=True)
 
     def __init__(self, pool: BlockPool | None = None, *, recording: Recording | Iterable[bytes] | None = None,
                  **kwargs: Any) -> None:
@@ -74,6 +79,7 @@ class FrameView(anywidget.AnyWidget):
         self.displays: list[Any] = []  # IPython display handles of this view (see refresh_if_unwatched)
         self.shown: Frame | None = None  # the latest frame sent: what figure() draws
         self._pictured = b""  # the frame the displays were last drawn from
+        self._packed: bytes | None = None  # the last frame of the history when ``replay`` was packed
         self.on_msg(self._on_msg)
         if recording is not None:
             self.load(recording)
@@ -117,6 +123,7 @@ class FrameView(anywidget.AnyWidget):
             self.frame = rec[len(rec) - 1]
             self.frames_sent = len(rec)
         self._send_history()
+        self.save_replay()
 
     def live(self, step_fn: StepFn, **kwargs: Any) -> LiveRun:
         """A :class:`LiveRun` of ``step_fn`` on this view's pool, streaming to this view (which follows it)."""
@@ -136,6 +143,7 @@ class FrameView(anywidget.AnyWidget):
         self.status = state
         if state in ENDED:
             self.refresh_if_unwatched()
+            self.save_replay()
 
     def start(self) -> None:
         """Run (or resume) the workload as a task on the running event loop."""
@@ -192,6 +200,14 @@ class FrameView(anywidget.AnyWidget):
             return  # a stale hover (the pool was rebuilt) or a recording: nothing live to report
         self.send({"type": "inspect", "block": block, "tokens": p.fields.tokens[block], "owner": p.fields.owner[block],
                    "last_access": p.fields.last_access[block], "hits": p.fields.hits[block]})
+
+    def save_replay(self) -> None:
+        """Pack the frames sent so far into ``replay`` (if any came since the last packing): the run a saved
+        notebook or a static page replays. Called after each cell, when a run ends and on :meth:`load`."""
+        last = self.history[len(self.history) - 1] if len(self.history) else None
+        if last is not None and last is not self._packed:
+            self.replay = pack_frames(list(self.history))
+            self._packed = last
 
     # ------------------------------------------------------------------ static fallback
     def figure(self) -> Picture:
@@ -271,6 +287,7 @@ class FragmentationView(FrameView):
         return plot_fragmentation(self.latest(), list(self.series))
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256, 512)  # the block-size menu's choices
 DASHBOARD_PRESETS: dict[str, dict[str, Any]] = {
     # per chapter topic: the panels shown, the setup controls offered, and the workload / policy to start with
     "block_size": {"panels": ["pool", "fragmentation"], "controls": ["block_size", "workload"],
@@ -334,7 +351,8 @@ class Dashboard(FrameView):
         self.seed, self.steps, self.fps = seed, steps, fps
         self.run: LiveRun | None = None
         self.workload_fn: RandomWorkload | None = None
-        sizes = sorted({8, 16, 32, 64, pool.block_size})
+        # 8 to 512 tokens (2.2.1's range), each leaving the pool at least 8 blocks of the same token capacity
+        sizes = sorted({b for b in BLOCK_SIZES if self.capacity_tokens // b >= 8} | {pool.block_size})
         super().__init__(pool, policy=pool.policy.name, block_size=pool.block_size, workload=workload, speed=speed,
                          options={"policy": sorted(POLICIES), "block_size": sizes, "workload": list(PRESETS)},
                          preset=preset, panels=list(setup["panels"]), controls=list(setup["controls"]), **kwargs)

@@ -117,6 +117,15 @@ def harness(browser, harness_url):
     page.close()
 
 
+@pytest.fixture(scope="module", params=["lab", "notebook"])
+def front_end(request, tmp_path_factory):
+    """JupyterLab, then Notebook 7 (``server["app"]`` says which), served as :func:`lab` is."""
+    if importlib.util.find_spec("jupyterlab" if request.param == "lab" else "notebook") is None:
+        _missing(request.param)
+    with lab_server(tmp_path_factory.mktemp(request.param), app=request.param) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 (no token, xsrf off, the app exposed for tests, deferred windowing)."""

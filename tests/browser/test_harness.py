@@ -465,8 +465,8 @@ def test_docs_screenshots(harness, tmp_path):
     shots = DOCS_IMG if os.environ.get("KVLAB_SCREENSHOTS") == "1" else tmp_path
     dashboard = ('{status: "idle", speed: 200, policy: "lru", block_size: 16, workload: "bursty", '
                  'panels: ["pool", "fragmentation", "eviction"], controls: ["policy", "block_size", "workload"], '
-                 'options: {policy: ["clock", "fifo", "lfu", "lru", "opt", "random"], block_size: [8, 16, 32, 64], '
-                 'workload: ["steady", "bursty", "sharing", "defrag"]}}')
+                 'options: {policy: ["clock", "fifo", "lfu", "lru", "opt", "random"], '
+                 'block_size: [8, 16, 32, 64, 128, 256, 512], workload: ["steady", "bursty", "sharing", "defrag"]}}')
     for name, view, preset, sizes, state in (("pool_view", "pool", "steady", [16, 32, 64], "{}"),
                                              ("eviction_view", "eviction", "sharing", None, "{}"),
                                              ("fragmentation_view", "fragmentation", "defrag", None, "{}"),

@@ -160,19 +160,23 @@ def test_a_live_65536_block_pool_view_streams_and_draws_every_frame(browser, lab
     page.close()
 
 
-def test_pause_resume_and_interrupt_an_awaited_live_run(browser, lab):
-    """The reported freeze, in JupyterLab: a cell awaits a live run; the view's button pauses it, then resumes it
-    (the run must step again: it used to stay paused for good, labelled "running"); Kernel > Interrupt then ends
-    the cell with KeyboardInterrupt, the run stopped, and the kernel runs the next cell."""
+def test_pause_resume_scrub_step_and_interrupt_an_awaited_live_run(browser, front_end):
+    """The reported freeze, in JupyterLab and Notebook 7: a cell awaits a live run; the view's button pauses it,
+    then resumes it (the run must step again: it used to stay paused for good, labelled "running"); scrubbing
+    back shows an earlier picture while frames keep arriving; paused, "one forward" at the latest picture takes
+    one step of the workload; Kernel > Interrupt then ends the cell with KeyboardInterrupt, the run stopped, and
+    the kernel runs the next cell."""
+    from test_saved_views import ours
+
     cells = ["from kvlab import BlockPool\nfrom kvlab.viz import PoolView, RandomWorkload\n"
              "q = BlockPool(256, with_storage=False)\nv = PoolView(q)\nv",
              "run = v.live(RandomWorkload(q, seed=1, steps=10**6), steps_per_second=40)\nawait run",
              "print('USABLE', run.state, q.check_invariants() is None)"]
-    write_notebook(lab["work"] / "awaited.ipynb", cells)
+    write_notebook(front_end["work"] / "awaited.ipynb", cells)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    open_notebook(page, lab["url"], "awaited.ipynb")
+    page.on("pageerror", ours(errors))
+    open_notebook(page, front_end["url"], "awaited.ipynb", app=front_end["app"])
     run_cell(page, 0)
     wait_until(lambda: roots(page).count() >= 1, 60, "the view")
     run_cell(page, 1)
@@ -186,9 +190,79 @@ def test_pause_resume_and_interrupt_an_awaited_live_run(browser, lab):
     assert int(data(page, 0)["framesReceived"]) == frozen
     toggle.click()  # resume
     wait_until(lambda: int(data(page, 0)["framesReceived"]) > frozen + 5, 20, "frames again after resuming")
+    # Scrub to the first picture while the run goes on: the view stays there, frames keep arriving.
+    roots(page).nth(0).locator(".kv-slider").evaluate(
+        "(s) => { s.value = 0; s.dispatchEvent(new Event('input')); }")
+    arrived = int(data(page, 0)["framesReceived"])
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) > arrived + 5, 20, "frames while scrubbed back")
+    assert data(page, 0)["index"] == "0" and data(page, 0)["live"] == "0" and data(page, 0)["status"] == "running"
+    toggle.click()  # pause (the run's button, whatever picture is shown)
+    wait_until(lambda: data(page, 0)["status"] == "paused", 20, "paused again")
+    roots(page).nth(0).locator(".kv-slider").evaluate(
+        "(s) => { s.value = s.max; s.dispatchEvent(new Event('input')); }")
+    time.sleep(0.5)
+    before = int(data(page, 0)["framesReceived"])
+    roots(page).nth(0).locator("[data-act=fwd]").click()  # at the latest picture of a paused run: one step
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) == before + 1, 20, "one stepped frame")
+    assert data(page, 0)["status"] == "paused" and data(page, 0)["live"] == "1"
+    toggle.click()  # resume, then interrupt the awaiting cell
+    wait_until(lambda: data(page, 0)["status"] == "running", 20, "running again")
     page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")
     page.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
     wait_until(lambda: data(page, 0)["status"] == "stopped", 20, "the run stopped")
+    run_cell(page, 2)
+    page.locator(".jp-OutputArea-output pre", has_text="USABLE stopped True").wait_for(timeout=30_000)
+    assert not errors, errors
+    page.close()
+
+
+def test_pause_resume_scrub_step_and_interrupt_a_background_live_run(browser, front_end):
+    """A run started in the background (``run.start()``, the cell ends at once), in JupyterLab and Notebook 7:
+    pause, resume, scrub back while it runs, one step while paused; Kernel > Interrupt with no cell running pauses
+    it (ipykernel ignores that signal between cells: it used to change nothing); the view resumes it; a long cell
+    run meanwhile is still interrupted itself, and the run goes on after it."""
+    from test_saved_views import ours
+
+    cells = ["from kvlab import BlockPool\nfrom kvlab.viz import PoolView, RandomWorkload\n"
+             "q = BlockPool(256, with_storage=False)\nv = PoolView(q)\ndisplay(v)\n"
+             "run = v.live(RandomWorkload(q, seed=1, steps=10**6), steps_per_second=40)\nrun.start();",
+             "import time\ntime.sleep(60)",
+             "import asyncio\nrun.stop()\nawait asyncio.gather(run.task, return_exceptions=True)\n"
+             "print('USABLE', run.state, q.check_invariants() is None)"]
+    write_notebook(front_end["work"] / "background.ipynb", cells)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", ours(errors))
+    open_notebook(page, front_end["url"], "background.ipynb", app=front_end["app"])
+    run_cell(page, 0)
+    wait_until(lambda: roots(page).count() >= 1 and data(page, 0)["status"] == "running", 60, "the background run")
+    view = roots(page).nth(0)
+    toggle = view.locator("[data-act=toggle]")
+    toggle.click()  # pause
+    wait_until(lambda: data(page, 0)["status"] == "paused", 20, "paused")
+    before = int(data(page, 0)["framesReceived"])
+    view.locator("[data-act=fwd]").click()  # one step
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) == before + 1, 20, "one stepped frame")
+    toggle.click()  # resume
+    wait_until(lambda: data(page, 0)["status"] == "running", 20, "running")
+    view.locator(".kv-slider").evaluate("(s) => { s.value = 1; s.dispatchEvent(new Event('input')); }")
+    arrived = int(data(page, 0)["framesReceived"])
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) > arrived + 5, 20, "frames while scrubbed back")
+    assert data(page, 0)["index"] == "1" and data(page, 0)["live"] == "0"
+    page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")  # no cell is running
+    wait_until(lambda: data(page, 0)["status"] == "paused", 20, "paused by the interrupt")
+    frozen = data(page, 0)["framesReceived"]
+    time.sleep(0.5)
+    assert data(page, 0)["framesReceived"] == frozen
+    toggle.click()  # resume from the view
+    wait_until(lambda: data(page, 0)["status"] == "running", 20, "running after the interrupt")
+    run_cell(page, 1)  # a long cell: the interrupt is the cell's
+    time.sleep(2)
+    page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")
+    page.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
+    arrived = int(data(page, 0)["framesReceived"])
+    wait_until(lambda: int(data(page, 0)["framesReceived"]) > arrived + 5, 20, "the run going on after the cell")
+    assert data(page, 0)["status"] == "running"
     run_cell(page, 2)
     page.locator(".jp-OutputArea-output pre", has_text="USABLE stopped True").wait_for(timeout=30_000)
     assert not errors, errors

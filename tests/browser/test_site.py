@@ -27,12 +27,15 @@ VIEW_CELLS = [
     "from kvlab.viz import Dashboard, EvictionView, FragmentationView, LiveRun, PoolView, RandomWorkload\n"
     "p = BlockPool(256, with_storage=False, seed=1)\n"
     "views = [PoolView(p), EvictionView(p), FragmentationView(p)]\n"
-    "LiveRun(p, RandomWorkload(p, preset='defrag', seed=1, steps=200), views).run()",
+    "LiveRun(p, RandomWorkload(p, preset='defrag', seed=1, steps=200), views, fps=1e9).run()",
     "views[0]", "views[1]", "views[2]",
     "Dashboard(num_blocks=512, seed=2)",
     "import ipywidgets\nipywidgets.FloatSlider(value=0.5, description='weight')",  # a chapter's own control
+    # a choice made in the page: every option rendered, the tab switches without a kernel (2.2.6's reports)
+    "ipywidgets.Tab(children=[ipywidgets.HTML('report A'), ipywidgets.HTML('report B')], titles=['A', 'B'])",
 ]
-VIEWS_PER_PAGE = 4  # kvlab views; the slider is a fifth widget
+VIEWS_PER_PAGE = 4  # kvlab views; the slider and the tabs are two more widgets
+OTHER_WIDGETS = 2
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 # For each Han character of the element: its advance (in em) in the DOM; the advance of U+10FFFD, which no font
@@ -176,7 +179,7 @@ def test_pages_name_only_files_of_the_site(site):
         assert not [u for u in files if not (path.parent / u).is_file()], name
         assert not re.search(r"cdn|unpkg|mathjax|mermaid", " ".join(files), re.I), name
         if "views" in name:
-            assert html.count(f'<script type="{WIDGET_VIEW}">') == VIEWS_PER_PAGE + 1
+            assert html.count(f'<script type="{WIDGET_VIEW}">') == VIEWS_PER_PAGE + OTHER_WIDGETS
 
 
 @pytest.mark.browser
@@ -194,13 +197,31 @@ def test_every_widget_draws_with_the_network_cut_off(browser, site):
             box = roots.nth(i).bounding_box()
             assert box and box["height"] > 50, (name, i, box)
             assert distinct_colours(roots.nth(i).screenshot()) > 3, (name, i)
-        # The picture gave way to the widget, and no control that needs a kernel is left to click.
+        # The picture gave way to the widget, and no control that needs a kernel is left to click: the run's
+        # views hold the run saved with the page and only their players show; the one-picture dashboard, none.
         assert page.evaluate("() => [...document.querySelectorAll('img.kv-fallback')].every(i => !i.offsetHeight)")
-        visible = page.evaluate("() => [...document.querySelectorAll('.kv-root button, .kv-root select, "
-                                ".kv-root input')].filter((e) => e.offsetParent).map((e) => e.outerHTML)")
-        assert visible == []
-        slider = page.locator(".widget-subarea .widget-hslider")  # drawn with its value, but inert
+        visible = page.evaluate("() => [...document.querySelectorAll('.kv-root')].map((r) => [...r.querySelectorAll("
+                                "'button, select, input')].filter((e) => e.offsetParent).map((e) => "
+                                "e.dataset.act || e.className))")
+        assert visible == [["back", "toggle", "fwd", "kv-slider"]] * 3 + [[]], visible
+        for i in range(3):
+            got = page.evaluate("(i) => { const r = document.querySelectorAll('.kv-root')[i]; "
+                                "return [r.kv.hist.length, r.kv.index, r.kv.saved && r.kv.saved.every]; }", i)
+            assert got[0] == 202 and got[1:] == [201, 1], (name, i, got)  # its first frame, then 201 of the run
+            assert "saved run" in roots.nth(i).locator(".kv-label").inner_text()
+        pool = roots.nth(0)
+        pool.locator("[data-act=toggle]").click()  # play the run from its first picture
+        page.wait_for_function("() => document.querySelector('.kv-root').dataset.index !== '201'")
+        pool.locator("[data-act=toggle]").click()
+        assert pool.get_attribute("data-playing") == "0" and int(pool.get_attribute("data-index")) < 201
+        pool.locator(".kv-slider").evaluate("(s) => { s.value = 40; s.dispatchEvent(new Event('input')); }")
+        assert pool.get_attribute("data-index") == "40"
+        slider = page.locator(".widget-subarea .widget-hslider")  # drawn with its value, greyed and inert
         assert slider.is_visible() and slider.evaluate("(e) => getComputedStyle(e).pointerEvents") == "none"
+        assert float(slider.evaluate("(e) => getComputedStyle(e).opacity")) < 1
+        tabs = page.locator(".widget-tab")  # a choice that needs no kernel: both reports are in the page
+        tabs.locator(".lm-TabBar-tab", has_text="B").click()
+        assert tabs.get_by_text("report B").is_visible() and not tabs.get_by_text("report A").is_visible()
         assert page.evaluate("() => document.body.innerText").count("NaN") == 0
         assert (page.outside, page.failed, page.errors) == ([], [], [])
         page.context.close()
@@ -216,7 +237,7 @@ def test_each_widget_shows_its_picture_with_scripts_off(browser, site):
       return img && img.complete ? [img.naturalWidth, img.getBoundingClientRect().height, img.src] : null;
     })""")
     pictures = [s for s in shown if s]
-    assert len(shown) == VIEWS_PER_PAGE + 1 and len(pictures) == VIEWS_PER_PAGE, shown  # the slider has none
+    assert len(shown) == VIEWS_PER_PAGE + OTHER_WIDGETS and len(pictures) == VIEWS_PER_PAGE, shown  # others: none
     for width, height, src in pictures:
         assert width > 100 and height > 50
         assert distinct_colours(base64.b64decode(src.split(",", 1)[1])) > 3  # a drawn figure, not a blank image
