@@ -149,10 +149,15 @@ function kvPaint(ctx, g, colors) {
   ctx.putImageData(s.img, 0, 0);
 }
 
+// Whether frame hist[i] is the settled end of a run (it ended, or it is a saved run's last picture): a flash
+// fades over the pictures after it, and none will come, so the end shows states only.
+const kvSettled = (hist, i) => !!hist.settled && i === hist.length - 1;
+
 // Colours of frame hist[i]: the panel's base colour, then flashes of frames i-3..i (newest wins).
 function kvColors(hist, i, color) {
   const f = hist[i], n = f.num_blocks, out = new Uint32Array(n);
   for (let b = 0; b < n; b++) out[b] = color(f, b);
+  if (kvSettled(hist, i)) return out;
   for (let age = Math.min(3, i); age >= 0; age--) {
     const meta = hist[i - age].meta;
     if (hist[i - age].num_blocks !== n) continue;
@@ -283,6 +288,7 @@ function kvMount(model, el, makePanels, extra) {
   }
   function show(i) {
     if (!hist.length) return report();
+    hist.settled = ["done", "stopped", "failed"].includes(model.get("status")) || noKernel || !!saved;
     idx = Math.max(0, Math.min(hist.length - 1, i));
     slider.max = hist.length - 1; slider.value = idx;
     for (const p of panels) p.draw(hist, idx);
@@ -319,6 +325,7 @@ function kvMount(model, el, makePanels, extra) {
     } else if (msg.type === "inspect") for (const p of panels) if (p.inspect) p.inspect(msg);
   };
   const onStatus = () => { heard(); report(); };
+  const onRunState = () => { heard(); show(idx); }; // a run that ended settles its last picture
   // The saved run, unless a kernel's history came first: its frames, then the latest frame if it is newer.
   const loadSaved = (packed) => {
     if (!packed || fromKernel || packed.frames.length <= 1) return;
@@ -349,7 +356,7 @@ function kvMount(model, el, makePanels, extra) {
   slider.onchange = slider.oninput;
   model.on("change:frame", onFrame);
   model.on("change:frames_sent", onStatus);
-  model.on("change:status", onStatus);
+  model.on("change:status", onRunState);
   model.on("msg:custom", onMsg);
   if (kvBytes(model.get("frame")).length) { received++; push(model.get("frame"), true); }
   else report();
@@ -360,7 +367,7 @@ function kvMount(model, el, makePanels, extra) {
     panels };
   return () => {
     stopReplay();
-    model.off("change:frame", onFrame); model.off("change:frames_sent", onStatus); model.off("change:status", onStatus);
+    model.off("change:frame", onFrame); model.off("change:frames_sent", onStatus); model.off("change:status", onRunState);
     model.off("msg:custom", onMsg);
     for (const p of panels) if (p.destroy) p.destroy();
   };

@@ -15,6 +15,14 @@ function kvLargestRun(f) {
   return [bestAt, best];
 }
 
+// The share of blocks that are cached (no reference, reusable): counted from the state bytes.
+function kvCachedShare(f) {
+  const cached = KV_STATES.indexOf("CACHED");
+  let n = 0;
+  for (let b = 0; b < f.num_blocks; b++) n += f.state[b] === cached;
+  return f.num_blocks ? n / f.num_blocks : 0;
+}
+
 function kvFragPanel(parent, model, maxWidth = 768) {
   const box = kvEl("div", "kv-frag", parent);
   const caption = kvEl("div", "kv-title", box, "memory map");
@@ -22,7 +30,8 @@ function kvFragPanel(parent, model, maxWidth = 768) {
   kvLegend(box, [...kvStateEntries().slice(0, 1), ["RUN", KV_W.RUN, "swatch", KV_PALETTE_DATA.run],
     ...kvStateEntries().slice(1), ...kvFlashEntries(), ["MOVE", KV_W.MOVE, "arrow", KV_PALETTE_DATA.move]]);
   const gauges = kvEl("div", "kv-gauges", box), rows = {};
-  for (const [name, key, rgb] of KV_GAUGES) {
+  // The bars: the gauges, with the cached share right under blocks held (which counts cached blocks too).
+  for (const [name, key, rgb] of [KV_GAUGES[0], KV_PALETTE_DATA.cachedGauge, ...KV_GAUGES.slice(1)]) {
     const row = kvEl("div", "kv-gauge", gauges);
     row.dataset.key = key;
     kvEl("span", "kv-gauge-name", row, name).title = KV_PALETTE_DATA.gaugeWords[key];
@@ -40,7 +49,7 @@ function kvFragPanel(parent, model, maxWidth = 768) {
     kvPaint(mctx, g, kvColors(hist, i, (fr, b) => fr.state[b] === 0 && b >= at && b < at + len ? run : kvStateColor(fr, b)));
     const centre = (b) => [(b % g.cols + 0.5) * g.cell, (Math.floor(b / g.cols) + 0.5) * g.cell];
     const move = KV_PALETTE_DATA.move;
-    for (let age = Math.min(3, i); age >= 0; age--) {
+    for (let age = kvSettled(hist, i) ? -1 : Math.min(3, i); age >= 0; age--) {
       const moves = hist[i - age].tail.moves || [];
       mctx.strokeStyle = `rgba(${move[0]},${move[1]},${move[2]},${KV_FLASH_WEIGHT[age]})`; mctx.fillStyle = kvCss(move);
       mctx.lineWidth = Math.max(1, g.cell / 6);
@@ -69,8 +78,9 @@ function kvFragPanel(parent, model, maxWidth = 768) {
     }
     const [, len] = kvLargestRun(f);
     caption.textContent = `memory map · largest free run ${len} block${len === 1 ? "" : "s"}`;
-    for (const [, key] of KV_GAUGES) {
-      const v = Math.max(0, Math.min(1, f[key])), [fill, value] = rows[key];
+    const shares = { cached: kvCachedShare(f) };
+    for (const key of Object.keys(rows)) {
+      const v = Math.max(0, Math.min(1, shares[key] ?? f[key])), [fill, value] = rows[key];
       fill.style.width = `${100 * v}%`; value.textContent = `${(100 * v).toFixed(1)}%`;
     }
     sctx.fillStyle = "#fff"; sctx.fillRect(0, 0, series.width, series.height);

@@ -71,8 +71,12 @@ GAUGES: tuple[tuple[str, str, RGB, tuple[int, ...]], ...] = (
     ("internal waste", "internal_waste", OKABE_ITO["reddish purple"], (2, 2)),
     ("external fragmentation (contiguity)", "external_fragmentation", OKABE_ITO["black"], (8, 3, 2, 3)),
 )
+# The bar under "blocks held", in the views and the stills: how much of what is held is only cached (no reference,
+# reusable, evictable); a frame has no field for it, it is counted from the state bytes.
+CACHED_GAUGE: tuple[str, str, RGB] = ("cached (reusable)", "cached", STATE_RGB["CACHED"])
 GAUGE_WORDS = {
     "blocks_held": "share of blocks not free: referenced, cached (reusable) or in flight",
+    "cached": "share of blocks with no reference, kept for reuse (evictable)",
     "unusable_free": "share of free memory a largest-class request cannot use",
     "internal_waste": "share of held slots holding no token",
     "external_fragmentation": "1 - largest free run / free blocks (contiguity)",
@@ -131,7 +135,7 @@ def palette_js() -> str:
         "flash": FLASH_RGB, "flashWeight": FLASH_WEIGHT, "flashWords": FLASH_WORDS, "run": RUN_RGB,
         "move": MOVE_RGB, "victim": VICTIM_RGB, "candidate": CANDIDATE_RGB, "outline": OUTLINE_RGB,
         "track": TRACK_RGB, "hit": HIT_RGB, "copied": COPY_RGB, "copyDash": COPY_DASH, "words": OTHER_WORDS,
-        "gauges": [list(g) for g in GAUGES], "gaugeWords": GAUGE_WORDS,
+        "gauges": [list(g) for g in GAUGES], "cachedGauge": list(CACHED_GAUGE), "gaugeWords": GAUGE_WORDS,
         "scores": SCORES, "unknownScore": UNKNOWN_SCORE,
     }
     return f"const KV_PALETTE_DATA = {json.dumps(data, ensure_ascii=False)};\n"

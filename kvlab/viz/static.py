@@ -30,7 +30,7 @@ from matplotlib.text import Text
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
 from kvlab.viz.frames import CACHED, Frame, decode_frame, frame_of, free_runs
-from kvlab.viz.palette import (CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB, STATE_WORDS,
+from kvlab.viz.palette import (CACHED_GAUGE, CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB, STATE_WORDS,
                                VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
 
 
@@ -207,7 +207,7 @@ def legend(fig: Figure, panels: Sequence[str], f: Frame | None = None,
                    ncols=2 if below else 1, fontsize=MIN_PT, frameon=False)
 
 
-HELD, CACHED_NAME = "blocks held", "cached (reusable)"  # GLOSSARY.md's names, as the stills print them
+HELD, CACHED_NAME = GAUGES[0][0], CACHED_GAUGE[0]  # GLOSSARY.md's names, as the stills print them
 
 
 def held_words(f: Frame) -> str:
@@ -268,7 +268,7 @@ def gauge_rows(f: Frame) -> list[tuple[str, float, tuple[float, float, float]]]:
     100% held and can still serve every request)."""
     rows = [(name, float(v), rgb01(c)) for (name, _, c, _), v in zip(GAUGES, gauge_values(f))]
     cached = float(np.count_nonzero(f.state == CACHED)) / f.num_blocks if f.num_blocks else 0.0
-    rows.insert(1, (CACHED_NAME, cached, rgb01(STATE_RGB["CACHED"])))
+    rows.insert(1, (CACHED_NAME, cached, rgb01(CACHED_GAUGE[2])))
     return rows
 
 

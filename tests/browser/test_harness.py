@@ -12,6 +12,8 @@ import pytest
 import numpy as np
 from PIL import Image
 
+from conftest import REPO
+
 from kvlab import BlockPool
 from kvlab.viz import FrameBuilder, RandomWorkload, build_frame, decode_frame, export_html, record
 from kvlab.viz import frames as fr
@@ -174,6 +176,63 @@ def test_flashes_fade_over_frames_and_counters_match(harness):
     assert d["framesReceived"] == d["framesSent"] == "3"
     assert harness.evaluate("() => [m.get('frames_received'), m.saves]") == [3, 3]
     assert harness.evaluate("() => m.sent[0].type") == "ready"
+
+
+def test_the_end_of_a_run_shows_states_not_the_last_flash(harness):
+    """A flash fades over the pictures after it; at the end of a run none come, so once the run has ended (or
+    the view replays a saved run, or a page has no kernel) the last picture shows the blocks' states. Earlier
+    pictures keep their flashes, and a running view shows the newest one."""
+    p = BlockPool(16, with_storage=False)
+    b = FrameBuilder(p)
+    frames = [b.build()]
+    p.allocate(1)  # block 0 just allocated, in the last picture
+    frames.append(b.build())
+    mount(harness, "pool", frames, '{status: "running"}')
+    flash = list(FLASH_RGB[fr.FLASH_ALLOCATED])
+    assert cell(harness, 0) == flash
+    harness.evaluate("() => { m.set('status', 'done'); m.emit('change:status'); }")
+    assert cell(harness, 0) == list(STATE_RGB["ALLOC1"])
+    assert root_data(harness)["index"] == "1"
+    harness.evaluate("() => document.querySelector('.kv-root').kv.show(0)")  # an earlier picture: as it was
+    assert cell(harness, 0) == list(STATE_RGB["FREE"])
+    harness.evaluate("() => { document.getElementById('app').innerHTML = ''; globalThis.kvlabNoKernel = true; }")
+    try:
+        mount(harness, "fragmentation", frames)
+        assert cell(harness, 0) == list(STATE_RGB["ALLOC1"])  # a page with no kernel: the end is settled
+    finally:
+        harness.evaluate("() => { delete globalThis.kvlabNoKernel; }")
+
+
+def test_the_fragmentation_gauges_name_and_show_what_the_detector_prints(harness):
+    """One vocabulary, read off the screen: every gauge of the live fragmentation view carries a name the
+    chapters' GLOSSARY.md defines, and shows the value FragmentationDetector prints under that name (and
+    memory_usage for blocks held and cached), to the 0.1% the gauge shows."""
+    from kvlab.memory.fragmentation import FragmentationDetector, memory_usage
+
+    glossary = (REPO / "chapters" / "GLOSSARY.md").read_text()
+    p = BlockPool(256, block_sizes=[16, 32, 64], with_storage=False, seed=4)
+    held = [p.allocate(1, size_class=k % 3) for k in range(40)]
+    for k, ids in enumerate(held):
+        p.set_token_counts(ids, [1 + (7 * k) % (16 << (k % 3))])
+    for ids in held[::3]:
+        p.free(ids)
+    p.mark_reusable(held[1])
+    p.free(held[1])  # cached
+    d, usage = FragmentationDetector(p).detect_fragmentation(), memory_usage(p)
+    printed = {"blocks held": 100 * usage["used"] / usage["total"],
+               "cached (reusable)": 100 * usage["cached"] / usage["total"],
+               "unusable free memory": d["fragmentation_percent"],
+               "internal waste": 100 * d["internal_waste"],
+               "external fragmentation (contiguity)": 100 * d["external_fragmentation"]}
+    mount(harness, "fragmentation", [build_frame(p)])
+    shown = dict(harness.evaluate("() => [...document.querySelectorAll('.kv-gauge')].map((g) => "
+                                  "[g.querySelector('.kv-gauge-name').textContent, "
+                                  "parseFloat(g.querySelector('.kv-gauge-value').textContent)])"))
+    assert list(shown) == list(printed)
+    for name, value in shown.items():
+        assert f" {name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
+        assert value == pytest.approx(printed[name], abs=0.051), name
+    assert shown["cached (reusable)"] > 0 and 0 < shown["unusable free memory"]
 
 
 def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_pool):
