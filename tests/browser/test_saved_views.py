@@ -49,10 +49,11 @@ def roots(page):
 
 
 def pictures(page) -> list[str]:
-    """What the three views show: the pool grid's pixels (a PNG data URL) of the pool view and the dashboard,
-    the eviction panel's words and bar widths."""
-    return page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output .kv-root')].map((r, i) =>
-      i === 1 ? r.querySelector('.kv-evictions').innerText + [...r.querySelectorAll('.kv-bar')].map(
+    """What the two views of the ended run show: the pool grid's pixels (a PNG data URL), the eviction panel's
+    words and bar widths. (The dashboard's last step still flashes in the live notebook, where more may come;
+    its saved run ends settled.)"""
+    return page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output .kv-root')].slice(0, 2).map(
+      (r, i) => i === 1 ? r.querySelector('.kv-evictions').innerText + [...r.querySelectorAll('.kv-bar')].map(
         (b) => b.style.width).join() : r.kv.panels[0].canvas.toDataURL())""")
 
 
