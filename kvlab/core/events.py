@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from kvlab.core.errors import ConfigError
 
@@ -179,6 +179,36 @@ class EventBus(list):
             self.failures.append((fn, event, error))
             log.error("kvlab: event subscriber %r raised %r on %r; it is unsubscribed and the pool call "
                       "completed without it (subscribe it again once fixed)", fn, error, event, exc_info=error)
+
+
+L = TypeVar("L", bound="Listener")
+
+
+class Listener:
+    """Listens to a bus from when it is made until :meth:`close` (or the end of a ``with`` block); a subclass says
+    in ``_on_event`` what an event does. Closing twice is harmless."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self._unsubscribe: Callable[[], None] | None = bus.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        raise NotImplementedError
+
+    @property
+    def listening(self) -> bool:
+        return self._unsubscribe is not None
+
+    def __enter__(self: L) -> L:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
 
 class EventRecorder:

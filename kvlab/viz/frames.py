@@ -211,11 +211,11 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-class FrameBuilder:
+class FrameBuilder(ev.Listener):
     """Builds the frames of one pool from its events. It reads every block's state, refcount and size class once,
     when it attaches, then follows the pool's events; each :meth:`frame` consumes the flashes, evictions and moves
     collected since the previous one. Call :meth:`close` (or use it as a context manager) to unsubscribe: a
-    listening pool builds an event object for every mutation.
+    listening pool builds an event object for every mutation; a frame made afterwards reads the pool afresh.
 
     Whoever drives the workload sets :attr:`step` (the step being taken, then the last one taken) and
     :attr:`steps` (how many the workload will take, None if unknown); frames then say "step 507 of 600".
@@ -243,20 +243,8 @@ class FrameBuilder:
         self.resyncs = 0  # reads of the whole pool: 1 (attaching) unless events fell short (see frame)
         self.tail_sources: list[Callable[[], dict[str, Any]]] = []
         with pool.lock:  # subscribed and read in one hold of the lock: no event falls between the two
-            self._unsubscribe: Callable[[], None] | None = pool.events.subscribe(self._on_event)
+            super().__init__(pool.events)
             self.resync()
-
-    def __enter__(self) -> "FrameBuilder":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop listening; a frame made afterwards reads the pool afresh."""
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
 
     def resync(self) -> None:
         """Read every block's state, refcount and size class from the pool (under its lock): when attaching, and
@@ -348,7 +336,7 @@ class FrameBuilder:
         eviction or a release whose evict hook raised); :class:`~kvlab.viz.LiveRun` resyncs after a failed
         step as well."""
         p = self.pool
-        return self._unsubscribe is not None and self._on_event in p.events and free == p.num_free_blocks
+        return self.listening and self._on_event in p.events and free == p.num_free_blocks
 
     # ------------------------------------------------------------------ making frames
     def frame(self, **extra: Any) -> Frame:

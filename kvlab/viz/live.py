@@ -296,9 +296,9 @@ class LiveRun:
         if self._elsewhere(self.pause):
             return
         if self.state == "running":
-            self.state = "paused"
             self._resume.clear()
             self.send(force=True)
+            self.state = "paused"  # last: whoever hears of the pause finds its frame already sent
 
     def pause_soon(self) -> None:
         """Pause between two steps, from the loop's queue: safe where the run may be mid-step (a signal

@@ -30,8 +30,8 @@ from matplotlib.text import Text
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
 from kvlab.viz.frames import CACHED, Frame, decode_frame, frame_of, free_runs
-from kvlab.viz.palette import (CACHED_GAUGE, CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB, STATE_WORDS,
-                               VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
+from kvlab.viz.palette import (CACHED_GAUGE, CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB,
+                               STATE_WORDS, VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
 
 
 MIN_PT = 9.0  # the smallest text a reader sees, in points

@@ -35,7 +35,7 @@ from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
 from kvlab.core.checks import check_positive, is_int, is_text, show
 from kvlab.core.errors import ConfigError
-from kvlab.core.events import Event
+from kvlab.core.events import Event, Listener
 from kvlab.core.pool import BlockPool
 from kvlab.core.sequence import CopiedOnWrite, SequenceManager
 from kvlab.serve.engine import Engine
@@ -62,7 +62,7 @@ class TableRow(NamedTuple):
     more: int
 
 
-class BlockTables:
+class BlockTables(Listener):
     """The block tables of ``source``'s live sequences, for frames (see the module docstring for the sources).
 
     :meth:`tail` returns ``{"tables": ...}``, the entry a frame's tail carries: the first ``max_rows`` sequences,
@@ -76,19 +76,7 @@ class BlockTables:
         self.pool, self._read = _reader(source, pool)  # refused here, before anything listens
         self.copied: list[tuple[int, int, int]] = []  # (row id, position, block): copies still where they landed
         self._new: list[int] = []  # blocks copied on write since the last tail
-        self._unsubscribe: Callable[[], None] | None = self.pool.events.subscribe(self._on_event)
-
-    def __enter__(self) -> BlockTables:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop listening for copies on write (tables read afterwards mark only the copies seen until now)."""
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
+        super().__init__(self.pool.events)  # closed, tables mark only the copies on write seen until then
 
     def _on_event(self, e: Event) -> None:
         if isinstance(e, CopiedOnWrite):

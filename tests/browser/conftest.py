@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,26 @@ def known_pool():
     exec(KNOWN_POOL, ns)
     ns["p"].check_invariants()
     return ns["p"], KNOWN_KEYS
+
+
+def wait_until(fn, timeout: float = 30, what: str = "condition"):
+    """Poll ``fn`` every 0.1 s until it returns something true (returned), else fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := fn()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def page_errors(page) -> list[str]:
+    """The script errors ``page`` throws from now on (a list that fills), except Notebook 7's own: 7.6.5 throws
+    "Cannot read properties of undefined (reading 'schema')" from its bundle while opening any notebook (one
+    cell ``1+1``, no settings of kvlab's: measured)."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: None if "/static/notebook/notebook_core" in (e.stack or "") else
+            errors.append(str(e)))
+    return errors
 
 
 def _missing(what: str) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import base64
 import re
-import time
 
 import pytest
+from conftest import wait_until
 
 from kvlab import ChatSession, TinyLlama
 from kvlab.viz.browser import open_notebook, run_cell, write_notebook
@@ -109,13 +109,6 @@ def data(page) -> dict:
     return page.evaluate("() => ({...document.querySelector('.jp-OutputArea-output .kv-root').dataset})")
 
 
-def wait_until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 @pytest.mark.llm

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KNOWN_KEYS, KNOWN_POOL
+from conftest import KNOWN_KEYS, KNOWN_POOL, page_errors, wait_until
 
 from kvlab.app import bench
 from kvlab.viz.browser import open_notebook, run_cell, write_notebook
@@ -42,6 +42,15 @@ CELLS = [
 ]
 
 
+def open_cells(browser, server, name: str, cells: list[str]):
+    """A notebook of ``cells`` written to the server's folder and opened in a new page: (page, its errors)."""
+    write_notebook(server["work"] / name, cells)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors = page_errors(page)
+    open_notebook(page, server["url"], name, app=server["app"])
+    return page, errors
+
+
 def roots(page):
     return page.locator(".jp-OutputArea-output .kv-root")
 
@@ -64,15 +73,6 @@ def canvas_url(page, i: int) -> str:
                          ".canvas.toDataURL()", i)
 
 
-def wait_until(fn, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_notebook_views_in_jupyterlab(browser, lab, tmp_path):
@@ -166,17 +166,11 @@ def test_pause_resume_scrub_step_and_interrupt_an_awaited_live_run(browser, fron
     back shows an earlier picture while frames keep arriving; paused, "one forward" at the latest picture takes
     one step of the workload; Kernel > Interrupt then ends the cell with KeyboardInterrupt, the run stopped, and
     the kernel runs the next cell."""
-    from test_saved_views import ours
-
     cells = ["from kvlab import BlockPool\nfrom kvlab.viz import PoolView, RandomWorkload\n"
              "q = BlockPool(256, with_storage=False)\nv = PoolView(q)\nv",
              "run = v.live(RandomWorkload(q, seed=1, steps=10**6), steps_per_second=40)\nawait run",
              "print('USABLE', run.state, q.check_invariants() is None)"]
-    write_notebook(front_end["work"] / "awaited.ipynb", cells)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    page.on("pageerror", ours(errors))
-    open_notebook(page, front_end["url"], "awaited.ipynb", app=front_end["app"])
+    page, errors = open_cells(browser, front_end, "awaited.ipynb", cells)
     run_cell(page, 0)
     wait_until(lambda: roots(page).count() >= 1, 60, "the view")
     run_cell(page, 1)
@@ -221,19 +215,13 @@ def test_pause_resume_scrub_step_and_interrupt_a_background_live_run(browser, fr
     pause, resume, scrub back while it runs, one step while paused; Kernel > Interrupt with no cell running pauses
     it (ipykernel ignores that signal between cells: it used to change nothing); the view resumes it; a long cell
     run meanwhile is still interrupted itself, and the run goes on after it."""
-    from test_saved_views import ours
-
     cells = ["from kvlab import BlockPool\nfrom kvlab.viz import PoolView, RandomWorkload\n"
              "q = BlockPool(256, with_storage=False)\nv = PoolView(q)\ndisplay(v)\n"
              "run = v.live(RandomWorkload(q, seed=1, steps=10**6), steps_per_second=40)\nrun.start();",
              "import time\ntime.sleep(60)",
              "import asyncio\nrun.stop()\nawait asyncio.gather(run.task, return_exceptions=True)\n"
              "print('USABLE', run.state, q.check_invariants() is None)"]
-    write_notebook(front_end["work"] / "background.ipynb", cells)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    page.on("pageerror", ours(errors))
-    open_notebook(page, front_end["url"], "background.ipynb", app=front_end["app"])
+    page, errors = open_cells(browser, front_end, "background.ipynb", cells)
     run_cell(page, 0)
     wait_until(lambda: roots(page).count() >= 1 and data(page, 0)["status"] == "running", 60, "the background run")
     view = roots(page).nth(0)

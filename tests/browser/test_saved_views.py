@@ -11,6 +11,7 @@ import time
 
 import nbformat
 import pytest
+from conftest import page_errors, wait_until
 
 from kvlab.viz import saved
 from kvlab.viz.browser import open_notebook, run_cell, write_notebook
@@ -28,20 +29,8 @@ CELLS = [
 STATE = "application/vnd.jupyter.widget-state+json"
 
 
-def wait_until(fn, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
-def ours(errors: list[str]):
-    """A page-error handler keeping the errors that are not Notebook 7's own: 7.6.5 throws "Cannot read properties
-    of undefined (reading 'schema')" from its bundle while opening any notebook (one cell ``1+1``, no settings of
-    kvlab's: measured)."""
-    return lambda e: None if "/static/notebook/notebook_core" in (e.stack or "") else errors.append(str(e))
 
 
 def roots(page):
@@ -73,8 +62,7 @@ def test_a_saved_notebook_reopens_with_every_view_and_its_run(browser, front_end
     app, path = server["app"], server["work"] / "saved.ipynb"
     write_notebook(path, CELLS)
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    errors: list[str] = []
-    page.on("pageerror", ours(errors))
+    errors = page_errors(page)
     open_notebook(page, server["url"], "saved.ipynb", app=app)
     for i in range(len(CELLS)):
         run_cell(page, i)
@@ -95,7 +83,7 @@ def test_a_saved_notebook_reopens_with_every_view_and_its_run(browser, front_end
     page.close()
 
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.on("pageerror", ours(errors))
+    errors2 = page_errors(page)
     open_notebook(page, server["url"], "saved.ipynb", app=app)  # a fresh kernel, which knows none of the views
     wait_until(lambda: roots(page).count() == 3, 60, "the views drawn from the saved state")
     assert "model not found" not in page.locator("body").inner_text()
@@ -120,5 +108,5 @@ def test_a_saved_notebook_reopens_with_every_view_and_its_run(browser, front_end
     wait_until(lambda: "kv-no-kernel" in (dash.get_attribute("class") or ""), 10, "no kernel noticed")
     assert not dash.locator(".kv-controls").is_visible()
     assert "no kernel answers" in dash.locator(".kv-label").inner_text()
-    assert not errors, errors
+    assert not errors and not errors2, (errors, errors2)
     page.close()
