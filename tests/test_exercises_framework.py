@@ -12,10 +12,9 @@ from kvlab.exercises.framework import EXERCISES, PREDICTIONS
 
 
 @pytest.fixture(autouse=True)
-def fresh_progress():
-    ex.reset()
-    yield
-    ex.reset()
+def fresh_progress(monkeypatch):
+    """A kernel's record as a fresh kernel has it (the tests' own, put back after)."""
+    monkeypatch.setattr(fw, "_PROGRESS", fw._Progress())
 
 
 def test_every_exercise_has_three_distinct_hint_stages_and_a_kind():
@@ -55,6 +54,9 @@ def test_a_prediction_is_compared_with_the_measurement_that_follows():
     assert "还没有" in ex.predict(key, ...)
     missed = ex.reveal(key, options[0])
     assert not missed.ok and "no prediction" in missed.message
+    assert "revealed" in ex.predict(key, options[0])  # the measurement is on the screen: too late
+    assert key not in fw._PROGRESS.predicted
+    ex.reset("2.2.1")
     ex.predict(key, options[0])
     assert ex.reveal(key, options[0]).ok
     if p.choices and len(p.choices) > 1:
@@ -109,8 +111,48 @@ def test_a_numeric_prediction_matches_within_its_tolerance():
     key = "2.2.1-azure-ratio"  # within 30%
     ex.predict(key, 20)
     assert ex.reveal(key, 23.1).ok and not ex.reveal(key, 30.0).ok
+    ex.reset("2.2.1")
     ex.predict(key, 5)
     assert not ex.reveal(key, 23.1).ok
+
+
+def test_a_revealed_prediction_is_locked_and_a_reset_keeps_what_it_cleared():
+    """Predict, then see: once the measurement is shown, neither a new value nor ``...`` changes the prediction
+    (a cell run again says so); a reveal with no prediction locks it too. ``reset`` unlocks the chapter and
+    keeps its score in ``history``; every judgement stays in ``attempts``."""
+    key = "2.2.1-waste-trend"
+    ex.predict(key, "rises")
+    assert ex.reveal(key, "rises").ok
+    for later in ("falls", ...):
+        assert "the prediction stays 'rises'" in ex.predict(key, later)
+    s = ex.summary("2.2.1")
+    assert (s.predicted, s.matched) == (1, 1)
+    other = "2.2.1-azure-ratio"
+    assert not ex.reveal(other, 20.0).ok  # no prediction: the answer is out now
+    assert "stays 没有预测 (none)" in ex.predict(other, 20.0) and ex.summary("2.2.1").matched == 1
+    ex.check("2.2.1-utilisation", 0.5)
+    ex.reset("2.2.1")
+    (kept,) = ex.history("2.2.1")
+    assert (kept.predicted, kept.matched, kept.attempted) == (1, 1, 1) and ex.history("2.2.2") == []
+    assert ex.summary("2.2.1").predicted == 0 and "recorded" in ex.predict(key, "falls")
+    assert [(a.key, a.ok) for a in ex.attempts("2.2.1")] == [(key, True), (other, False),
+                                                             ("2.2.1-utilisation", False)]
+    assert ex.attempts("2.2.1")[0].given == "'rises'" and ex.attempts("2.2.1")[2].stage == 1
+    ex.reset("2.2.1")
+    assert len(ex.history("2.2.1")) == 2  # the second reset cleared a prediction too
+    ex.reset("2.2.1")
+    assert len(ex.history("2.2.1")) == 2  # nothing to keep: an empty score is not history
+
+
+def test_the_placeholder_left_by_run_all_is_no_answer_and_no_miss():
+    """A chapter's answer cell says ``answer = ...`` until the student writes one; Run All checks it. That is
+    not a wrong answer: no miss, no attempt, no hint stage used up."""
+    key = "2.2.2-lru"
+    r = ex.check(key, ...)
+    assert not r.ok and "no answer yet" in r.message and not r.hint
+    s = ex.summary("2.2.2")
+    assert s.attempted == 0 and dict(s.rows)[key] == "—" and ex.attempts("2.2.2") == []
+    assert ex.check(key, [0, 1, 2, 3]).stage == 1  # the first real miss gets the first hint
 
 
 def test_summary_counts_right_answers_and_matched_predictions():

@@ -272,32 +272,31 @@ def test_a_prediction_of_exactly_the_largest_size_is_recorded(fresh_progress):
         ex.predict(key, int(PREDICTION_MAX) + 1)
 
 
-def test_a_reveal_without_a_prediction_forgets_the_earlier_verdict(fresh_progress):
-    """Bug: ``reveal`` of a key whose prediction was cleared keeping the earlier reveal's verdict, so the summary
-    still counts it matched. Predict, reveal (matched), clear, reveal again: nothing is matched any more."""
+def test_a_reveal_without_a_prediction_counts_nothing_matched(fresh_progress):
+    """Bug: ``reveal`` of a key with no prediction judging it matched (or keeping an earlier verdict), so the
+    summary counts a prediction nobody made. Reveal with nothing predicted: nothing matched, and the prediction is
+    locked; after a reset, a matched prediction counts once."""
     key = "2.2.1-waste-trend"
-    ex.predict(key, "rises")
-    assert ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 1
-    ex.predict(key, ...)
     assert not ex.reveal(key, "rises").ok
     s = ex.summary("2.2.1")
     assert (s.predicted, s.matched) == (0, 0) and dict(s.rows)[key] == "未预测 (not predicted)"
+    assert "revealed" in ex.predict(key, "rises") and ex.summary("2.2.1").matched == 0
+    ex.reset("2.2.1")
+    ex.predict(key, "rises")
+    assert ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 1
 
 
-def test_a_new_or_cleared_prediction_is_not_judged_by_the_last_reveal(fresh_progress):
-    """Found by the audit: ``predict`` kept the earlier reveal's verdict, so clearing a matched prediction read
-    "predictions 1/0 matched", and a new wrong prediction showed "matched" before any reveal."""
+def test_a_prediction_is_not_judged_before_its_reveal(fresh_progress):
+    """Found by the audit: a new prediction showed "matched" before any reveal. Predicted, not revealed: pending,
+    nothing matched; cleared before the reveal: not predicted."""
     key = "2.2.1-waste-trend"
     ex.predict(key, "rises")
-    assert ex.reveal(key, "rises").ok
+    s = ex.summary("2.2.1")
+    assert (s.predicted, s.matched) == (1, 0) and dict(s.rows)[key] == "'rises': 待揭晓 (pending)"
     ex.predict(key, ...)
     s = ex.summary("2.2.1")
     assert (s.predicted, s.matched) == (0, 0)
-    ex.predict(key, "rises")
-    assert ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 1
-    ex.predict(key, "falls")  # changed without clearing: not judged yet
-    s = ex.summary("2.2.1")
-    assert (s.predicted, s.matched) == (1, 0)
+    ex.predict(key, "falls")
     assert not ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 0
 
 

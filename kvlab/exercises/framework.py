@@ -24,7 +24,7 @@ from kvlab.core.spec import KVSpec
 __all__ = [
     "Canon", "Exercise", "Prediction", "Result", "Summary", "Unreadable", "Verdict", "KINDS", "HINT_STAGES",
     "fast_mode", "sized", "register", "register_prediction", "exercise", "list_exercises", "list_predictions",
-    "check", "prompt", "hint", "predict", "reveal", "summary", "reset",
+    "check", "prompt", "hint", "predict", "reveal", "summary", "reset", "Attempt", "attempts", "history",
     "canon", "same", "compare_fn", "returned", "agrees", "text", "metadata_pool",
 ]
 
@@ -156,14 +156,28 @@ EXERCISES: dict[str, Exercise] = {}
 PREDICTIONS: dict[str, Prediction] = {}
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One judgement, as :func:`attempts` lists them: the exercise or prediction, what was given (as text), the
+    verdict and, for an exercise, the hint stage it reached."""
+
+    key: str
+    given: str
+    ok: bool
+    stage: int = 0
+
+
 @dataclass
 class _Progress:
-    """What this kernel has seen: misses per exercise (they drive the hint stage), last verdicts, predictions."""
+    """What this kernel has seen: misses per exercise (they drive the hint stage), last verdicts, predictions,
+    every judgement (``log``) and the scores that :func:`reset` cleared (``history``)."""
 
     misses: dict[str, int] = field(default_factory=dict)
     solved: dict[str, bool] = field(default_factory=dict)
     predicted: dict[str, Any] = field(default_factory=dict)
-    revealed: dict[str, bool] = field(default_factory=dict)
+    revealed: dict[str, bool] = field(default_factory=dict)  # a revealed prediction is locked: its verdict
+    log: list[Attempt] = field(default_factory=list)
+    history: list["Summary"] = field(default_factory=list)
 
 
 _PROGRESS = _Progress()
@@ -225,12 +239,16 @@ def list_predictions(chapter: str | None = None) -> list[str]:
 
 def check(key: str, answer: Any) -> Result:
     """Check ``answer`` to exercise ``key``. A wrong answer carries a hint that gets more specific with each miss
-    (nudge, then method, then formula)."""
+    (nudge, then method, then formula). ``...`` (the chapters' placeholder, left as it is by Run All) is no
+    answer yet: nothing is judged or counted."""
     ex = exercise(key)
+    if answer is Ellipsis:
+        return Result(key, False, "还没有答案 (no answer yet): 把 ... 换成你的答案 (replace ... with yours)")
     result = ex.check(answer, _PROGRESS.misses.get(key, 0) + 1)
     if not result.ok:
         _PROGRESS.misses[key] = _PROGRESS.misses.get(key, 0) + 1
     _PROGRESS.solved[key] = result.ok
+    _PROGRESS.log.append(Attempt(key, text(answer), result.ok, result.stage))
     return result
 
 
@@ -254,11 +272,16 @@ def predict(key: str, value: Any) -> str:
     """Record the prediction ``value`` for ``key`` before the chapter measures it; returns what was recorded.
 
     ``...`` (Ellipsis) means "not predicted yet" and clears an earlier prediction. A value that is not one of
-    the question's choices, or not a plain value (see :func:`canon`), is refused with :class:`ConfigError`."""
+    the question's choices, or not a plain value (see :func:`canon`), is refused with :class:`ConfigError`.
+    Once :func:`reveal` has shown the measurement, the prediction is locked (a cell run again keeps it):
+    :func:`reset` starts the chapter over."""
     p = _prediction(key)
+    if key in _PROGRESS.revealed:
+        held = repr(_PROGRESS.predicted[key]) if key in _PROGRESS.predicted else "没有预测 (none)"
+        return (f"[{key}] 已揭晓，预测不再改变 (revealed: the prediction stays {held}); "
+                "reset 重新开始 (reset starts over)")
     if value is Ellipsis:
         _PROGRESS.predicted.pop(key, None)
-        _PROGRESS.revealed.pop(key, None)  # a verdict is about the prediction it judged
         return f"[{key}] 还没有预测 (no prediction yet)"
     try:
         c = canon(value)
@@ -271,23 +294,36 @@ def predict(key: str, value: Any) -> str:
         raise ConfigError(f"prediction {key!r}: expected a finite number of at most {PREDICTION_MAX:.0e} in size, "
                           f"got {show(value)}")
     _PROGRESS.predicted[key] = c
-    _PROGRESS.revealed.pop(key, None)  # a new prediction is not judged until the next reveal
     return f"[{key}] 已记录预测 (prediction recorded): {c!r}"
 
 
 def reveal(key: str, measured: Any) -> Result:
-    """Compare the recorded prediction for ``key`` with ``measured`` (what kvlab just measured)."""
+    """Compare the recorded prediction for ``key`` with ``measured`` (what kvlab just measured). From now on the
+    prediction is locked, made or not: the measurement is on the screen."""
     p = _prediction(key)
     truth = canon(measured)
     if p.choices and truth not in p.choices:
         raise ConfigError(f"prediction {key!r}: the measurement {measured!r} is not one of {list(p.choices)}")
-    if key not in _PROGRESS.predicted:  # (then it has no verdict either: predict clears it)
+    if key not in _PROGRESS.predicted:
+        _PROGRESS.revealed[key] = False
+        _PROGRESS.log.append(Attempt(key, "", False))
         return Result(key, False, f"没有记录预测 (no prediction recorded); 测得 (measured) {truth!r}")
     guess = _PROGRESS.predicted[key]
     ok = _close(truth, guess, p.rel_tol) if isinstance(truth, (int, float)) else truth == guess
     _PROGRESS.revealed[key] = ok
+    _PROGRESS.log.append(Attempt(key, repr(guess), ok))
     tol = f" (±{p.rel_tol:.0%})" if p.rel_tol and isinstance(truth, (int, float)) else ""
     return Result(key, ok, f"你预测 (you predicted) {guess!r}{tol}, 测得 (measured) {truth!r}")
+
+
+def attempts(chapter: str | None = None) -> list[Attempt]:
+    """Every judgement made in this kernel (of ``chapter`` only if given), in order; :func:`reset` keeps them."""
+    return [a for a in _PROGRESS.log if chapter is None or a.key.split("-", 1)[0] == chapter]
+
+
+def history(chapter: str | None = None) -> list[Summary]:
+    """The scores :func:`reset` cleared (of ``chapter`` only if given), oldest first."""
+    return [h for h in _PROGRESS.history if chapter is None or h.chapter == chapter]
 
 
 @dataclass(frozen=True)
@@ -348,7 +384,13 @@ def summary(chapter: str) -> Summary:
 
 
 def reset(chapter: str | None = None) -> None:
-    """Forget answers and predictions (of ``chapter`` only if given), e.g. to start a chapter again."""
+    """Start over (``chapter`` only if given): answers and predictions are forgotten, unlocked, and each score
+    that had anything in it is kept in :func:`history` (every judgement stays in :func:`attempts`)."""
+    chapters = {e.chapter for e in EXERCISES.values()} | {p.chapter for p in PREDICTIONS.values()}
+    for ch in sorted(chapters if chapter is None else chapters & {chapter}):
+        s = summary(ch)
+        if s.attempted or s.predicted or any(k in _PROGRESS.revealed for k in list_predictions(ch)):
+            _PROGRESS.history.append(s)
     for d in (_PROGRESS.misses, _PROGRESS.solved, _PROGRESS.predicted, _PROGRESS.revealed):
         for k in [k for k in d if chapter is None or k.split("-", 1)[0] == chapter]:
             del d[k]
