@@ -1,7 +1,9 @@
 """A KV connector: the blocks of a prompt's KV cache move from a prefill rank's pool to a decode rank's pool.
 
-The API is split the way real engines split it (vLLM's KV connector v1), so a student can go from here to a
-real connector. Each side has a *scheduler* half (bookkeeping, no bytes) and a *worker* half (bytes):
+The API is split the way vLLM 0.34.0's ``KVConnectorBase_V1`` is split (docs/facts.md, F57-F66), so a student can
+go from here to a real connector. Each side has a *scheduler* half (bookkeeping, no bytes) and a *worker* half
+(bytes). The names are vLLM's except ``start_save`` and ``poll_requests`` (marked *): kvlab's own, for the
+handshake in which the sender hears what the receiver already has; vLLM has no such methods.
 
 =============================  ==============================================  =================================
                                prefill rank (:class:`KVSender`)                decode rank (:class:`KVReceiver`)
@@ -12,7 +14,7 @@ scheduler                      ``request_finished``: hold the blocks until     `
                                                                                ``update_state_after_alloc``: the
                                                                                blocks that will receive;
                                                                                ``build_connector_meta``
-worker                         ``start_save`` (announce, hear what the peer    ``poll_requests``,
+worker                         ``start_save``* (announce, hear what the peer   ``poll_requests``*,
                                already has), ``save_kv_layer``,                ``start_load_kv``,
                                ``wait_for_save``, ``get_finished``             ``wait_for_layer_load``,
                                                                                ``get_finished``
