@@ -51,6 +51,14 @@ def open_cells(browser, server, name: str, cells: list[str]):
     return page, errors
 
 
+def settle_after_error(page) -> None:
+    """Wait until the kernel is idle after an interrupted cell, and a little more: a cell sent while ipykernel is
+    still answering the error is aborted with it (stop_on_error), and its output never comes."""
+    page.wait_for_function("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status "
+                           "=== 'idle'", timeout=30_000)
+    time.sleep(1)
+
+
 def roots(page):
     return page.locator(".jp-OutputArea-output .kv-root")
 
@@ -204,6 +212,7 @@ def test_pause_resume_scrub_step_and_interrupt_an_awaited_live_run(browser, fron
     page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")
     page.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
     wait_until(lambda: data(page, 0)["status"] == "stopped", 20, "the run stopped")
+    settle_after_error(page)
     run_cell(page, 2)
     page.locator(".jp-OutputArea-output pre", has_text="USABLE stopped True").wait_for(timeout=30_000)
     assert not errors, errors
@@ -251,6 +260,7 @@ def test_pause_resume_scrub_step_and_interrupt_a_background_live_run(browser, fr
     arrived = int(data(page, 0)["framesReceived"])
     wait_until(lambda: int(data(page, 0)["framesReceived"]) > arrived + 5, 20, "the run going on after the cell")
     assert data(page, 0)["status"] == "running"
+    settle_after_error(page)
     run_cell(page, 2)
     page.locator(".jp-OutputArea-output pre", has_text="USABLE stopped True").wait_for(timeout=30_000)
     assert not errors, errors
