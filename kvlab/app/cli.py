@@ -410,6 +410,39 @@ def _chapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exercise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("key", nargs="?", metavar="KEY", help="the exercise to draw, e.g. 2.2.4-moves (none: list them)")
+    p.add_argument("-s", "--seed", type=_seed, default=None, help="the problem's seed (default: a fresh one, shown)")
+    p.add_argument("-c", "--compute", action="store_true", help="also show the answer and how it follows")
+
+
+def _seed(text: str) -> int:
+    from kvlab.exercises.scenarios import SEED_MAX
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed in 0..{SEED_MAX}")
+    return value
+
+
+@command("exercise", "draw a chapter's exercise afresh from a seed (-s), the answer on request (-c), as OSTEP's "
+                     "simulators do", _exercise_args)
+def _exercise(args: argparse.Namespace) -> int:
+    from kvlab.exercises import draw, list_scenarios, prompt
+
+    if args.key is None:
+        print("\n".join(f"{k}: {prompt(k).splitlines()[0][:70]}" for k in list_scenarios()))
+        return 0
+    problem = draw(args.key, args.seed)
+    print(problem)
+    if args.compute:
+        print(problem.solution())
+    return 0
+
+
 def _lab_args(p: argparse.ArgumentParser) -> None:
     from kvlab.app.lab import DEFAULT_PORT
 

@@ -34,7 +34,8 @@ def transfer_bytes(prompt_len: int, shared: int, prompts: int = 1) -> int:
           "(how many bytes move for a 200-token prompt whose first 128 tokens the decode rank caches?)",
           ("只有没缓存的块才传；最后一个不满的块也要整块传。",
            "先算一个块的字节数：2 (K 和 V) × 层数 × KV 头数 × head_dim × 4 字节 × 16 token；再数要传的块。",
-           "(ceil(200 / 16) - 128 / 16) × 2 × 2 × 2 × 16 × 4 × 16 = 5 × 8192"))
+           "先算要传几块：总块数 ceil(200 / 16) 减去对方已有的 128 / 16 块；每块字节 = 2 (K 和 V) × 层数 × KV 头数 × "
+           "head_dim × dtype 字节数 × block_size。"))
 def _bytes(answer: Any) -> Verdict:
     return same(answer, transfer_bytes(200, 128), "传输的字节数 (bytes moved)")
 
@@ -44,7 +45,8 @@ def _bytes(answer: Any) -> Verdict:
           "答案写成 (tp2_bytes, tp4_bytes)。(bytes of one 16-token block on each rank for tp=2 and tp=4)",
           ("每个 rank 只存自己那几个 KV 头。",
            "tp ≤ KV 头数时每个 rank 有 num_kv_heads / tp 个头；tp 更大时一个头不能再切，只能复制。",
-           "tp=2: 2 × 2 层 × 1 头 × 16 × 4 × 16；tp=4: 仍是 1 个头（复制），字节数相同"),
+           "tp 把 KV 头平分给各 rank；头数不够分时，每个 rank 拿一个头的复制。每 rank 每块字节 = 2 × 层数 × 每 rank "
+           "的头数 × head_dim × dtype 字节数 × block_size。"),
           kind="interpret")
 def _tp_block(answer: Any) -> Verdict:
     model = TinyLlama(TinyConfig())

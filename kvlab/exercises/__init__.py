@@ -11,7 +11,8 @@ Two kinds of record a student makes:
 
 A wrong answer gets a hint in stages: the first miss a nudge, the second the method, the third and later the
 formula. A tuple or list answer is judged item by item, so the student sees which part is wrong.
-:func:`summary` reports a chapter's score (answers right, predictions made and matched). A prediction is locked
+:func:`draw` gives a chapter's exercise again with fresh numbers from a seed (``kvlab exercise KEY -s SEED``;
+the answer on request, ``-c``). :func:`summary` reports a chapter's score (answers right, predictions made and matched). A prediction is locked
 once its measurement is revealed; :func:`reset` starts a chapter over and keeps the score it cleared
 (:func:`history`); every judgement is kept (:func:`attempts`). ``...``, the chapters' placeholder, is no answer:
 Run All leaves it and nothing is counted.
@@ -31,15 +32,17 @@ from __future__ import annotations
 from kvlab.exercises.framework import (HINT_STAGES, KINDS, Attempt, Canon, Exercise, Prediction, Result, Summary,
                                        Unreadable, Verdict, agrees, attempts, canon, check, compare_fn, exercise,
                                        fast_mode, hint, history, list_exercises, list_predictions, metadata_pool,
-                                       predict, prompt, register, register_prediction, reset, returned, reveal, same,
-                                       sized, summary, text)
+                                       predict, prompt, record, register, register_prediction, reset, returned,
+                                       reveal, same, sized, summary, text)
 # The chapters' modules register their exercises on import.
 from kvlab.exercises import ch2_2_1, ch2_2_2, ch2_2_3, ch2_2_4, ch2_2_5, ch2_2_6  # noqa: F401
+from kvlab.exercises.scenarios import Problem, draw, list_scenarios
 
 __all__ = [
     "Canon", "Exercise", "Prediction", "Result", "Summary", "Unreadable", "Verdict", "KINDS", "HINT_STAGES",
     "fast_mode", "sized", "register", "register_prediction", "exercise", "list_exercises", "list_predictions",
     "check", "prompt", "hint", "predict", "reveal", "summary", "reset", "Attempt", "attempts", "history", "canon",
+    "record", "Problem", "draw", "list_scenarios",
     "same", "compare_fn", "returned",
     "agrees", "text", "metadata_pool",
 ]

@@ -42,8 +42,8 @@ def _status(c: Canon) -> BlockStatus:
           "写成集合 {(old, new), ...}，old/new 用 BlockStatus 成员。",
           ("一个块从哪里来、到哪里去？每个状态至少有一条出路。",
            "逐个状态问：FREE 怎样被占用？PENDING 是预留，可以提交也可以放弃；ALLOCATED 怎样离开？",
-           "FREE→PENDING, FREE→ALLOCATED, PENDING→ALLOCATED, PENDING→FREE, ALLOCATED→FREE, "
-           "ALLOCATED→EVICTING, EVICTING→FREE 之外还有没有？用 BlockStatus.check(-1, old, new) 逐对试。"))
+           "画一张 4×4 的表（旧状态 × 新状态），每一格用 BlockStatus.check(-1, old, new) 试一次："
+           "不抛错的格子就是合法转移。"))
 def _judge_transitions(answer: Any) -> Verdict:
     legal = legal_transitions()
     shape = "答案应是 (old, new) 二元组的集合 (a set of (old, new) pairs)"
@@ -63,23 +63,25 @@ def _judge_transitions(answer: Any) -> Verdict:
     extra, missing = given - legal, legal - given
     parts = []
     if extra:
-        parts.append("多了 (not legal): " + ", ".join(f"{o.name}->{n.name}" for o, n in sorted(extra)))
+        parts.append(f"多了 {len(extra)} 条不合法的 ({len(extra)} not legal)")  # named, each would be given away
     if missing:
         parts.append(f"少了 {len(missing)} 条 (missing {len(missing)})")
     return False, "; ".join(parts)
 
 
-def lru_scenario() -> list[int]:
-    """Four reusable blocks, released in the order 2, 0, 3, 1; block 0 is then reused and released again."""
-    pool = metadata_pool(4, 16, eviction_policy="lru")
-    blocks = pool.allocate(4)
+def lru_scenario(released: tuple[int, ...] = (2, 0, 3, 1), reused: tuple[int, ...] = (0,)) -> list[int]:
+    """Reusable blocks 0..n-1, released in the order ``released``; each of ``reused`` is then reused and released
+    again, in that order. The LRU pool's eviction order."""
+    pool = metadata_pool(len(released), 16, eviction_policy="lru")
+    blocks = pool.allocate(len(released))
     pool.mark_reusable(blocks)
-    for b in (2, 0, 3, 1):
+    for b in released:
         pool.free([b])
-    pool.incref([0])
-    pool.free([0])
+    for b in reused:
+        pool.incref([b])
+        pool.free([b])
     order = []
-    for _ in range(4):
+    for _ in released:
         victim = pool.evict()
         if victim is None:
             raise ConfigError("2.2.2-lru scenario: the pool found nothing to evict")  # a scenario bug, not an answer
@@ -93,7 +95,8 @@ def lru_scenario() -> list[int]:
           "接下来连续调用 4 次 pool.evict()，依次淘汰哪些块？答案写成列表。",
           ("LRU 淘汰的是最久没有被用过的块，不是最先分配的块。",
            "按时间写下每个块最后一次被访问的时刻（free 和 incref 都算访问），从最早的开始淘汰。",
-           "最后访问顺序是 2, 3, 1, 0（块 0 在最后被 incref/free 过），淘汰顺序就是这个顺序。"))
+           "把每次 allocate / incref / free 按时间排成一行，只看每个块最后一次被碰到的时刻；LRU "
+           "先淘汰最后一次最早的那个。想清楚哪些调用算“碰到”。"))
 def _judge_lru(answer: Any) -> Verdict:
     return same(answer, lru_scenario(), "淘汰顺序 (order)", [f"第 {i + 1} 个淘汰 (victim {i + 1})" for i in range(4)])
 
@@ -114,7 +117,8 @@ def refcount_scenario() -> tuple[int, str]:
           "此时块 b 的 reference_count 和 status.name 是什么？答案写成 (refcount, 'STATUS')。",
           ("free 不是“立刻回收”，它只是放下一个引用。",
            "从 allocate 的计数开始，逐步加减：列表里重复的 id 各算一次。",
-           "1 (allocate) + 2 (incref [b, b]) − 1 (decref) − 1 (free)；计数不为 0 时块仍是 ALLOCATED。"))
+           "逐个调用记下计数：allocate 把它设成几？incref 收到一个列表时，列表里每一项各加一次；decref、free "
+           "各减一次。计数为 0 和不为 0 时块各处于哪个状态？"))
 def _judge_refcount(answer: Any) -> Verdict:
     return same(answer, refcount_scenario(), "(refcount, status)", ("reference_count", "status"))
 
@@ -235,12 +239,13 @@ def text_block_story() -> tuple[int, int, str]:
           "答案写成 (第一次 allocate 后的 capacity(), release 后的 capacity(), 'ok' 或 'refused')。",
           ("容量跟着数据走：数据变了，容量也变了。",
            "逐行跟踪 self.data：allocate 换成了新数据，release 把它设成 None。",
-           "allocate 后 capacity = len(新数据) = 1024；release 后 data 是 None，capacity = 0；"
-           "16 > 0，所以第二次分配被拒绝：一个块只能用一次。"),
+           "在纸上写下每一行之后 self.data 是什么；capacity() 返回它的长度，data 为 None 时返回什么？第二次 allocate "
+           "拿 16 和当时的 capacity() 比。"),
           kind="errata")
 def _judge_errata_capacity(answer: Any) -> Verdict:
     return same(answer, text_block_story(), "(capacity, capacity, second allocate)",
-                ("allocate 后 (after allocate)", "release 后 (after release)", "第二次 allocate (second allocate)"))
+                ("allocate 后 (after allocate)", "release 后 (after release)", "第二次 allocate (second allocate)"),
+                two_way=("第二次 allocate (second allocate)",))
 
 
 TEXT_FRAGMENTATION = '''\
@@ -267,7 +272,8 @@ def text_fragmentation_story() -> tuple[int, int]:
           "答案写成 (文本公式, kvlab)。",
           ("在一个所有块一样大的池里，任何一个空闲块都能满足任何请求。",
            "文本公式只看“最大的空闲块占全部空闲的多少”；kvlab 问的是空闲内存里有多少拼不成一个最大的块。",
-           "文本：(4 × 4096 − 4096) / (4 × 4096) = 75%；kvlab：每个空闲块都是一个完整的块，不可用的空闲 = 0%。"),
+           "文本公式：把四个 4096 字节的空闲块代入 (总空闲 − 最大空闲) / 总空闲。kvlab 问的是另一件事："
+           "只有一种块大小的池里，有没有空闲块会小到用不上？"),
           kind="errata")
 def _judge_errata_fragmentation(answer: Any) -> Verdict:
     return same(answer, text_fragmentation_story(), "(text formula, kvlab)", ("文本公式 (text)", "kvlab"))

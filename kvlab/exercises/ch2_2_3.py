@@ -24,7 +24,8 @@ def sharing_scenario(users: int = 5, prefix_blocks: int = 3, own_blocks: int = 2
           "每个用户再各自 allocate 2 个块。共享块的引用计数是多少？池里一共用掉多少块？答案写成 (refcount, used)。",
           ("共享的块存几份？",
            "引用计数数的是“有几个用户在用”；用掉的块数 = 共享块 + 各自的块。",
-           "refcount = 用户数；used = prefix_blocks + users × own_blocks。"))
+           "每个用户的块表都指向同一份前缀块：一个前缀块被几张块表引用？已用的块 = 只存一份的前缀块 + "
+           "每个用户自己的块。"))
 def _judge_sharing(answer: Any) -> Verdict:
     return same(answer, sharing_scenario(), "(refcount, used blocks)", ("refcount", "used"))
 
@@ -47,7 +48,8 @@ def strategy_scenario() -> list[str]:
           "（'exact' / 'split' / 'merge' / 'evict' / 'wait'）？答案写成列表。",
           ("开始时只有一块最大的空闲块；小请求从哪里来？",
            "画出每次分配后各级空闲链表里有什么：切分留下的另一半还在链表里。",
-           "第一次只能把 128 一半一半切到 16（split），留下 16、32、64 各一块；下一次直接取 16（exact），以此类推。"))
+           "画出 16/32/64/128 四级空闲链表。每次分配先看本级有没有空闲块：有就直接取 (exact)，"
+           "没有就从更大的一级切一半 (split)，另一半挂回链表。逐次写下链表的样子。"))
 def _judge_strategies(answer: Any) -> Verdict:
     return same(answer, strategy_scenario(), "策略 (strategies)",
                 [f"第 {i + 1} 次 (request {i + 1})" for i in range(4)])
@@ -92,7 +94,8 @@ def text_allocator_story(callers: int = 3) -> list[int]:
           "答案写成列表。",
           ("“找到一个空闲块”和“占用它”是两件事。",
            "看 allocate_optimal_block 返回之前，块的 status 有没有被改掉。",
-           "没有任何代码把块标成 ALLOCATED，所以每次都找到同一个块 0：[0, 0, 0]。检查和占用之间的空档不需要线程。"),
+           "逐行跟踪 allocate_optimal_block：找到块以后，有没有哪一行改了它的状态，或把它从空闲链表里拿走？"
+           "第二个调用者看到的链表和第一个看到的一样吗？"),
           kind="errata")
 def _judge_errata_handout(answer: Any) -> Verdict:
     return same(answer, text_allocator_story(), "块 id (block ids)",
@@ -131,11 +134,12 @@ def text_evict_story(evictions: int = 2) -> tuple[int, int, str]:
           "答案写成 (len(pool.active), len(pool.free_lists[16]), 'found' 或 'None')。",
           ("被淘汰的块去了哪里？",
            "看 evict_block 把块从哪里拿走、又放到了哪里；get_best_block 只在哪里找？",
-           "evict 从 active 里删掉块，却不放进任何空闲链表：active 剩 2 个，空闲链表还是 0 个，重试得到 None。"
-           "所以“先淘汰、再重试”永远不会成功。"),
+           "画两个框：active 和 free_lists[16]。每次 evict_block 从哪个框拿走一块、又放进哪个框？get_best_block "
+           "只在哪个框里找？"),
           kind="errata")
 def _judge_errata_retry(answer: Any) -> Verdict:
-    return same(answer, text_evict_story(), "(active, free list, retry)", ("active", "free list", "retry"))
+    return same(answer, text_evict_story(), "(active, free list, retry)", ("active", "free list", "retry"),
+                two_way=("retry",))
 
 
 def blocks_saved(users: int, prefix_blocks: int = 3, own_blocks: int = 2) -> int:
@@ -152,7 +156,8 @@ def blocks_saved(users: int, prefix_blocks: int = 3, own_blocks: int = 2) -> int
           "和每人各存一份前缀相比，共享在 5 个用户时省下多少块？50 个用户时呢？答案写成 (5 个用户, 50 个用户)。",
           ("不共享时，每个用户都要自己存一份前缀。",
            "分别算不共享和共享两种情况用掉的块数，再相减；用户数变了，哪一部分跟着变？",
-           "省下 = (users − 1) × prefix_blocks：5 个用户省 12 块，用户越多省得越多（线性增长）。"),
+           "不共享时每个用户各存一份前缀，共享时前缀只存一份：省下的块 = 少存的前缀份数 × 每份前缀的块数。对 5 个和 "
+           "50 个用户各算一次。"),
           kind="parameter")
 def _judge_move_users(answer: Any) -> Verdict:
     return same(answer, (blocks_saved(5), blocks_saved(50)), "(5 users, 50 users)", ("5 users", "50 users"))

@@ -32,7 +32,7 @@ def lock_scenario(n: int = 100) -> tuple[int, int]:
           "BlockPool.lock_acquisitions 各是多少？答案写成 (逐个, 批量)。",
           ("锁是按调用拿的，还是按块拿的？",
            "数一数两种做法各调用了几次公开的修改操作。",
-           "每个公开的修改操作只拿一次锁：逐个 = 100 + 100，批量 = 1 + 1。"))
+           "每次公开的修改调用拿一次锁：逐个分配 100 块要调用 allocate 几次、free 几次？批量时各几次？"))
 def _judge_locks(answer: Any) -> Verdict:
     return same(answer, lock_scenario(), "(one by one, batched)", ("逐个 (one by one)", "批量 (batched)"))
 
@@ -51,8 +51,7 @@ def n1_reason() -> str:
           f"为什么应当是 1x？从 {list(REASONS)} 中选一个。",
           ("n=1 时，“逐个”和“批量”各调用了哪些方法？",
            "数 n=1 时两种做法的公开调用次数和锁获取次数（lock_acquisitions）。",
-           "两边都是一次 allocate(1) 加一次 free([b])：工作相同，比值只能是 1 加上噪声；"
-           "旧版本先测的一列替后一列付了热身的代价。"),
+           "把两列在 n=1 时调用的方法逐个写出来对比；再想：哪一列先测？第一次调用要付哪些只付一次的代价？"),
           kind="interpret")
 def _judge_gain(answer: Any) -> Verdict:
     c = canon(answer)
@@ -82,6 +81,6 @@ def reserve_scenario(headroom: float = 0.5) -> tuple[int, int]:
           "答案写成 (reserved, free)。",
           ("headroom 乘在什么上？",
            "预测 = 最近 horizon 步里任意 window 步内的最大需求 × headroom（向上取整）；预留只用空闲内存。",
-           "reserved = ceil(48 × 0.5) = 24；free = 64 − 24 = 40。"), kind="parameter")
+           "reserved = ceil(基数 × headroom)：基数是谁的块数？free = 池的块数 − reserved。"), kind="parameter")
 def _judge_headroom(answer: Any) -> Verdict:
     return same(answer, reserve_scenario(0.5), "(reserved, free)", ("reserved", "free"))

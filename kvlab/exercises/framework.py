@@ -24,7 +24,7 @@ from kvlab.core.spec import KVSpec
 __all__ = [
     "Canon", "Exercise", "Prediction", "Result", "Summary", "Unreadable", "Verdict", "KINDS", "HINT_STAGES",
     "fast_mode", "sized", "register", "register_prediction", "exercise", "list_exercises", "list_predictions",
-    "check", "prompt", "hint", "predict", "reveal", "summary", "reset", "Attempt", "attempts", "history",
+    "check", "prompt", "hint", "predict", "reveal", "summary", "reset", "Attempt", "attempts", "history", "record",
     "canon", "same", "compare_fn", "returned", "agrees", "text", "metadata_pool",
 ]
 
@@ -316,6 +316,11 @@ def reveal(key: str, measured: Any) -> Result:
     return Result(key, ok, f"你预测 (you predicted) {guess!r}{tol}, 测得 (measured) {truth!r}")
 
 
+def record(key: str, given: str, ok: bool, stage: int = 0) -> None:
+    """Add a judgement to :func:`attempts` (the drawn problems of :mod:`kvlab.exercises.scenarios` use it)."""
+    _PROGRESS.log.append(Attempt(key, given, ok, stage))
+
+
 def attempts(chapter: str | None = None) -> list[Attempt]:
     """Every judgement made in this kernel (of ``chapter`` only if given), in order; :func:`reset` keeps them."""
     return [a for a in _PROGRESS.log if chapter is None or a.key.split("-", 1)[0] == chapter]
@@ -470,9 +475,11 @@ def agrees(want: Canon, got: Canon, close: bool) -> bool:
     return want == got
 
 
-def same(answer: Any, truth: Any, what: str, labels: Sequence[str] = ()) -> Verdict:
+def same(answer: Any, truth: Any, what: str, labels: Sequence[str] = (), two_way: Sequence[str] = ()) -> Verdict:
     """Compare ``answer`` with ``truth`` canonically. For a tuple/list truth the verdict says item by item which
-    parts are right (named by ``labels`` if given) without giving away the wrong ones."""
+    parts are right (named by ``labels`` if given) without giving away the wrong ones. An item named in ``two_way``
+    has only two possible answers: marking it wrong would spell out the other, so it is neither marked nor counted
+    (the verdict on the whole answer still covers it)."""
     want, got = canon(truth), canon(answer)  # a list answers a tuple question and the other way round
     if want == got:
         return True, f"{what} = {truth!r}"
@@ -483,10 +490,13 @@ def same(answer: Any, truth: Any, what: str, labels: Sequence[str] = ()) -> Verd
     if len(got) != len(want):
         return False, f"答案应有 {len(want)} 项，你给了 {len(got)} 项 (expected {len(want)} items, got {len(got)})"
     names = list(labels) if len(labels) == len(want) else [f"第 {i + 1} 项 (item {i + 1})" for i in range(len(want))]
-    details = tuple(f"{RIGHT} {n} = {g!r}" if w == g else f"{WRONG} {n}: {g!r} 不对 (is wrong)"
-                    for n, w, g in zip(names, want, got))
-    wrong = sum(w != g for w, g in zip(want, got))
-    return False, f"{wrong}/{len(want)} 项不对 (items wrong)", details
+    marked = [(n, w, g) for n, w, g in zip(names, want, got) if n not in two_way]
+    details = tuple(f"{RIGHT} {n} = {g!r}" if w == g else f"{WRONG} {n}: {g!r} 不对 (is wrong)" for n, w, g in marked)
+    details += tuple(f"· {n}: 二选一，不单独评 (a two-way item is judged only with the whole answer)"
+                     for n in names if n in two_way)
+    wrong = sum(w != g for _, w, g in marked)
+    return False, f"{wrong}/{len(marked)} 项不对 (items wrong)" + (
+        f"; 另有 {len(names) - len(marked)} 项二选一 (and two-way items)" if len(marked) < len(names) else ""), details
 
 
 def returned(fn: Callable[..., Any], args: tuple, call: str) -> Canon:
