@@ -23,7 +23,7 @@ CORE_TESTS   := -m "not browser and not notebooks and not slow and not llm" --ig
 PARALLEL     := -n auto --dist loadfile
 LAB_ARGS ?=
 
-.PHONY: install git-filter lab demo test test-long test-versions check bench html clean
+.PHONY: install git-filter lab demo test test-long test-versions check bench html executed clean
 
 $(STAMP): pyproject.toml hatch_build.py kvlab/fast/_fastpath.c kvlab/fast/_paged_attention.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ bench: $(STAMP)
 
 html: $(STAMP)
 	$(BIN)/python -m kvlab html
+
+# The chapters as they ran in full mode, outputs kept, for readers on a code host (docs/chapters/, committed;
+# tests/test_executed.py holds them in step with chapters/). About 6 minutes on 2 cores.
+executed: $(STAMP)
+	$(BIN)/python -m kvlab html --ipynb --src chapters --out docs/chapters
 
 clean:
 	rm -rf $(VENV) .venv-* build dist site .pytest_cache .hypothesis kvlab/fast/_fastpath*.so kvlab/fast/_paged_attention*.so

@@ -200,3 +200,46 @@ def test_copying_the_chapters_never_writes_through_a_link(tmp_path):
     with pytest.raises(render.ConfigError, match="is a link"):
         copy_chapters(tmp_path / "course2", solutions=True)
     assert [p.name for p in outside.iterdir()] == ["victim.ipynb"]
+
+
+def test_the_course_markdown_files_become_pages_and_links_to_them_follow(tmp_path, monkeypatch):
+    """GLOSSARY.md and the like are pages of the site, so the chapters' links to them resolve there."""
+    monkeypatch.setattr(nbclient, "NotebookClient", NoKernel)
+    monkeypatch.setattr(render, "write_runtime", lambda folder: folder)
+    src = tmp_path / "chapters"
+    src.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "[words](GLOSSARY.md) [notes](TEACHING.md#times)")]), src / "ch1.ipynb")
+    (src / "GLOSSARY.md").write_text("# 词汇表 (Glossary)\n\n| 词 | 意思 |\n|---|---|\n| 块 | block |\n\n[back](ch1.ipynb)\n",
+                                     encoding="utf-8")
+    (src / "TEACHING.md").write_text("## times\n", encoding="utf-8")
+    pages = render.render_chapters(src, tmp_path / "site", solutions=False)
+    assert sorted(p.name for p in pages) == ["GLOSSARY.html", "TEACHING.html", "ch1.html"]
+    chapter = (tmp_path / "site" / "ch1.html").read_text(encoding="utf-8")
+    assert 'href="GLOSSARY.html"' in chapter and 'href="TEACHING.html#times"' in chapter
+    glossary = (tmp_path / "site" / "GLOSSARY.html").read_text(encoding="utf-8")
+    assert "<table>" in glossary and "词汇表" in glossary and 'href="ch1.html"' in glossary
+
+
+def test_executed_copies_keep_the_layout_drop_widget_state_and_point_links_back(tmp_path, monkeypatch):
+    """``kvlab html --ipynb``: chapters and solutions with their outputs, the saved widget state left out, links
+    to notebooks kept (the copies sit side by side) and links to other files pointed back at the chapters."""
+    monkeypatch.setattr(nbclient, "NotebookClient", NoKernel)
+    src = tmp_path / "chapters"
+    (src / "solutions").mkdir(parents=True)
+    cell = nbformat.v4.new_markdown_cell("[g](GLOSSARY.md) [f](../docs/facts.md#F1) [s](solutions/a_solutions.ipynb) "
+                                         "[all](solutions/) [web](https://example.org/x.md)")
+    nb = nbformat.v4.new_notebook(cells=[cell], metadata={"widgets": {"state": "megabytes"}})
+    nbformat.write(nb, src / "a.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("[back](../GLOSSARY.md)")]),
+                   src / "solutions" / "a_solutions.ipynb")
+    out = tmp_path / "docs" / "chapters"
+    written = render.write_executed(src, out)
+    assert written == [out / "a.ipynb", out / "solutions" / "a_solutions.ipynb"]
+    copy = nbformat.read(out / "a.ipynb", as_version=4)
+    assert "widgets" not in copy.metadata and copy.metadata["kvlab"] == {"mode": "full"}
+    assert copy.cells[0].source == ("[g](../../chapters/GLOSSARY.md) [f](../facts.md#F1) "
+                                    "[s](solutions/a_solutions.ipynb) [all](solutions/) [web](https://example.org/x.md)")
+    assert copy.cells[0].id == cell.id
+    solution = nbformat.read(out / "solutions" / "a_solutions.ipynb", as_version=4)
+    assert solution.cells[0].source == "[back](../../../chapters/GLOSSARY.md)"

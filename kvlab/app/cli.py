@@ -382,15 +382,24 @@ def _html_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
     p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
+    p.add_argument("--ipynb", action="store_true",
+                   help="write the executed notebooks (outputs kept, widget state left out) instead of HTML pages, "
+                        "for readers on a code host (the checkout's docs/chapters/)")
 
 
 @command("html", "execute the chapters and render them to static HTML with widget state, for a course site "
                  "that works offline (its scripts are pinned copies in the site's _kvlab/ folder)", _html_args)
 def _html(args: argparse.Namespace) -> int:
-    from kvlab.app.render import render_chapters
+    from kvlab.app.render import render_chapters, write_executed
 
-    for path in render_chapters(args.src, args.out, fast=args.fast, solutions=not args.no_solutions,
-                                timeout=args.timeout):
+    if args.ipynb:
+        if args.no_solutions:
+            raise ConfigError("--ipynb writes the solutions too: their links from the chapters must resolve")
+        written = write_executed(args.src, args.out, fast=args.fast, timeout=args.timeout)
+    else:
+        written = render_chapters(args.src, args.out, fast=args.fast, solutions=not args.no_solutions,
+                                  timeout=args.timeout)
+    for path in written:
         print(path)
     return 0
 

@@ -6,15 +6,22 @@ Each notebook is executed top to bottom in a fresh kernel with the widget state 
 browser with no kernel. The site works offline: the widget manager, anywidget's front end and require.js are
 pinned copies (``kvlab/viz/vendor``) written once into the site's ``_kvlab/`` folder, nothing is fetched from a
 CDN, and each widget's PNG figure stands in its place until the widget draws (and for good with scripts off).
-Links between notebooks (``x.ipynb``) are rewritten to the HTML pages (``x.html``).
+Links between notebooks (``x.ipynb``) are rewritten to the HTML pages (``x.html``); the course's Markdown files
+(``GLOSSARY.md``, ``TEACHING.md``, ``FACTS.md``) become pages of the site too, so every link in it resolves.
+
+:func:`write_executed` keeps the executed notebooks themselves, outputs and all, for a reader without a kernel:
+a code host shows them as they ran (``docs/chapters/`` in the checkout, made by ``make executed``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvlab.core.checks import show
 from kvlab.core.errors import ConfigError
@@ -44,20 +51,13 @@ def write_runtime(folder: Path) -> Path:
     return folder
 
 
-def render_notebook(path: Path, dest: Path, *, timeout: int = 600, kernel_name: str = "python3",
-                    runtime: Path | None = None) -> Path:
-    """Execute ``path`` (cwd: its folder) with widget state stored, and write it to ``dest`` as HTML. The page
-    loads its scripts from ``runtime`` (default: ``_kvlab/`` beside ``dest``, written there first)."""
+def execute(path: Path, *, timeout: int = 600, kernel_name: str = "python3") -> Any:
+    """The notebook at ``path`` run top to bottom in a fresh kernel (cwd: its folder), widget state stored in its
+    metadata; a cell that fails is a :class:`ConfigError` naming the notebook and the error."""
     import nbformat
     from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
-
-    from kvlab.viz.assets import FONT_STACK
-
     from nbclient.exceptions import CellExecutionError
 
-    if runtime is None:
-        runtime = write_runtime(dest.parent / STATIC)
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # not JSON, not a notebook, an unknown nbformat: one line, not a traceback
@@ -67,11 +67,43 @@ def render_notebook(path: Path, dest: Path, *, timeout: int = 600, kernel_name: 
                        resources={"metadata": {"path": str(path.parent)}}).execute()
     except CellExecutionError as e:
         raise ConfigError(f"notebook {shown(path)}: a cell failed with {e.ename}: {show(e.evalue, 300)}") from None
+    return nb
+
+
+def _site_links(html: str) -> str:
+    """Relative links to notebooks and to the course's Markdown files, pointed at their pages in the site."""
+    return re.sub(r'href="([^":#]+)\.(?:ipynb|md)', r'href="\1.html', html)  # relative links only: no scheme
+
+
+def render_markdown(path: Path, dest: Path) -> Path:
+    """The Markdown file ``path`` (the glossary, the teaching notes) as a page of the site at ``dest``."""
+    import html
+
+    import mistune
+
+    body = _site_links(str(mistune.html(path.read_text(encoding="utf-8"))))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(path.stem)}</title>'
+                    f'</head><body>\n{body}</body></html>\n', encoding="utf-8")
+    return dest
+
+
+def render_notebook(path: Path, dest: Path, *, timeout: int = 600, kernel_name: str = "python3",
+                    runtime: Path | None = None) -> Path:
+    """Execute ``path`` (cwd: its folder) with widget state stored, and write it to ``dest`` as HTML. The page
+    loads its scripts from ``runtime`` (default: ``_kvlab/`` beside ``dest``, written there first)."""
+    from nbconvert import HTMLExporter
+
+    from kvlab.viz.assets import FONT_STACK
+
+    if runtime is None:
+        runtime = write_runtime(dest.parent / STATIC)
+    nb = execute(path, timeout=timeout, kernel_name=kernel_name)
     exporter = HTMLExporter(template_name="kvlab_site", extra_template_basedirs=[str(TEMPLATES)])
     static = Path(os.path.relpath(runtime, dest.parent)).as_posix()
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": path.stem}, "kvlab_static": static,
                                                           "kvlab_fonts": FONT_STACK})
-    body = re.sub(r'href="([^":#]+)\.ipynb', r'href="\1.html', body)  # relative links only: no scheme
+    body = _site_links(body)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(body, encoding="utf-8")
     return dest
@@ -91,9 +123,6 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
         out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"cannot render the site into {shown(out)}: it is a file, not a folder")
-    old = os.environ.get("KVLAB_FAST")
-    if fast:
-        os.environ["KVLAB_FAST"] = "1"  # kernels inherit the environment
     notebooks = _notebooks(src, solutions)
     out.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
@@ -101,18 +130,81 @@ def render_chapters(src: str | Path | None = None, out: str | Path = "site", *, 
         from tqdm.auto import tqdm
 
         runtime = write_runtime(new / STATIC)
-        pages = [render_notebook(nb, new / nb.relative_to(src).with_suffix(".html"), timeout=timeout,
-                                 runtime=runtime)
-                 for nb in tqdm(notebooks, desc="rendering", unit="notebook", disable=None)]  # None: off in logs
+        with _fast_mode(fast):
+            pages = [render_notebook(nb, new / nb.relative_to(src).with_suffix(".html"), timeout=timeout,
+                                     runtime=runtime)
+                     for nb in tqdm(notebooks, desc="rendering", unit="notebook", disable=None)]  # None: not in logs
+        pages += [render_markdown(md, new / md.with_suffix(".html").name) for md in sorted(src.glob("*.md"))]
         _swap(new, out)
         return [out / p.relative_to(new) for p in pages]
     finally:
         shutil.rmtree(new, ignore_errors=True)  # gone already once swapped in
+
+
+@contextlib.contextmanager
+def _fast_mode(fast: bool) -> Iterator[None]:
+    """``KVLAB_FAST=1`` for the kernels started inside (they inherit the environment), if ``fast``."""
+    old = os.environ.get("KVLAB_FAST")
+    if fast:
+        os.environ["KVLAB_FAST"] = "1"
+    try:
+        yield
+    finally:
         if fast:
             if old is None:
                 os.environ.pop("KVLAB_FAST", None)
             else:
                 os.environ["KVLAB_FAST"] = old
+
+
+def _relinked(nb: Any, src: Path, dest: Path) -> None:
+    """Point ``nb``'s Markdown links to files that are not notebooks (``GLOSSARY.md``, ``../docs/x.md``) back at
+    them in ``src`` (the folder of the original), from where the executed copy lies (``dest``)."""
+    def fix(m: re.Match[str]) -> str:
+        target, anchor = m[1], m[2] or ""
+        if re.match(r"[a-z]+:|/", target) or target.endswith((".ipynb", "/")):
+            return m[0]  # a web address, an absolute path, a notebook or folder of the copies themselves
+        return f"]({Path(os.path.relpath(src / target, dest.parent)).as_posix()}{anchor})"
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = re.sub(r"\]\(([^)#\s]+)(#[^)\s]*)?\)", fix, cell.source)
+
+
+def write_executed(src: str | Path | None = None, out: str | Path = "docs/chapters", *, fast: bool = False,
+                   timeout: int = 600) -> list[Path]:
+    """Execute every chapter and solution notebook of ``src`` and write them, with their outputs, into ``out`` in
+    the same layout: what a reader without a kernel sees (a code host renders them as they ran). The saved widget
+    state is left out (megabytes no code host can run; each view's PNG still stays), and links to the course's
+    other files are pointed back at ``src``. Built beside ``out`` and swapped in whole, as the site is."""
+    import nbformat
+
+    src = Path(src) if src is not None else shipped("chapters")
+    out = Path(out)
+    notebooks = _notebooks(src, solutions=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    try:
+        from tqdm.auto import tqdm
+
+        written = []
+        with _fast_mode(fast):
+            from kvlab.exercises.framework import fast_mode
+
+            mode = "fast" if fast_mode() else "full"
+            for path in tqdm(notebooks, desc="executing", unit="notebook", disable=None):
+                nb = execute(path, timeout=timeout)
+                nb.metadata.pop("widgets", None)
+                nb.metadata["kvlab"] = {"mode": mode}  # what tests/test_executed.py compares with fast mode
+                dest = new / path.relative_to(src)
+                _relinked(nb, path.parent.resolve(), out.resolve() / path.relative_to(src))
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                nbformat.write(nb, dest)
+                written.append(out / path.relative_to(src))
+        _swap(new, out)
+        return written
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
 
 
 def _swap(new: Path, out: Path) -> None:
