@@ -105,3 +105,14 @@ def execute_notebook(path: Path, timeout: int) -> "nbformat.NotebookNode":
             else:
                 os.environ[k] = v
     return nb
+
+
+def conclusions(nb: "nbformat.NotebookNode") -> dict:
+    """What a chapter's one cell tagged ``conclusions`` printed after ``CONCLUSIONS `` (a JSON object)."""
+    import json
+
+    cells = [c for c in nb.cells if "conclusions" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, "a chapter has exactly one cell tagged 'conclusions'"
+    text = "".join(o.get("text", "") for o in cells[0].outputs if o.output_type == "stream")
+    line = next(ln for ln in text.splitlines() if ln.startswith("CONCLUSIONS "))
+    return json.loads(line.removeprefix("CONCLUSIONS "))

@@ -1,12 +1,16 @@
 """The §2.2.6 claims report: every claim measured on the workload it is about (the Azure conversation trace for many
 users, the Mooncake trace and one 100k-token request for long sequences), against both contiguous baselines, with
-the text's thresholds; the verdicts chapter 2.2.6 prints are the same in fast and full mode."""
+the text's thresholds; the verdicts chapter 2.2.6 prints are the same in fast and full mode. Also the claims the text
+makes without numbers, as chapters 2.2.5 and 2.2.6 measure them: pre-allocation and batching (§2.2.5), prefetching
+and retrieved text (§2.2.6, §2.2.1)."""
 from __future__ import annotations
 
 import pytest
 
 import kvlab
-from kvlab import BASELINES, ConfigError, Engine, EngineConfig, Request, claims_report, measure_claims, verdicts
+from kvlab import (BASELINES, ConfigError, Engine, EngineConfig, Request, claims_of, claims_report, measure_claims,
+                   run_claims, verdicts)
+from kvlab.exercises import ch2_2_5, ch2_2_6
 from kvlab.serve.claims import CLAIMS, prefetch_effect, prefix_hit_share
 
 FAST, FULL = (600, 100), (2000, 400)  # (Azure requests, Mooncake requests): chapter 2.2.6's sized(full, fast)
@@ -19,8 +23,14 @@ THRESHOLDS = dict(zip(CLAIMS, [20.0, 0.30, 0.50, 1.0, 0.40, 3.0]))
 
 
 @pytest.fixture(scope="module")
-def fast_and_full():
-    return measure_claims(*FAST), measure_claims(*FULL)
+def runs():
+    """The engine runs of chapter 2.2.6 at its fast and full sizes (:func:`kvlab.run_claims`)."""
+    return run_claims(*FAST), run_claims(*FULL)
+
+
+@pytest.fixture(scope="module")
+def fast_and_full(runs):
+    return tuple(claims_of(r) for r in runs)
 
 
 def test_fast_and_full_mode_reach_the_same_verdicts(fast_and_full):
@@ -114,3 +124,65 @@ def test_prefetch_effect_is_measured_on_the_same_workload():
     assert on["finished"] == off["finished"] == 20 and on["requests"] == off["requests"]
     assert on["prefetched_swap_ins"] > 0 == off["prefetched_swap_ins"]
     assert on["swap_in_stall_s"] < off["swap_in_stall_s"]
+
+
+def test_prefetch_saves_part_of_the_swap_in_stall_and_under_5pct_of_the_time():
+    """Chapter 2.2.6's verdict on the text's "预取优化" (its default workload, the same in both modes; simulated
+    seconds): the stall shrinks, the total time by less than 5%, and by no more than the stall there was."""
+    runs = prefetch_effect()
+    on, off = runs["prefetch"], runs["no prefetch"]
+    assert on["swap_in_stall_s"] < off["swap_in_stall_s"]
+    assert 0 < off["time_s"] - on["time_s"] <= off["swap_in_stall_s"] < 0.05 * off["time_s"]
+
+
+def test_the_chapters_runs_are_the_claims_runs():
+    """run_claims runs once what measure_claims reads; claims_of reads it the same way."""
+    a, b = measure_claims(50, 20), claims_of(run_claims(50, 20))
+    assert [(c.text, c.baseline, c.setup, c.measured, c.value) for c in a] == \
+        [(c.text, c.baseline, c.setup, c.measured, c.value) for c in b]
+    with pytest.raises(ConfigError, match="ClaimRuns"):
+        claims_of(a)
+
+
+def test_long_sequences_paged_latency_is_not_below_either_baseline_at_both_sizes(runs):
+    """Chapter 2.2.6 prints how much higher paged mean latency is on the Mooncake trace (+38%/+12% at 100 requests,
+    a few percent at 400): only the direction holds at both sizes, and paging has the lowest time to first token."""
+    for r in runs:
+        s = r.longs
+        for b in BASELINES:
+            assert s["paged"]["latency_mean_s"] >= s[b]["latency_mean_s"], (len(r.long), b)
+            assert s["paged"]["ttft_mean_s"] < s[b]["ttft_mean_s"], (len(r.long), b)
+            assert s["paged"]["throughput_tok_s"] < 1.5 * s[b]["throughput_tok_s"]
+
+
+# ---------------------------------------------------------------------------------------------- §2.2.5's claims
+def test_pre_allocation_moves_the_splits_and_batching_the_locks():
+    """Chapter 2.2.5's four ways of serving a burst (its fast size): each count changes with one technique only."""
+    got = {v: ch2_2_5.serve_bursts(*v, num_blocks=256, bursts=10, burst=16)[:3] for v in ch2_2_5.VARIANTS}
+    (s1, l1, r1), (s2, l2, r2), (s3, l3, r3), (s4, l4, r4) = (got[v] for v in ch2_2_5.VARIANTS)
+    assert s1 == s2 > s3 == s4 and s3 * 10 == s1  # pre-allocation: only the first burst splits
+    assert l1 == l3 == 10 * 16 and l2 == l4 == 10  # batching: one lock per call, a burst in one call
+    assert r1 == r2 == 0 < r3 == r4 == 16  # the price: one burst's blocks held in reserve while idle
+    assert ch2_2_5.serve_bursts(True, True, num_blocks=256, bursts=10, burst=16, window=16)[:3] == (s4, l4, 64)
+
+
+@pytest.mark.parametrize("n", [1, 16, 256])
+def test_batching_takes_two_locks_per_call_and_the_same_blocks(n):
+    """The text's "减少锁竞争": locks per block fall from 2 to 2/n; its "优化内存使用效率": the blocks are the same."""
+    assert ch2_2_5.lock_scenario(n) == (2 * n, 2)
+    one, batch = ch2_2_5.batch_memory(n)
+    assert one == batch and len(one) == n
+    assert ch2_2_5.contended(True, threads=2, rounds=5, n=n)[0] == 2 * 2 * 5
+    assert ch2_2_5.contended(False, threads=2, rounds=5, n=n)[0] == 2 * 2 * 5 * n
+
+
+# ---------------------------------------------------------------------------------------------- RAG
+def test_retrieved_text_is_prompt_and_as_output_the_engine_takes_far_more_steps():
+    """The text's retrieval scenario (§2.2.1) counts the retrieved text as output; served as RAG serves it (in the
+    prompt) the same tokens take a small fraction of the engine steps (chapter 2.2.6's erratum, the same size in
+    both modes)."""
+    got = ch2_2_6.rag_as_text_and_as_served()
+    (text, a), (served, b) = got["text"], got["served"]
+    assert [r.prompt_len + r.output_len - s.prompt_len for r, s in zip(text, served)] == [0] * len(text)
+    assert sum(r.output_len for r in served) < sum(r.output_len for r in text) / 10
+    assert a["finished"] == b["finished"] == len(text) and a["steps"] > 10 * b["steps"]

@@ -121,10 +121,10 @@ def test_a_revealed_prediction_is_locked_and_a_reset_keeps_what_it_cleared():
     (a cell run again says so); a reveal with no prediction locks it too. ``reset`` unlocks the chapter and
     keeps its score in ``history``; every judgement stays in ``attempts``."""
     key = "2.2.1-waste-trend"
-    ex.predict(key, "rises")
-    assert ex.reveal(key, "rises").ok
-    for later in ("falls", ...):
-        assert "the prediction stays 'rises'" in ex.predict(key, later)
+    ex.predict(key, "上升 (rises)")
+    assert ex.reveal(key, "上升 (rises)").ok
+    for later in ("下降 (falls)", ...):
+        assert "the prediction stays '上升 (rises)'" in ex.predict(key, later)
     s = ex.summary("2.2.1")
     assert (s.predicted, s.matched) == (1, 1)
     other = "2.2.1-azure-ratio"
@@ -134,10 +134,10 @@ def test_a_revealed_prediction_is_locked_and_a_reset_keeps_what_it_cleared():
     ex.reset("2.2.1")
     (kept,) = ex.history("2.2.1")
     assert (kept.predicted, kept.matched, kept.attempted) == (1, 1, 1) and ex.history("2.2.2") == []
-    assert ex.summary("2.2.1").predicted == 0 and "recorded" in ex.predict(key, "falls")
+    assert ex.summary("2.2.1").predicted == 0 and "recorded" in ex.predict(key, "下降 (falls)")
     assert [(a.key, a.ok) for a in ex.attempts("2.2.1")] == [(key, True), (other, False),
                                                              ("2.2.1-utilisation", False)]
-    assert ex.attempts("2.2.1")[0].given == "'rises'" and ex.attempts("2.2.1")[2].stage == 1
+    assert ex.attempts("2.2.1")[0].given == "'上升 (rises)'" and ex.attempts("2.2.1")[2].stage == 1
     ex.reset("2.2.1")
     assert len(ex.history("2.2.1")) == 2  # the second reset cleared a prediction too
     ex.reset("2.2.1")

@@ -1,5 +1,5 @@
-"""What the chapters say about vLLM is cited: every box that names vLLM links ``docs/facts.md`` and the rows it
-uses, and every row of ``docs/facts.md`` names the version and a ``file:line`` whose line holds the row's quote.
+"""What the chapters say about vLLM is cited: every box that names vLLM links ``chapters/FACTS.md`` and the rows it
+uses, and every row of ``chapters/FACTS.md`` names the version and a ``file:line`` whose line holds the row's quote.
 
 The quotes are checked against vLLM's source where ``.venv-bench/vllm`` holds it (the benchmark-only install of
 vLLM 0.34.0); elsewhere the same test checks the table's form and the citations, and says it did not read the
@@ -13,11 +13,11 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
-FACTS = ROOT / "docs" / "facts.md"
+FACTS = ROOT / "chapters" / "FACTS.md"
 CHAPTERS = ROOT / "chapters"
 VLLM_SRC = ROOT / ".venv-bench" / "vllm"
 VERSION = "vLLM 0.34.0"
-LINK = "../docs/facts.md"
+LINK = "FACTS.md"
 
 # the names the "where" column uses, and the file each one stands for
 WHERE = {
@@ -29,6 +29,7 @@ WHERE = {
     "2.2.5": CHAPTERS / "2_2_5_performance.ipynb",
     "2.2.6": CHAPTERS / "2_2_6_applications.ipynb",
     "2.2.7": CHAPTERS / "2_2_7_beyond_one_machine.ipynb",
+    "2.2.8": CHAPTERS / "2_2_8_inside_a_real_model.ipynb",
     "GLOSSARY": CHAPTERS / "GLOSSARY.md",
     "TEACHING": CHAPTERS / "TEACHING.md",
     "docs/benchmarks.md": ROOT / "docs" / "benchmarks.md",
@@ -50,7 +51,7 @@ def _rows() -> list[dict[str, str]]:
     rows = []
     for ln in lines[2:]:
         cells = [c.strip() for c in ln.strip().strip("|").split("|")]
-        assert len(cells) == len(header), f"a row of docs/facts.md has {len(cells)} cells: {ln}"
+        assert len(cells) == len(header), f"a row of chapters/FACTS.md has {len(cells)} cells: {ln}"
         rows.append(dict(zip(header, cells)))
     return rows
 
@@ -80,7 +81,7 @@ def test_facts_rows_are_cited_and_checked():
     assert len(set(ids)) == len(ids), "a fact id is used twice"
     checked = 0
     for r in rows:
-        where = f"docs/facts.md row {r['id']}"
+        where = f"chapters/FACTS.md row {r['id']}"
         assert re.fullmatch(r"F\d+", r["id"]), where
         assert r["fact"], where
         assert r["system"] == VERSION, f"{where}: system {r['system']!r}, not {VERSION!r}"
@@ -119,8 +120,8 @@ def test_facts_every_vllm_box_cites_facts():
             first = box.strip().splitlines()[0][:60]
             assert LINK in box, f"{name}: a box that mentions vLLM does not link {LINK}: {first!r}"
             cited = {f"F{m}" for m in FACT_ID.findall(box)}
-            assert cited, f"{name}: a box that mentions vLLM cites no row of docs/facts.md: {first!r}"
-            assert cited <= known, f"{name}: cites rows docs/facts.md lacks: {sorted(cited - known)}"
+            assert cited, f"{name}: a box that mentions vLLM cites no row of chapters/FACTS.md: {first!r}"
+            assert cited <= known, f"{name}: cites rows chapters/FACTS.md lacks: {sorted(cited - known)}"
             assert "在 vLLM 里" not in box or "0.34.0" in box, f"{name}: the In vLLM box names no version"
     for nb in sorted(CHAPTERS.glob("2_2_*.ipynb")):  # every chapter is in WHERE, so none escapes the check
         assert nb in WHERE.values(), nb.name

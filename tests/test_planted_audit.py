@@ -277,27 +277,27 @@ def test_a_reveal_without_a_prediction_counts_nothing_matched(fresh_progress):
     summary counts a prediction nobody made. Reveal with nothing predicted: nothing matched, and the prediction is
     locked; after a reset, a matched prediction counts once."""
     key = "2.2.1-waste-trend"
-    assert not ex.reveal(key, "rises").ok
+    assert not ex.reveal(key, "上升 (rises)").ok
     s = ex.summary("2.2.1")
     assert (s.predicted, s.matched) == (0, 0) and dict(s.rows)[key] == "未预测 (not predicted)"
-    assert "revealed" in ex.predict(key, "rises") and ex.summary("2.2.1").matched == 0
+    assert "revealed" in ex.predict(key, "上升 (rises)") and ex.summary("2.2.1").matched == 0
     ex.reset("2.2.1")
-    ex.predict(key, "rises")
-    assert ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 1
+    ex.predict(key, "上升 (rises)")
+    assert ex.reveal(key, "上升 (rises)").ok and ex.summary("2.2.1").matched == 1
 
 
 def test_a_prediction_is_not_judged_before_its_reveal(fresh_progress):
     """Found by the audit: a new prediction showed "matched" before any reveal. Predicted, not revealed: pending,
     nothing matched; cleared before the reveal: not predicted."""
     key = "2.2.1-waste-trend"
-    ex.predict(key, "rises")
+    ex.predict(key, "上升 (rises)")
     s = ex.summary("2.2.1")
-    assert (s.predicted, s.matched) == (1, 0) and dict(s.rows)[key] == "'rises': 待揭晓 (pending)"
+    assert (s.predicted, s.matched) == (1, 0) and dict(s.rows)[key] == "'上升 (rises)': 待揭晓 (pending)"
     ex.predict(key, ...)
     s = ex.summary("2.2.1")
     assert (s.predicted, s.matched) == (0, 0)
-    ex.predict(key, "falls")
-    assert not ex.reveal(key, "rises").ok and ex.summary("2.2.1").matched == 0
+    ex.predict(key, "下降 (falls)")
+    assert not ex.reveal(key, "上升 (rises)").ok and ex.summary("2.2.1").matched == 0
 
 
 def test_exactly_as_many_segments_as_the_tag_holds_are_taken():
@@ -309,12 +309,12 @@ def test_exactly_as_many_segments_as_the_tag_holds_are_taken():
         check_segments([1] * (n + 1), list(range(n + 1)), False)
 
 
-def test_a_three_item_answer_with_one_wrong_item_says_one_of_three(fresh_progress):
-    """Bug: the per-item verdict counting the right items as the wrong ones. One wrong item of three reads
-    "1/3", with the two right ones ticked."""
-    r = ex.check("2.2.3-errata-retry", (2, 0, "found"))
-    assert not r.ok and r.message.startswith("1/3 ")
-    assert [d[0] for d in r.details] == ["✓", "✓", "×"]
+def test_a_two_item_answer_with_one_wrong_item_says_one_of_two(fresh_progress):
+    """Bug: the per-item verdict counting the right items as the wrong ones. One wrong item of two reads
+    "1/2", with the right one ticked."""
+    r = ex.check("2.2.3-sharing", (5, 12))
+    assert not r.ok and r.message.startswith("1/2 ")
+    assert [d[0] for d in r.details] == ["✓", "×"]
 
 
 def test_an_answer_of_the_wrong_length_is_told_the_length(fresh_progress):
@@ -350,13 +350,14 @@ def test_hint_stage_zero_is_refused():
     assert ex.hint("2.2.2-lru", 1) == ex.exercise("2.2.2-lru").hints[0]
 
 
-@pytest.mark.parametrize("block_size, band", [(16, "below 64"), (63, "below 64"), (64, "64-128 conservative"),
-                                              (128, "64-128 conservative"), (129, "256-512 balanced"),
-                                              (512, "256-512 balanced"), (513, "1024-2048 aggressive"),
-                                              (2048, "1024-2048 aggressive")])
+@pytest.mark.parametrize("block_size, band", [(16, "小于 64 (below 64)"), (63, "小于 64 (below 64)"),
+                                              (64, "保守 64–128 (conservative)"), (128, "保守 64–128 (conservative)"),
+                                              (129, "平衡 256–512 (balanced)"), (512, "平衡 256–512 (balanced)"),
+                                              (513, "激进 1024–2048 (aggressive)"),
+                                              (2048, "激进 1024–2048 (aggressive)")])
 def test_each_band_holds_its_upper_edge(block_size, band):
     """Bug: ``< 128`` instead of ``<= 128`` (the text's bands are 64-128, 256-512: each includes its upper
-    edge). The prediction 2.2.1-balanced-band is revealed with ``band_of``."""
+    edge). Chapter 2.2.1 prints each default-weights pick's band with ``band_of``."""
     assert ch2_2_1.band_of(block_size) == band
 
 

@@ -210,8 +210,8 @@ def test_the_course_markdown_files_become_pages_and_links_to_them_follow(tmp_pat
     src.mkdir()
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
         "[words](GLOSSARY.md) [notes](TEACHING.md#times)")]), src / "ch1.ipynb")
-    (src / "GLOSSARY.md").write_text("# 词汇表 (Glossary)\n\n| 词 | 意思 |\n|---|---|\n| 块 | block |\n\n[back](ch1.ipynb)\n",
-                                     encoding="utf-8")
+    glossary = "# 词汇表 (Glossary)\n\n| 词 | 意思 |\n|---|---|\n| 块 | block |\n\n[back](ch1.ipynb)\n"
+    (src / "GLOSSARY.md").write_text(glossary, encoding="utf-8")
     (src / "TEACHING.md").write_text("## times\n", encoding="utf-8")
     pages = render.render_chapters(src, tmp_path / "site", solutions=False)
     assert sorted(p.name for p in pages) == ["GLOSSARY.html", "TEACHING.html", "ch1.html"]

@@ -74,7 +74,7 @@ def test_each_drawn_truth_agrees_with_an_independent_computation_read_off_the_qu
 def test_a_seed_names_one_problem_and_the_answer_shows_only_when_asked(key):
     a, b = ex.draw(key, 7), ex.draw(key, 7)
     assert a == b and str(a) == str(b)
-    assert f"seed={7}" in str(a) and f"-s 7" in str(a)
+    assert "seed=7" in str(a) and "-s 7" in str(a)
     assert repr(a.truth) not in str(a).split("]", 1)[1] or len(repr(a.truth)) < 3
     assert repr(a.truth) in a.solution()
     fresh = ex.draw(key)

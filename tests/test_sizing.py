@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import (ChunkSizeOptimizer, ConfigError, KVSpec, Request, TinyConfig, TinyLlama, Workload, make_workload,
-                   measure_block_size, plot_sweep, sweep)
+from kvlab import (BlockPool, ChunkSizeOptimizer, ConfigError, KVSpec, Request, TextChunkSizeOptimizer, TinyConfig,
+                   TinyLlama, Workload, make_workload, measure_block_size, plot_sweep, sweep)
 from kvlab.memory import sizing
-from kvlab.memory.sizing import GOALS, SweepResult, SweepRow, measure_attention_ms, measure_decode_ms
+from kvlab.memory.sizing import (GOALS, MEMORY_ONLY, OVERHEAD_LADDER, PickGrid, SweepResult, SweepRow,
+                                 contiguous_runs, kv_reads, measure_attention_ms, measure_decode_ms, pick_grid,
+                                 plot_pick_grid, prefix_granularity_loss)
 
 
 def optimizer_with_p95(p95: float) -> ChunkSizeOptimizer:
@@ -25,14 +27,29 @@ def optimizer_with_p95(p95: float) -> ChunkSizeOptimizer:
 
 
 def text_rule(p95: float, goal: str):
-    """The text's formulas, written fresh with numpy as the text evaluates them (p95 is a numpy float)."""
-    p95 = np.float64(p95)
-    if goal == "memory_efficient":
-        return min(max(p95 // 4, 512), 2048)
-    if goal == "performance_optimal":
-        return min(max(p95 // 6, 256), 1024)
-    sizes = [64, 128, 256, 512, 1024]
-    return sizes[min(len(sizes) - 1, int(np.log2(p95 // 100)))]
+    """The text's own code (kvlab.TextChunkSizeOptimizer) at ``p95``, a numpy float as its statistics give it."""
+    opt = TextChunkSizeOptimizer()
+    opt.sequence_length_stats = {"p95": np.float64(p95)}
+    return opt.recommend_chunk_size(goal)
+
+
+def test_the_texts_optimizer_before_any_analysis_crashes_only_for_balanced():
+    """The text reads p95 from an empty defaultdict(int): 0. Two goals answer silently, one raises."""
+    opt = TextChunkSizeOptimizer()
+    assert opt.recommend_chunk_size("memory_efficient") == 512
+    assert opt.recommend_chunk_size("performance_optimal") == 256
+    with np.errstate(divide="ignore"), pytest.raises(OverflowError):
+        opt.recommend_chunk_size("balanced")
+    with np.errstate(divide="ignore"), pytest.raises(OverflowError):
+        opt.recommend_chunk_size("fastest")  # an unknown goal is the balanced branch
+
+
+def test_the_texts_optimizer_returns_numpy_floats_from_its_clamps():
+    opt = TextChunkSizeOptimizer()
+    assert opt.analyze_sequence_distribution([[0] * 3000] * 4)["p95"] == 3000
+    got = {g: opt.recommend_chunk_size(g) for g in GOALS}
+    assert got == {"memory_efficient": 750, "performance_optimal": 500, "balanced": 1024}
+    assert isinstance(got["memory_efficient"], np.floating) and isinstance(got["balanced"], int)
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
@@ -255,7 +272,7 @@ def test_plot_sweep_draws_four_panels():
     res = sweep(TINY, [2, 4, 8], attention=False, progress=False)
     fig = plot_sweep(res, "balanced")
     assert len(fig.axes) == 4
-    assert "recommended: 2" in [t.get_text() for t in fig.axes[3].get_legend().get_texts()]
+    assert "推荐 (recommended): 2" in [t.get_text() for t in fig.axes[3].get_legend().get_texts()]
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
@@ -315,3 +332,104 @@ def test_measure_decode_times_the_real_model():
         ms = measure_decode_ms(model, make_workload("chat", 40, 0), [16, 64], batch=2, max_len=256, rounds=1)
     assert list(ms) == [16, 64] and all(0 < t.attention[1] <= t.attention[0] and 0 < t.step[1] <= t.step[0]
                                         for t in ms.values())
+
+
+# ---------------------------------------------------------------------------------------- which weights pick what
+def test_between_sweeps_fewer_sizes_and_renormalises():
+    res = sweep(TINY, [2, 4, 8], attention=False, progress=False)
+    part = res.between(2, 4)
+    assert [r.block_size for r in part.rows] == [2, 4] and part.rows == res.rows[:2]
+    # entries + calls 21, 14 now normalised by 21 (as before); attention slots 30, 36 by 36 (not 40)
+    assert part.costs("balanced") == pytest.approx({2: 3 / 24 + 0.5 * 1 + 0.5 * 30 / 36,
+                                                    4: 9 / 32 + 0.5 / 3 + 0.5 * 14 / 21 + 0.5 * 36 / 36})
+    assert len(res.rows) == 3  # the original is untouched
+    with pytest.raises(ConfigError, match="no swept block size"):
+        res.between(16, 64)
+
+
+def test_pick_grid_by_hand():
+    res = sweep(TINY, [2, 4, 8], attention=False, progress=False)
+    grid = pick_grid(res, {"overhead": (0, 0, 1, 0), "waste": (1, 0, 0, 0)}, ranges=((2, 8), (4, 8)))
+    assert isinstance(grid, PickGrid) and (grid.workload, grid.goal) == ("tiny", "balanced")
+    assert grid.picks == {"overhead": {(2, 8): 8, (4, 8): 8}, "waste": {(2, 8): 2, (4, 8): 4}}
+    assert grid.smallest == {(2, 8): 2, (4, 8): 4} and grid.ranges == [(2, 8), (4, 8)]
+    assert grid.weights == {"overhead": (0.0, 0.0, 1.0, 0.0), "waste": (1.0, 0.0, 0.0, 0.0)}
+    assert grid.sizes() == [2, 4, 8] and grid.cells_in(3, 4) == [("waste", (4, 8))]
+    assert grid.picks_smallest("waste") and not grid.picks_smallest("overhead")
+    assert grid.never_smaller(("waste", "overhead")) and not grid.never_smaller(("overhead", "waste"))
+    with pytest.raises(ConfigError, match="at least one"):
+        pick_grid(res, {}, ranges=((2, 8),))
+    with pytest.raises(ConfigError, match="weights"):
+        pick_grid(res, {"bad": (0, 0, 0, 0)}, ranges=((2, 8),))
+    with pytest.raises(ConfigError, match="no swept block size"):
+        pick_grid(res)  # the default ranges start at 16
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), name=st.sampled_from(["chat", "code", "document", "retrieval", "mixed"]),
+       n=st.integers(20, 150))
+def test_what_holds_for_every_weighting(seed, name, n):
+    """The two statements the chapter makes across weights and sweep ranges: the memory terms alone pick the
+    smallest size swept, and a heavier overhead weight never picks a smaller block."""
+    grid = pick_grid(sweep(make_workload(name, n, seed), attention=False, progress=False))
+    assert grid.picks_smallest(MEMORY_ONLY)
+    assert grid.never_smaller(OVERHEAD_LADDER)
+
+
+def test_the_azure_pick_moves_with_the_weights_and_the_sweep_range():
+    """The chapter's example: "64-128" came from the default weights; overhead 1.0 or equal weights give 256,
+    inside the text's 256-512, and so does the default with the sweep starting at 32 or 64."""
+    azure = kvlab.load_trace("azure-conv-2023")
+    grid = pick_grid(sweep(Workload("azure-conv-2023", azure.requests[:2000]), attention=False, progress=False))
+    row = lambda name: [grid.picks[name][r] for r in grid.ranges]  # noqa: E731
+    assert grid.ranges == [(16, 2048), (32, 2048), (64, 2048), (16, 512)]
+    assert row("默认 (default)") == [128, 256, 256, 128]
+    assert row("开销 1 (overhead)")[0] == row("等权 (equal)")[0] == 256
+    assert grid.sizes() == [16, 32, 64, 128, 256, 512]
+
+
+def test_plot_pick_grid_frames_the_cells_in_the_band():
+    res = sweep(TINY, [2, 4, 8], attention=False, progress=False)
+    grids = [pick_grid(res, {"overhead": (0, 0, 1, 0), "waste": (1, 0, 0, 0)}, ranges=((2, 8), (4, 8)))] * 2
+    fig = plot_pick_grid(grids, band=(4, 4))
+    assert sum(a.get_visible() for a in fig.axes) == 2
+    assert all(len(a.patches) == len(grids[0].cells_in(4, 4)) == 1 for a in fig.axes)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["8", "8", "2", "4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Chinese label without a CJK face warns "Glyph ... missing"
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    for bad in ([], [res]):
+        with pytest.raises(ConfigError, match="PickGrid"):
+            plot_pick_grid(bad)
+
+
+# ---------------------------------------------------------------------------------------- reads and prefix hits
+def test_contiguous_runs_follow_the_tensors_layout():
+    """KV tensor [2, layers, blocks, 3 tokens, 2 heads, 4 dims], fp32: a block of one layer is 3 * 2 * 4 * 4 = 96
+    contiguous bytes; one head's part of it is 3 rows of 16 bytes, 32 bytes apart."""
+    pool = BlockPool(4, spec=KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=3, device="cpu"))
+    assert contiguous_runs(pool, [1, 2]) == [192]  # neighbours in the table and in memory: one read
+    assert contiguous_runs(pool, [2, 1]) == [96, 96]
+    assert contiguous_runs(pool, [1], head=1) == [16, 16, 16]
+    assert contiguous_runs(pool, [0, 1], layer=1) == [192]
+    one_head = BlockPool(4, spec=KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=3, device="cpu"))
+    assert contiguous_runs(one_head, [0, 1], head=0) == [96]  # a single head: its tile is the block
+
+
+@pytest.mark.parametrize("B", [16, 64, 256])
+def test_kv_reads_of_a_scattered_sequence(B):
+    all_heads, one_head = kv_reads(1000, B), kv_reads(1000, B, head=0)
+    blocks = -(-1000 // B)
+    assert sum(all_heads) == blocks * B * 8 * 128 * 2 and len(all_heads) <= blocks
+    assert len(all_heads) >= blocks - 3  # scattered: hardly any two table neighbours are memory neighbours
+    assert one_head == [256] * (blocks * B)  # 8 heads side by side: one head's row is 128 fp16 values, alone
+    with pytest.raises(ConfigError, match="tokens"):
+        kv_reads(0, B)
+
+
+def test_prefix_granularity_loss_by_hand():
+    """TINY: request 1 finds the 6-token prefix cached (prompt 7: at most 6 tokens can hit). Blocks of 4 share
+    one block (4 tokens), of 8 none."""
+    assert prefix_granularity_loss(TINY, [1, 4, 8]) == pytest.approx({1: 0.0, 4: 1 / 3, 8: 1.0})
+    assert prefix_granularity_loss(Workload("alone", [Request(0, 0.0, 10, 3)]), [16]) == {16: 0.0}

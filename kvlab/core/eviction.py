@@ -155,6 +155,10 @@ class ClockPolicy(EvictionPolicy):
         if block_id in self._ring:
             self._ring[block_id] = True
 
+    def referenced(self) -> int:
+        """How many blocks on the ring have their reference bit set (read in place since the hand passed them)."""
+        return sum(self._ring.values())
+
     def relabel(self, moved: dict[int, int]) -> None:
         """Moved blocks keep their place and bit."""
         self._ring = OrderedDict((moved.get(b, b), bit) for b, bit in self._ring.items())

@@ -16,7 +16,8 @@ from kvlab.distributed.disagg import (DisaggResult, decode_rank, demo_batches, m
 from kvlab.distributed.errors import (PeerLostError, ProtocolError, SpecMismatchError, TransferError,
                                      TransferTimeoutError)
 from kvlab.distributed.launch import Link, backend_for, free_port, from_env, run_threads, spawn
-from kvlab.distributed.measure import TransferCase, TransferTiming, measure_transfer, measure_transfers, prefill_seconds
+from kvlab.distributed.measure import (MoveOrRecompute, TransferCase, TransferTiming, measure_transfer,
+                                       measure_transfers, move_or_recompute, move_or_recompute_table, prefill_seconds)
 from kvlab.distributed.tp import TPShard, head_split, run_tp, single_process
 from kvlab.distributed import exercises  # registers the chapter's exercises with kvlab.exercises
 
@@ -27,6 +28,6 @@ __all__ = [
     "reference", "run_disagg", "PeerLostError", "ProtocolError", "SpecMismatchError", "TransferError",
     "TransferTimeoutError",
     "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferCase", "TransferTiming",
-    "measure_transfer", "measure_transfers",
+    "measure_transfer", "measure_transfers", "MoveOrRecompute", "move_or_recompute", "move_or_recompute_table",
     "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process", "exercises",
 ]

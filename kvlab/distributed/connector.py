@@ -1,6 +1,6 @@
 """A KV connector: the blocks of a prompt's KV cache move from a prefill rank's pool to a decode rank's pool.
 
-The API is split the way vLLM 0.34.0's ``KVConnectorBase_V1`` is split (docs/facts.md, F57-F66), so a student can
+The API is split the way vLLM 0.34.0's ``KVConnectorBase_V1`` is split (chapters/FACTS.md, F57-F66), so a student can
 go from here to a real connector. Each side has a *scheduler* half (bookkeeping, no bytes) and a *worker* half
 (bytes). The names are vLLM's except ``start_save`` and ``poll_requests`` (marked *): kvlab's own, for the
 handshake in which the sender hears what the receiver already has; vLLM has no such methods.

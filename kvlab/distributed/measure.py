@@ -7,6 +7,8 @@
   variant's figure is its best round, timed on the receiver from the moment it tells the sender to go.
 * :func:`prefill_seconds` times recomputing a prompt's KV instead, with the real model or the tiny decoder
   (chunked prefill, as engines do for long prompts, so the causal mask stays small).
+* :func:`move_or_recompute` puts the two side by side for a list of prompt lengths (chapter 2.2.7's table), and
+  :func:`move_or_recompute_table` prints them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from kvlab.core.checks import check_positive
+from kvlab.core.device import torch_threads
 from kvlab.core.errors import ConfigError
 from kvlab.serve.model import Llama, TinyConfig, TinyLlama
 from kvlab.core.pool import BlockPool
@@ -217,3 +220,66 @@ def prefill_seconds(prompt_len: int, cfg: TinyConfig | None = None, block_size: 
             model.step(manager, [seq], [prompt[at:at + chunk]])
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@dataclass(frozen=True)
+class MoveOrRecompute:
+    """One prompt length: its KV's ``bytes``, the seconds to move them (``transfer``: the connector's best round;
+    ``plain``: one plain send of the same bytes) and to compute them again (``recompute``: chunked prefill)."""
+    tokens: int
+    bytes: int
+    transfer: float
+    plain: float
+    recompute: float
+
+    @property
+    def ratio(self) -> float:
+        """Recomputing's seconds over moving's (above 1: moving the KV is faster)."""
+        return self.recompute / self.transfer
+
+    @property
+    def break_even_mb_s(self) -> float:
+        """The link speed (MB/s) at which sending the bytes takes as long as recomputing them."""
+        return self.bytes / self.recompute / 1e6
+
+
+def move_or_recompute(lengths: list[int], cfg: TinyConfig | None = None, *, model: Llama | None = None,
+                      rounds: int = 3, threads: bool = False, timeout: float = 60.0, recompute_threads: int = 1,
+                      progress: bool = False) -> list[MoveOrRecompute]:
+    """For each prompt length, time moving its KV between two ranks (:func:`measure_transfers`, ``rounds``
+    rounds, one request per case, 16-token blocks, the KV layout of ``model`` or of the tiny decoder of ``cfg``)
+    and recomputing it here (:func:`prefill_seconds`: the real model once per length, the tiny decoder best of two
+    up to 4,096 tokens, once above) on ``recompute_threads`` torch threads: one by default, since on a shared
+    machine a second thread mostly waits for a busy core (measured on 2 cores at load 8: a 8k-token tiny recompute
+    took 10.8 s on two threads, 2.6 s on one)."""
+    if not isinstance(lengths, (list, tuple)) or not lengths:
+        raise ConfigError(f"lengths must be a non-empty list of prompt lengths, got {lengths!r:.80}")
+    shape = (model.cfg if model is not None else cfg or TinyConfig())
+    layout: dict[str, Any] = dict(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                                  head_dim=shape.head_dim)
+    if model is not None:
+        layout["dtype"] = str(model.dtype).removeprefix("torch.")
+    moved = measure_transfers([TransferCase(16, n, 1, **layout) for n in lengths], rounds, timeout=timeout,
+                              threads=threads)
+    from tqdm.auto import tqdm
+
+    out = []
+    with torch_threads(recompute_threads):
+        for n, t in zip(tqdm(lengths, desc="recomputing", disable=not progress), moved):
+            again = (prefill_seconds(n, model=model) if model is not None
+                     else prefill_seconds(n, cfg, rounds=1 if n > 4096 else 2))
+            out.append(MoveOrRecompute(n, t.bytes, t.connector, t.plain, again))
+    return out
+
+
+def move_or_recompute_table(rows: list[MoveOrRecompute]) -> str:
+    """:func:`move_or_recompute`'s rows as text, a legend line first."""
+    lines = ["列 (columns)：提示 token 数 (tokens)、KV 字节 (KV bytes)、传输 ms (transfer)、"
+             "同样字节的一次普通 send ms (plain send)、"
+             "重新计算 ms (recompute)、重新计算 / 传输 (ratio)、打平所需的链路 MB/s (break-even)",
+             f"{'tokens':>7s} {'KV bytes':>12s} {'transfer':>9s} {'plain':>7s} {'recompute':>10s} {'ratio':>8s} "
+             f"{'MB/s':>8s}"]
+    for r in rows:
+        lines.append(f"{r.tokens:7,d} {r.bytes:12,d} {r.transfer * 1e3:9.2f} {r.plain * 1e3:7.2f} "
+                     f"{r.recompute * 1e3:10.1f} {r.ratio:8.1f} {r.break_even_mb_s:8.1f}")
+    return "\n".join(lines)

@@ -65,24 +65,29 @@ def _judge_utilisation(fn: Any) -> Verdict:
 # ---------------------------------------------------------------------------- predictions before the reveals
 register_prediction("2.2.1-waste-trend",
                     "块大小从 16 增大到 2048 时，对话 (chat) 场景的内部浪费 (internal waste) 会怎样变化？",
-                    choices=("rises", "falls", "flat"))
-register_prediction("2.2.1-balanced-band",
-                    "以 balanced 为目标，实测代价最低的块大小落在文本经验法则的哪一档？",
-                    choices=("below 64", "64-128 conservative", "256-512 balanced", "1024-2048 aggressive"))
+                    choices=("上升 (rises)", "下降 (falls)", "持平 (flat)"))
+register_prediction("2.2.1-overhead-weight",
+                    "在 Azure 对话 trace 上，把代价里管理开销 (overhead) 的权重从默认的 0.5 提到 2（其他权重不变），"
+                    "balanced 代价最低的块会怎样变化？",
+                    choices=("变大 (larger)", "变小 (smaller)", "不变 (unchanged)"))
 register_prediction("2.2.1-azure-ratio",
-                    "Azure 2023 对话 trace 的平均提示长度是文本对话统计（平均约 50 token）的多少倍？"
-                    "（一个数字；±30% 算命中）", rel_tol=0.3)
+                    "Azure 2023 对话 trace 里，模型一次回答（一轮的输出）平均多长？是文本“对话轮次平均约 50 token”"
+                    "的多少倍？（一个数字；±30% 算命中）", rel_tol=0.3)
+register_prediction("2.2.1-reads",
+                    "块大小从 16 增大到 256 时，从 kvlab 的 KV 张量读一条对话序列一层的 K（所有头一起读），"
+                    "要分开读的连续内存段 (separate contiguous reads) 会怎样变化？",
+                    choices=("变多 (more)", "变少 (fewer)", "不变 (same)"))
 
 
 def band_of(block_size: int) -> str:
-    """Which of the text's rule-of-thumb bands ``block_size`` falls in (the choices of 2.2.1-balanced-band)."""
+    """Which of the text's rule-of-thumb bands ``block_size`` falls in (Chinese first: the chapter prints it)."""
     if block_size < 64:
-        return "below 64"
+        return "小于 64 (below 64)"
     if block_size <= 128:
-        return "64-128 conservative"
+        return "保守 64–128 (conservative)"
     if block_size <= 512:
-        return "256-512 balanced"
-    return "1024-2048 aggressive"
+        return "平衡 256–512 (balanced)"
+    return "激进 1024–2048 (aggressive)"
 
 
 # ---------------------------------------------------------------------------- errata, interpretation, parameters

@@ -67,7 +67,7 @@ register_prediction("2.2.3-text-retry",
 # ---------------------------------------------------------------------------- errata hunting
 TEXT_ALLOCATOR = '''\
 class Pool:                          # the text's shape: free lists by size, blocks found but not taken
-    def __init__(self, n):
+    def __init__(self, n):           # n FREE blocks put in by us: the text's pool never creates any
         self.free = {16: [{"id": i, "status": "FREE"} for i in range(n)]}
         self.active = {}
     def get_best_block(self, size):
@@ -90,8 +90,8 @@ def text_allocator_story(callers: int = 3) -> list[int]:
 
 @register("2.2.3-errata-handout",
           "找错 (find the bug)：\n" + TEXT_ALLOCATOR +
-          "pool = Pool(4)；三个请求依次（不用线程）调用 pool.allocate_optimal_block(16)。每个请求拿到的块 id 是什么？"
-          "答案写成列表。",
+          "pool = Pool(4)（文本的池从不创建块，照原样每个请求都得到 None；这里假设池里有 4 个空闲块）；"
+          "三个请求依次（不用线程）调用 pool.allocate_optimal_block(16)。每个请求拿到的块 id 是什么？答案写成列表。",
           ("“找到一个空闲块”和“占用它”是两件事。",
            "看 allocate_optimal_block 返回之前，块的 status 有没有被改掉。",
            "逐行跟踪 allocate_optimal_block：找到块以后，有没有哪一行改了它的状态，或把它从空闲链表里拿走？"
@@ -104,7 +104,7 @@ def _judge_errata_handout(answer: Any) -> Verdict:
 
 TEXT_EVICT = '''\
 class Pool:                          # the text's shape: evicted blocks leave `active` and go nowhere
-    def __init__(self, n):
+    def __init__(self, n):           # n active blocks put in by us: the text's pool never has any
         self.free_lists = {16: []}                        # nothing ever fills them
         self.active = {i: {"refs": 0, "status": "ALLOCATED"} for i in range(n)}
     def get_best_block(self, size):
@@ -130,7 +130,8 @@ def text_evict_story(evictions: int = 2) -> tuple[int, int, str]:
 
 @register("2.2.3-errata-retry",
           "找错 (find the bug)：\n" + TEXT_EVICT +
-          "pool = Pool(4)；调用两次 pool.evict_block()，然后 pool.get_best_block(16)。"
+          "pool = Pool(4)（假设池里有 4 个可淘汰的活跃块；文本的池从不创建块）；调用两次 pool.evict_block()，"
+          "然后 pool.get_best_block(16)。"
           "答案写成 (len(pool.active), len(pool.free_lists[16]), 'found' 或 'None')。",
           ("被淘汰的块去了哪里？",
            "看 evict_block 把块从哪里拿走、又放到了哪里；get_best_block 只在哪里找？",

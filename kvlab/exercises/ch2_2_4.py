@@ -7,10 +7,14 @@ import random
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvlab.core.block import ALLOCATED, FREE
 from kvlab.core.errors import KVLabError
+from kvlab.core.pool import BlockPool
+from kvlab.core.spec import KVSpec
 from kvlab.memory.fragmentation import DefragmentationStrategy, unusable_free_percent
+from kvlab.textbook import as_written as text
 from kvlab.exercises.framework import (Unreadable, Verdict, agrees, canon, metadata_pool, register,
                                        register_prediction, returned, same)
 
@@ -94,60 +98,133 @@ def _judge_moves(answer: Any) -> Verdict:
     return same(answer, compaction_moves("A..AA.A..A.A"), "搬动次数 (moves)")
 
 
+# ---------------------------------------------------------------------------- the chapter's fragmented pool
+def fragmented_pool(spec: KVSpec, n: int, seed: int = 0) -> tuple[BlockPool, dict[int, list[int]]]:
+    """A pool of ``n`` base blocks with block sizes 16/32/64 tokens (times ``spec.block_size // 16``): sequences
+    take 1-3 base blocks each (random KV data, 1-16 tokens per block) until fewer than 4 are free, then a seeded
+    half of the sequences end. Returns the pool and the live sequences' block tables (owner -> block ids).
+    The same ``seed`` gives the same layout and data."""
+    bs = spec.block_size
+    pool = BlockPool(n, spec=spec, block_sizes=[bs, 2 * bs, 4 * bs])
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tables: dict[int, list[int]] = {}
+    while pool.num_free_blocks >= 4:
+        owner = len(tables)
+        tables[owner] = pool.allocate(int(rng.integers(1, 4)), owner=owner)
+        for b in tables[owner]:
+            view = pool.storage_of().block_view(b, 1)
+            view.copy_(torch.randn(view.shape, generator=gen, dtype=view.dtype))
+            pool.set_token_count(b, int(rng.integers(1, bs + 1)))
+    for o in rng.permutation(list(tables))[: len(tables) // 2].tolist():
+        pool.free(tables.pop(o))
+    return pool, tables
+
+
+def aligned_free_windows(pool: BlockPool, span: int = 4) -> int:
+    """Aligned windows of ``span`` base blocks that are wholly FREE: each could be one block ``span`` times the
+    base size once its free buddies are merged."""
+    status = pool.snapshot()["status"]
+    return sum(bool((status[s:s + span] == FREE).all()) for s in range(0, pool.num_blocks - span + 1, span))
+
+
+# ---------------------------------------------------------------------------- how large a real model's block is
+MODEL_SHAPES = {"Llama-3-8B": (32, 8, 128), "Llama-3.2-1B": (16, 8, 64), "SmolLM2-135M": (30, 3, 64)}
+"""(layers, KV heads, head_dim) of models whose published configs we checked; fp16 KV cache."""
+
+
+def block_bytes(model: str, block_size: int, layers: bool = True) -> int:
+    """Bytes of one block of ``block_size`` tokens (K and V, fp16) of ``model``: over all its layers, or one
+    layer's (``layers=False``; vLLM keeps one KV tensor per layer, so one layer's page is what a block id picks)."""
+    n_layers, heads, dim = MODEL_SHAPES[model]
+    return 2 * 2 * block_size * heads * dim * (n_layers if layers else 1)
+
+
 # ---------------------------------------------------------------------------- the text's reallocation, errata
-class TextBlock:
-    """A block as the text's ``KVBlock`` has it, in the respects its reallocation touches: its capacity is the size
-    of the data it holds now (``memory_usage``), ``None`` data (how the text builds a FREE block) is 0 bytes, and
-    its reference count is a plain field."""
-
-    def __init__(self, block_id: int, nbytes: int | None, refs: int = 0, status: str = "FREE") -> None:
-        self.block_id, self.refs, self.status = block_id, refs, status
-        self.data = None if nbytes is None else bytes(nbytes)
-
-    @property
-    def memory_usage(self) -> int:
-        return 0 if self.data is None else len(self.data)
+KIB = 1024
 
 
-def text_style_reallocate(active: list[TextBlock], free: list[TextBlock]) -> list[tuple[int, int]]:
-    """The steps of the text's ``_reallocate_active_blocks`` and ``_migrate_block_data`` (our own lines): smallest
-    active block first, look for a FREE block twice its size, refuse a target smaller than the source, copy, then
-    try to release the source; return after the first move. Returns the (source, target) moves made."""
-    for src in sorted(active, key=lambda b: b.memory_usage):
-        if src.memory_usage >= 2**20:                  # only blocks under 1 MB count as "small"
-            continue
-        tgt = next((b for b in free if b.status == "FREE" and b.memory_usage >= 2 * src.memory_usage), None)
-        if tgt is None or tgt.memory_usage < src.memory_usage:
-            continue                                   # no target, or "the target is too small": refused
-        tgt.data, tgt.status = src.data, "ALLOCATED"   # copied: the target now has the source's size
-        if src.refs == 0:                              # release_block succeeds only at refcount 0
-            src.status, src.data = "FREE", None
-        return [(src.block_id, tgt.block_id)]          # one move per call
-    return []
+def text_defrag_pool(free: int = 3, buffers: bool = True, seed: int = 0) -> text.BlockPool:
+    """The text's pool (:mod:`kvlab.textbook.as_written`) filled by hand, as no text code fills it, its lists keyed by
+    bytes: block 0 (16 KiB of data) and block 1 (8 KiB) ALLOCATED, referenced once each (a sequence holds them)
+    and active, and ``free`` FREE blocks 2, 3, ... in the 32 KiB list, each with a 32 KiB buffer (``buffers``) or,
+    as the text builds a FREE block, no data. ``total_memory`` is every buffer together."""
+    rng = np.random.default_rng(seed)
+
+    def data(kib: int) -> np.ndarray:
+        return rng.integers(0, 256, kib * KIB, dtype=np.uint8)
+    pool = text.BlockPool(total_memory=(16 + 8 + 32 * free) * KIB, block_sizes=[8 * KIB, 16 * KIB, 32 * KIB])
+    for b, kib in ((0, 16), (1, 8)):
+        block = text.make_block(b, data(kib), text.BlockStatus.ALLOCATED, reference_count=1)
+        pool.blocks[kib * KIB].append(block)
+        pool.active_blocks[b] = block
+    pool.blocks[32 * KIB] += [text.make_block(2 + i, data(32) if buffers else None) for i in range(free)]
+    return pool
+
+
+def text_free_pool(free_kib: list[int | None]) -> text.BlockPool:
+    """The text's pool whose one size list (64 KiB) holds FREE blocks with a buffer of ``free_kib[i]`` KiB each
+    (None: no data, as the text builds a FREE block); ``total_memory`` is their sum."""
+    pool = text.BlockPool(total_memory=sum(k or 0 for k in free_kib) * KIB, block_sizes=[64 * KIB])
+    pool.blocks[64 * KIB] = [text.make_block(i, None if k is None else np.zeros(k * KIB, np.uint8))
+                             for i, k in enumerate(free_kib)]
+    return pool
+
+
+def text_free_blocks(pool: text.BlockPool) -> list[text.KVBlock]:
+    """The FREE blocks of the text's pool, list by list."""
+    return [b for size in pool.block_sizes for b in pool.blocks[size] if b.status == text.BlockStatus.FREE]
+
+
+def holders(pool: text.BlockPool, block_id: int) -> int:
+    """How many ALLOCATED blocks of the text's ``pool`` hold the data that active block ``block_id`` holds."""
+    want = pool.active_blocks[block_id].kv_data
+    return sum(b.status == text.BlockStatus.ALLOCATED and b.kv_data is not None and want is not None
+               and np.array_equal(b.kv_data, want) for size in pool.block_sizes for b in pool.blocks[size])
+
+
+def text_defrag_calls(calls: int = 5, free: int = 4) -> list[dict[str, int | bool | None]]:
+    """Call the text's ``defragment()`` ``calls`` times on :func:`text_defrag_pool` (``free`` FREE 32 KiB
+    buffers). One row before the first call (``returned`` None) and one after each: what it returned, FREE blocks
+    and their KiB, the text's ``free`` KiB (``get_memory_usage``), its fragmentation percent, how many blocks hold
+    block 1's data and block 0's."""
+    pool = text_defrag_pool(free)
+    strategy = text.DefragmentationStrategy(pool)
+    rows: list[dict[str, int | bool | None]] = []
+    for call in range(calls + 1):
+        done = strategy.defragment() if call else None
+        free_now = text_free_blocks(pool)
+        rows.append({"call": call, "returned": done, "free_blocks": len(free_now),
+                     "free_kib": sum(b.memory_usage for b in free_now) // KIB,
+                     "text_free_kib": pool.get_memory_usage()["free"] // KIB,
+                     "fragmentation": pool.calculate_fragmentation(), "holders_of_block_1": holders(pool, 1),
+                     "holders_of_block_0": holders(pool, 0)})
+    return rows
 
 
 def reallocation_scenario() -> tuple[int, int, int, int]:
-    """Two referenced active blocks (16 and 8 KiB) and three FREE 32 KiB buffers; after one call:
-    (moves, blocks holding the moved data, the target's refcount, the target's capacity in KiB)."""
-    active = [TextBlock(0, 16 << 10, refs=1, status="ALLOCATED"), TextBlock(1, 8 << 10, refs=1, status="ALLOCATED")]
-    free = [TextBlock(i, 32 << 10) for i in (2, 3, 4)]
-    moves = text_style_reallocate(active, free)
-    src, tgt = moves[0]
-    data = active[src].data
-    holders = sum(b.data is not None and b.data == data and b.status == "ALLOCATED" for b in active + free)
-    target = free[tgt - 2]
-    return len(moves), holders, target.refs, target.memory_usage >> 10
+    """Blocks 0 and 1 (16 and 8 KiB) active and referenced, three FREE 32 KiB buffers; after one call of the
+    text's ``_reallocate_active_blocks``: (moves, blocks holding the moved data, the target's refcount, the
+    target's capacity in KiB)."""
+    pool = text_defrag_pool(3)
+    before = {b.block_id for b in text_free_blocks(pool)}
+    text.DefragmentationStrategy(pool).reallocate_active_blocks()
+    moved = sorted(before - {b.block_id for b in text_free_blocks(pool)})
+    target = pool.active_blocks[moved[0]]
+    return len(moved), holders(pool, 1), target.reference_count, target.memory_usage // KIB
 
 
 @register("2.2.4-errata",
-          "找错 (find the bugs)：用本章的 text_style_reallocate（照文本 _reallocate_active_blocks 的步骤写的）处理两个"
-          "被引用的活跃块（16 KiB、8 KiB）和三个各有 32 KiB 缓冲区的 FREE 块。调用一次之后："
+          "找错 (find the bugs)：kvlab.text_as_written 是按文本的代码重写、行为与文本相同的代码。文本的池里有两个"
+          "被引用的活跃块（块 0 有 16 KiB 数据，块 1 有 8 KiB）和三个各有 32 KiB 缓冲区的 FREE 块"
+          "（ch2_2_4.text_defrag_pool(3)；文本自己的池从不创建块，这些是我们放进去的）。"
+          "用 text_as_written.DefragmentationStrategy(pool) 调用一次 _reallocate_active_blocks() 之后："
           "搬了几个块？搬走的数据现在在几个 ALLOCATED 块里？目标块的引用计数是多少？目标块的容量是多少 KiB？"
           "答案写成 (moves, holders, target_refs, target_kib)。",
           ("逐行读：循环在什么时候返回？拷贝之后目标块的大小由什么决定？",
            "文本的块容量就是它当前数据的字节数；release 只在引用计数为 0 时成功；拷贝不改引用计数。",
-           "第一次成功就 return → 1 次；源块引用计数 1，释放失败 → 数据在 2 个块里；目标的引用计数没人设 → 0；"
-           "target.kv_data = source 的拷贝 → 容量 = 源块大小（8 KiB，最小的先搬）。"), kind="errata")
+           "逐行跟踪 _reallocate_active_blocks：循环在第几次成功后 return？搬完后源块的引用计数是多少，release "
+           "能成功吗？目标块的引用计数由哪一行设置？目标的容量取自谁的数据？"), kind="errata")
 def _judge_errata(answer: Any) -> Verdict:
     return same(answer, reallocation_scenario(), "(moves, holders, target_refs, target_kib)",
                 ("moves", "holders", "target_refs", "target_kib"))
@@ -182,7 +259,8 @@ CURVES = ("rises", "falls", "rises, then falls")
           f"释放的比例从小到大，搬动的块数怎样变化？从 {list(CURVES)} 中选一个，并想一想为什么。",
           ("释放得很少时，有多少空洞可填？释放得很多时，还剩多少块要搬？",
            "压缩只搬“边界之上”的已分配块：边界 = 已分配块数。数一数两头的情况。",
-           "搬动数 = 位置 ≥ 已分配块数 的已分配块数；它在释放约一半时最大，两头都小。"), kind="interpret")
+           "搬动数 = 位置不小于已分配块数的已分配块个数。在“释放得很少”“几乎全部释放”两端各估一次，再在中间估一次，"
+           "比较三个数。"), kind="interpret")
 def _judge_curve(answer: Any) -> Verdict:
     c = canon(answer)
     if c not in CURVES:
@@ -198,15 +276,16 @@ def _judge_curve(answer: Any) -> Verdict:
           "(n=128, seed=1)。fragmentation_percent 读多少？完整整理一次搬几个块？答案写成 (percent, moves)。",
           ("只有一种块大小时，一个空闲块能不能满足任何请求？",
            "不可用空闲内存只在“拼不成最大尺寸块”时出现；压缩仍按地址把高处的块搬到低处的空洞。",
-           "percent = 0（每个空闲块都是最大尺寸）；moves = 位置 ≥ 已分配块数 的已分配块数，和三种尺寸时一样。"),
+           "只有一种块大小时，一个空闲块可能“小到用不上”吗？搬动数的规则和块的尺寸有没有关系？"
+           "和三种尺寸时的规则对照一下。"),
           kind="parameter")
 def _judge_one_size(answer: Any) -> Verdict:
     moves, percent, _, _ = compaction_experiment(0.5, block_sizes=(16,))
     return same(answer, (percent, moves), "(percent, moves)", ("percent", "moves"))
 
 
-register_prediction("2.2.4-big-block", "随机结束一半序列之后，还能分配一个 64-token 的块吗？"
-                    "(after half the sequences end at random, can a 64-token block still be allocated?)",
-                    choices=("yes", "no"))
+register_prediction("2.2.4-big-block", "随机结束一半序列之后，池的 pool.allocate(1, size_class=2) 还能分配一个 "
+                    "64-token 的块吗？(after half the sequences end at random, can the pool's allocate still give a "
+                    "64-token block?)", choices=("yes", "no"))
 register_prediction("2.2.4-survive", "压缩搬动数据之后，每个序列按更新后的块表读出的 KV 和原来逐位相同吗？"
                     "(after compaction, does every sequence read back bitwise the same KV?)", choices=("yes", "no"))

@@ -2,6 +2,7 @@
 and how the gain of paging over the exact-length baseline moves with memory; the chapter's predictions."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from kvlab.serve.config import EngineConfig
 from kvlab.serve.engine import Engine
 from kvlab.core.spec import KVSpec
 from kvlab.workloads.traces import load_trace
-from kvlab.workloads.mixes import Workload
+from kvlab.workloads.mixes import Workload, make_workload
 from kvlab.exercises.framework import Unreadable, Verdict, canon, register, register_prediction, same
 
 LONG_SPEC = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)  # a Llama-3-8B-like KV shape
@@ -23,6 +24,10 @@ register_prediction("2.2.6-concurrency", "在 Azure 对话 trace 上、同样的
 register_prediction("2.2.6-exact-latency", "和“精确长度预留”（知道输出长度的理想基线）相比，"
                     "分页能把平均时延减少 50% 以上吗？"
                     "(against the exact-length oracle, does paging cut mean latency by 50% or more?)",
+                    choices=("yes", "no"))
+register_prediction("2.2.6-prefetch", "在一个换出很多的文档负载上，预取（把下一步要换入的块提前换入）"
+                    "能把总时间缩短 5% 以上吗？"
+                    "(on a swap-heavy document workload, does prefetching cut the total time by 5% or more?)",
                     choices=("yes", "no"))
 register_prediction("2.2.6-speed", "在 Mooncake 长序列 trace 上，分页的输出吞吐能达到最大长度基线的 3 倍吗？"
                     "(on the Mooncake trace, is paged throughput 3x the max-length baseline's?)", choices=("yes", "no"))
@@ -120,3 +125,20 @@ def _judge_memory(answer: Any) -> Verdict:
     truth, a, b = memory_trend()
     return got == truth, (f"8192 块: 减少 {a:.0%}; 1024 块: 减少 {b:.0%} → {truth}"
                           if got == truth else f"不是 {got!r}；两种内存各测一次再比较")
+
+
+# ---------------------------------------------------------------------------------------------- the chapter's runs
+def rag_as_text_and_as_served(n: int = 12, seed: int = 0, num_blocks: int = 4096) -> dict[str, tuple[Workload, dict]]:
+    """The text's retrieval scenario (§2.2.1: a query of 10-100 tokens, then 1,000-10,000 tokens of retrieved
+    content counted as what the request *returns*) beside the same requests as retrieval-augmented generation serves
+    them: the retrieved text is put into the prompt (prefilled, many tokens per step) and the model writes an answer.
+    The text gives no answer length: it is drawn as the text's dialogue turn (10-200 tokens, mean 50), our
+    assumption. Both run paged on ``num_blocks`` 16-token blocks (chunked prefill 2,048 tokens per step). Returns
+    ``{"text": (workload, summary), "served": (workload, summary)}``."""
+    text = make_workload("retrieval", n, seed)
+    answers = make_workload("chat", n, seed)             # only their output lengths: a dialogue turn each
+    served = Workload(f"retrieval-as-served[{n}]",
+                      [dataclasses.replace(r, prompt_len=r.prompt_len + r.output_len, output_len=a.output_len)
+                       for r, a in zip(text, answers)])
+    cfg = EngineConfig(num_blocks=num_blocks, max_model_len=16_384, max_batched_tokens=2048)
+    return {name: (w, Engine(w, cfg).run()) for name, w in (("text", text), ("served", served))}

@@ -135,7 +135,8 @@ def _headroom(rng: random.Random):
     headroom = rng.choice((0.25, 0.5, 0.75, 1.0, 1.25))
     reserved, free = ch2_2_5.reserve_scenario(headroom)
     return (f"64 块的池，租户 1 一次 allocate 了 48 块又全部 free；Preallocator(window=8, horizon=64, "
-            f"headroom={headroom}) replenish 之后给租户 1 预留了几个块？别人还剩几个空闲块？答案写成 (reserved, free)。",
+            f"headroom={headroom}) replenish 之后给租户 1 预留了几个块？别人还剩几个空闲块？"
+            "答案写成 (reserved, free)。",
             (reserved, free), f"reserved = ceil(48 × {headroom})（不超过空闲块数）；free = 64 − reserved",
             ("reserved", "free"), ())
 
@@ -146,8 +147,8 @@ def _long(rng: random.Random):
     spec = ch2_2_6.LONG_SPEC
     per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * dtype_bytes
     return (f"{spec['num_layers']} 层、{spec['num_kv_heads']} 个 KV 头、head_dim {spec['head_dim']}、每个数 "
-            f"{dtype_bytes} 字节、block_size {spec['block_size']} 的 KV 形状。一条 {tokens:,} token 的序列需要多少个块、"
-            f"多少字节？答案写成 (blocks, bytes)。",
+            f"{dtype_bytes} 字节、block_size {spec['block_size']} 的 KV 形状。"
+            f"一条 {tokens:,} token 的序列需要多少个块、多少字节？答案写成 (blocks, bytes)。",
             ch2_2_6.long_sequence_cost(tokens, dtype_bytes),
             f"blocks = ceil({tokens} / {spec['block_size']}) = {math.ceil(tokens / spec['block_size'])}；"
             f"bytes = blocks × {spec['block_size']} × {per_token}（每 token 字节）", ("blocks", "bytes"), ())

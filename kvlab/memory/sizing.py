@@ -28,10 +28,13 @@ lengths                                p95     memory_efficient  performance_opt
 retrieval queries alone (10-100)       ~71     512               256                  64 (text: crash)
 =====================================  ======  ================  ===================  ========
 
-The measured sweep disagrees: on these workloads the balanced cost is lowest at 32-128 tokens (run
-``kvlab sweep --workload NAME``), because internal waste, prefix-sharing loss and the slots a block-wise
-attention read touches grow with the block while the per-block overhead shrinks only as ``1/B``. Every term of
-the cost is a count, so the recommendation is the same on every machine and in every run.
+The measured sweep says where the trade-off lies but not one answer: internal waste, prefix-sharing loss and
+the slots a block-wise attention read touches grow with the block while the per-block overhead shrinks about as
+``1/B``, and the size that balances them depends on how the terms are weighed and on which sizes are swept
+(:func:`pick_grid`: with the default weights the Azure conversation trace's balanced pick is 128, with the
+overhead weight at 1.0 or all weights equal it is 256). What holds for every weighting: the memory terms alone
+pick the smallest size swept, and a heavier overhead weight never picks a smaller block (:class:`PickGrid`).
+Every term of the cost is a count, so a pick under given weights is the same on every machine and in every run.
 
 :func:`sweep` replaces the guess by a measurement. It runs a workload through a :class:`~kvlab.BlockPool` of
 each block size, every request resident at its final length (the moment a batch holds the most), and reads:
@@ -64,7 +67,12 @@ Cost model (lower is better), each term in [0, 1]::
 
 with ``(a, b, c, d)`` per goal in :data:`WEIGHTS` (:meth:`SweepResult.with_weights` tries others). The two
 overhead terms are normalised by the worst size in the sweep, so the recommendation is relative to the sizes
-swept. Memory terms are fractions already.
+swept (:meth:`SweepResult.between` sweeps fewer). Memory terms are fractions already. :func:`pick_grid` tries a
+grid of weights (:data:`WEIGHT_GRID`) and sweep ranges (:data:`SWEEP_RANGES`), :func:`plot_pick_grid` draws it.
+
+Two more measurements for the chapter: :func:`kv_reads` counts the separate contiguous reads that fetch one
+sequence's K from kvlab's KV tensor (bigger blocks: fewer and longer reads), and
+:func:`prefix_granularity_loss` the prefix-cache hits lost because only whole blocks are shared.
 """
 from __future__ import annotations
 
@@ -455,6 +463,15 @@ class SweepResult:
         a, b, c, d = (float(x) for x in w)
         return replace(self, weights={**self.weights, goal: (a, b, c, d)})
 
+    def between(self, smallest: int, largest: int) -> SweepResult:
+        """The rows of block sizes ``smallest`` .. ``largest`` only, as if only they had been swept: the overhead
+        and attention terms are then normalised by the worst of them, so the picks may move."""
+        rows = [r for r in self.rows if smallest <= r.block_size <= largest]
+        if not rows:
+            raise ConfigError(f"no swept block size lies in {smallest}..{largest}; swept: "
+                              f"{[r.block_size for r in self.rows]}")
+        return replace(self, rows=rows)
+
     def recommend(self, goal: str = "balanced") -> int:
         """The swept block size of lowest cost for ``goal`` (the smaller size on a tie)."""
         costs = self.costs(goal)
@@ -511,9 +528,143 @@ def sweep(workload: Workload, block_sizes: Sequence[int] = DEFAULT_SIZES, *, att
     return SweepResult(workload.name, len(workload), rows, how)
 
 
+# ---------------------------------------------------------------------------------------- which weights pick what
+#: Weight settings (waste, prefix loss, per-block overhead, attention slots) for one goal's cost: kvlab's default
+#: for 'balanced', all equal, the default with the overhead weight at 0.25, 1 or 2, the default without the
+#: attention term, and the memory terms alone. The names are Chinese first: the chapter prints them.
+WEIGHT_GRID: dict[str, tuple[float, float, float, float]] = {
+    "默认 (default)": WEIGHTS["balanced"],
+    "等权 (equal)": (1.0, 1.0, 1.0, 1.0),
+    "开销 0.25 (overhead)": (1.0, 0.5, 0.25, 0.5),
+    "开销 1 (overhead)": (1.0, 0.5, 1.0, 0.5),
+    "开销 2 (overhead)": (1.0, 0.5, 2.0, 0.5),
+    "无注意力项 (no attention)": (1.0, 0.5, 0.5, 0.0),
+    "只计内存 (memory only)": (1.0, 1.0, 0.0, 0.0),
+}
+#: the settings of :data:`WEIGHT_GRID` that differ in the overhead weight only, in ascending order of it
+OVERHEAD_LADDER = ("开销 0.25 (overhead)", "默认 (default)", "开销 1 (overhead)", "开销 2 (overhead)")
+MEMORY_ONLY = "只计内存 (memory only)"
+#: sweep ranges (smallest, largest block size swept) the grid tries: the overhead and attention terms are
+#: normalised by the worst size swept, so the range moves the pick as the weights do
+SWEEP_RANGES: tuple[tuple[int, int], ...] = ((16, 2048), (32, 2048), (64, 2048), (16, 512))
+Weights = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class PickGrid:
+    """The block size one goal picks on one sweep, for every weight setting and sweep range of a grid
+    (:func:`pick_grid`)."""
+
+    workload: str
+    goal: str
+    weights: dict[str, Weights]  # setting name -> its weights
+    picks: dict[str, dict[tuple[int, int], int]]  # setting name -> (smallest, largest) swept -> the pick
+    smallest: dict[tuple[int, int], int]  # sweep range -> the smallest size swept in it
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(self.smallest)
+
+    def sizes(self) -> list[int]:
+        """Every size some cell of the grid picks, ascending."""
+        return sorted({b for row in self.picks.values() for b in row.values()})
+
+    def cells_in(self, lo: int, hi: int) -> list[tuple[str, tuple[int, int]]]:
+        """The (setting, range) cells whose pick lies in ``lo`` .. ``hi`` (e.g. the text's band, 256 .. 512)."""
+        return [(name, rng) for name, row in self.picks.items() for rng, b in row.items() if lo <= b <= hi]
+
+    def picks_smallest(self, setting: str = MEMORY_ONLY) -> bool:
+        """Whether ``setting`` picks the smallest size swept, in every range."""
+        return all(self.picks[setting][rng] == low for rng, low in self.smallest.items())
+
+    def never_smaller(self, ladder: Sequence[str] = OVERHEAD_LADDER) -> bool:
+        """Whether, in every range, each setting of ``ladder`` (ascending overhead weight, the rest equal) picks at
+        least the size its predecessor picks. The overhead term falls as the block grows, so weighing it more
+        can only move the lowest cost to a larger block."""
+        return all(self.picks[a][rng] <= self.picks[b][rng]
+                   for a, b in zip(ladder, ladder[1:]) for rng in self.smallest)
+
+
+def pick_grid(result: SweepResult, weights: dict[str, Weights] | None = None,
+              ranges: Sequence[tuple[int, int]] = SWEEP_RANGES, goal: str = "balanced") -> PickGrid:
+    """What ``goal`` picks on ``result`` under each named weight setting (:data:`WEIGHT_GRID` by default) and
+    each sweep range ``(smallest, largest)`` (:meth:`SweepResult.between`): counts only, no new sweep."""
+    check_choice(goal, "optimization goal", GOALS)
+    weights = dict(WEIGHT_GRID if weights is None else weights)
+    if not weights or not ranges:
+        raise ConfigError("a pick grid needs at least one weight setting and one sweep range")
+    parts = {(lo, hi): result.between(lo, hi) for lo, hi in ranges}
+    picks = {name: {rng: part.with_weights(goal, w).recommend(goal) for rng, part in parts.items()}
+             for name, w in weights.items()}
+    return PickGrid(result.workload, goal, {n: parts[ranges[0]].with_weights(goal, w).weights[goal]
+                                            for n, w in weights.items()},
+                    picks, {rng: part.rows[0].block_size for rng, part in parts.items()})
+
+
+# ---------------------------------------------------------------------------------------- reads and prefix hits
+def contiguous_runs(pool: BlockPool, block_ids: Sequence[int], *, layer: int = 0, head: int | None = None
+                    ) -> list[int]:
+    """Byte lengths of the separate contiguous pieces of ``pool``'s KV tensor that hold the K of ``block_ids``
+    (a sequence's block table, in its order) for ``layer``: every head, or ``head`` only. Read off the tensor's
+    own strides, so kvlab's layout decides (``[K/V, layer, block, token, head, dim]``: the heads of a token sit
+    side by side, "NHD"); a piece that starts where the previous one ended is the same read."""
+    kv = pool.storage_of().kv
+    item = kv.element_size()
+    runs: list[list[int]] = []  # [start, length] in elements
+    for b in pool.check_ids(list(block_ids)):
+        tile = kv[0, layer, b] if head is None else kv[0, layer, b, :, head]
+        for start, n in _pieces(tile):
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1][1] += n
+            else:
+                runs.append([start, n])
+    return [n * item for _, n in runs]
+
+
+def _pieces(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) in elements of the contiguous pieces of the view ``t``, in its index order."""
+    shape, stride = [int(n) for n in t.shape], list(t.stride())
+    run, k = 1, len(shape)
+    while k and (stride[k - 1] == run or shape[k - 1] == 1):  # the innermost dimensions laid out without gaps
+        run *= shape[k - 1]
+        k -= 1
+    starts = [int(t.storage_offset())]
+    for n, step in zip(shape[:k], stride[:k]):
+        starts = [a + i * int(step) for a in starts for i in range(int(n))]
+    return [(a, int(run)) for a in starts]
+
+
+def kv_reads(tokens: int, block_size: int, *, num_kv_heads: int = 8, head_dim: int = 128, head: int | None = None,
+             seed: int = 0) -> list[int]:
+    """:func:`contiguous_runs` of one ``tokens``-long sequence (fp16, one layer, ``num_kv_heads`` x
+    ``head_dim``) in a pool of ``block_size`` whose blocks come out scattered, as a pool's do once it has
+    served for a while. One layer tells it all: every layer is read the same way, apart from the others."""
+    if not is_int(tokens) or tokens < 1:
+        raise ConfigError(f"tokens must be a positive int, got {tokens!r}")
+    B = _check_sizes([block_size])[0]
+    spec = KVSpec(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=B, dtype=torch.float16,
+                  device=torch.device("cpu"))
+    n = -(-int(tokens) // B)
+    pool = _scattered_pool(n, spec, check_seed(seed))
+    return contiguous_runs(pool, pool.allocate(n), head=head)
+
+
+def prefix_granularity_loss(workload: Workload, block_sizes: Sequence[int]) -> dict[int, float]:
+    """For each block size, the share of the prefix-cache hits an unbounded cache could serve token by token
+    that whole blocks lose: ``1 - prefix_hit_bound(w, B) / prefix_hit_bound(w, 1)`` (only full blocks are
+    shared, so the shared prefix's last, partly filled block is computed again). 0 where nothing is shared."""
+    from kvlab.workloads.traces import prefix_hit_bound
+
+    _check_workload(workload)
+    sizes = _check_sizes(block_sizes)
+    exact = prefix_hit_bound(workload, 1)
+    return {B: (1 - prefix_hit_bound(workload, B) / exact) if exact else 0.0 for B in sizes}
+
+
 def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     """A 2x2 matplotlib figure of a sweep: memory (waste, prefix loss), bookkeeping (entries, calls),
-    attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure."""
+    attention time, and the cost for ``goal`` with the recommended size marked. Returns the Figure. Labels are
+    Chinese first, English after."""
     from kvlab.viz.static import MIN_PT, Picture  # a figure that displays as an image in any kernel
 
     if not isinstance(result, SweepResult):
@@ -522,29 +673,93 @@ def plot_sweep(result: SweepResult, goal: str = "balanced") -> Any:
     sizes = [r.block_size for r in result.rows]
     fig = Picture(figsize=(10, 6.5), layout="constrained")
     ax = fig.subplots(2, 2).ravel()
-    ax[0].plot(sizes, [100 * r.waste for r in result.rows], "o-", label="internal waste")
-    ax[0].plot(sizes, [100 * r.prefix_loss for r in result.rows], "s--", label="prefix-sharing loss")
-    ax[0].set(ylabel="% of slots / of shared-prefix tokens", title="memory")
-    ax[1].plot(sizes, [r.table_entries for r in result.rows], "o-", label="block-table entries")
-    ax[1].plot(sizes, [r.alloc_calls for r in result.rows], "s--", label="allocation calls")
-    ax[1].set(yscale="log", title="bookkeeping")
+    ax[0].plot(sizes, [100 * r.waste for r in result.rows], "o-", label="内部浪费 (internal waste)")
+    ax[0].plot(sizes, [100 * r.prefix_loss for r in result.rows], "s--", label="前缀共享损失 (prefix loss)")
+    ax[0].set(ylabel="占槽位 / 占共享前缀 token 的 %", title="内存 (memory)")
+    ax[1].plot(sizes, [r.table_entries for r in result.rows], "o-", label="块表条目 (table entries)")
+    ax[1].plot(sizes, [r.alloc_calls for r in result.rows], "s--", label="分配调用 (alloc calls)")
+    ax[1].set(yscale="log", title="管理开销 (bookkeeping)")
     reads = _relative([r.attention_slots for r in result.rows])
-    ax[2].plot(sizes, reads, "o-", color="C2", label="slots read (in the cost), / max")
+    ax[2].plot(sizes, reads, "o-", color="C2", label="要读的槽位（进代价）/ 最大值")
     if not any(math.isnan(r.attention_ms) for r in result.rows):
         top = max(r.attention_spread[1] for r in result.rows)
         ax[2].errorbar(sizes, [r.attention_ms / top for r in result.rows],
                        yerr=[[(r.attention_ms - r.attention_spread[0]) / top for r in result.rows],
                              [(r.attention_spread[1] - r.attention_ms) / top for r in result.rows]],
-                       fmt="s--", color="C4", capsize=3, label="measured ms, median [min-max], / max")
-    ax[2].set(ylabel="relative to the largest", title="paged attention (one decode step)")
+                       fmt="s--", color="C4", capsize=3, label="实测毫秒，中位数 [最快-最慢] / 最大值")
+    ax[2].set(ylabel="相对最大值 (relative)", title="分页注意力，一步解码 (paged attention)")
     ax[3].plot(sizes, [costs[s] for s in sizes], "o-", color="C3")
-    ax[3].axvline(best, color="k", ls=":", label=f"recommended: {best}")
-    ax[3].set(title=f"cost ({goal})")
+    ax[3].axvline(best, color="k", ls=":", label=f"推荐 (recommended): {best}")
+    ax[3].set(title=f"代价 (cost, {goal})")
     for a in ax:
         a.set_xscale("log", base=2)
         a.set_xticks(sizes, [str(s) for s in sizes])
-        a.set_xlabel("block size (tokens)")
+        a.set_xlabel("块大小 (block size, tokens)")
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=MIN_PT)
-    fig.suptitle(f"block-size sweep: {result.workload} ({result.requests} requests)")
+    fig.suptitle(f"块大小扫描 (block-size sweep): {result.workload}，{result.requests} 个请求")
+    return fig
+
+
+def plot_pick_grid(grids: Sequence[PickGrid], band: tuple[int, int] = (256, 512)) -> Any:
+    """One panel per :class:`PickGrid`: a cell per (weight setting, sweep range) holding the block size picked,
+    coloured by it; cells inside ``band`` (the text's "balanced" 256-512) are framed. Returns the Figure."""
+    from matplotlib.colors import Normalize
+    from matplotlib.patches import Patch, Rectangle
+
+    from kvlab.viz.static import MIN_PT, Picture
+
+    if not grids or not all(isinstance(g, PickGrid) for g in grids):
+        raise ConfigError(f"plot_pick_grid draws PickGrids, got {grids!r:.80}")
+    names, ranges = list(grids[0].picks), grids[0].ranges
+    cols = min(3, len(grids))
+    rows = -(-len(grids) // cols)
+    fig = Picture(figsize=(10, 2.2 + 2.6 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    norm = Normalize(math.log2(DEFAULT_SIZES[0]), math.log2(DEFAULT_SIZES[-1]))
+    cmap = "YlGnBu"
+    for i, (ax, g) in enumerate(zip(axes, grids)):
+        table = np.array([[math.log2(g.picks[n][r]) for r in ranges] for n in names])
+        ax.imshow(table, cmap=cmap, norm=norm, aspect="auto")
+        for y, n in enumerate(names):
+            for x, r in enumerate(ranges):
+                b = g.picks[n][r]
+                ax.text(x, y, str(b), ha="center", va="center", fontsize=MIN_PT,
+                        color="white" if norm(math.log2(b)) > 0.6 else "black")
+                if band[0] <= b <= band[1]:
+                    ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, lw=2.5, ec="#d62728"))
+        ax.set_xticks(range(len(ranges)), [f"{lo}–{hi}" for lo, hi in ranges], fontsize=MIN_PT)
+        labels = [f"{n}  {'/'.join(f'{x:g}' for x in g.weights[n])}" for n in names]
+        ax.set_yticks(range(len(names)), labels if i % cols == 0 else [""] * len(names), fontsize=MIN_PT)
+        ax.set_title(g.workload, fontsize=10)
+        if i // cols == rows - 1:
+            ax.set_xlabel("扫描范围 (sweep range)", fontsize=MIN_PT)
+    for ax in axes[len(grids):]:
+        ax.set_visible(False)
+    fig.legend(handles=[Patch(fill=False, ec="#d62728", lw=2.5,
+                              label=f"落在文本的 {band[0]}–{band[1]} 档 (in the text's band)")],
+               loc="outside lower center", fontsize=MIN_PT, frameon=False)
+    fig.suptitle(f"{grids[0].goal} 选哪个块：随权重（行：浪费/前缀损失/开销/注意力）和扫描范围（列）变化 "
+                 "(which block wins)")
+    return fig
+
+
+def plot_lengths(workloads: dict[str, Workload], traces: dict[str, Workload], band: tuple[int, int] = (10, 200)
+                 ) -> Any:
+    """Histograms of sequence lengths (prompt + output): the text's scenarios as lines, real traces filled, the
+    text's chat range ``band`` shaded. Returns the Figure."""
+    from kvlab.viz.static import MIN_PT, Picture
+
+    fig = Picture(figsize=(9, 3.6), layout="constrained")
+    ax = fig.subplots()
+    bins = np.logspace(0.5, 4.3, 60).tolist()
+    for name, w in workloads.items():
+        ax.hist(w.sequence_lengths(), bins=bins, histtype="step", lw=1.2, label=f"文本 (text): {name}")
+    for name, w in traces.items():
+        ax.hist(w.sequence_lengths(), bins=bins, histtype="stepfilled", alpha=0.25, label=name)
+    ax.axvspan(*band, color="grey", alpha=0.1, label=f"文本的对话 (text's chat) {band[0]}–{band[1]}")
+    ax.set_xscale("log")
+    ax.set(xlabel="序列长度 (sequence length: prompt + output, tokens)", ylabel="请求数 (requests)")
+    ax.legend(fontsize=MIN_PT, ncol=2)
+    ax.set_title("文本的场景 vs Azure 2023 trace (the text's scenarios vs real traces)")
     return fig

@@ -10,6 +10,7 @@
 Then the model whose K/V the cache holds: :mod:`~kvlab.serve.model` (a Llama decoder writing into the pool),
 :mod:`~kvlab.serve.loader` (a real model from its GGUF file), :mod:`~kvlab.serve.tokenizer`,
 :mod:`~kvlab.serve.sampling` (choosing each next token),
-:mod:`~kvlab.serve.chat` (chatting with it while the cache works), and :mod:`~kvlab.serve.claims` (§2.2.6's
-results measured against a baseline).
+:mod:`~kvlab.serve.chat` (chatting with it while the cache works), :mod:`~kvlab.serve.probe` (what one layer's
+attention receives), :mod:`~kvlab.serve.reuse` (what a prefix hit saves on it), and :mod:`~kvlab.serve.claims`
+(§2.2.6's results measured against a baseline).
 """

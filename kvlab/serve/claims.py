@@ -82,12 +82,14 @@ def _head(name: str, n: int) -> Workload:
     return Workload(f"{name}[:{n}]", w.requests[:n])
 
 
-def _runs(w: Workload, baselines: Sequence[str], progress: bool, **cfg: Any) -> tuple[dict[str, dict], Engine]:
-    """The paged engine and each baseline on ``w`` with the same memory: their summaries (keyed ``"paged"`` and
-    baseline name) and the paged engine, whose per-request log the prefix-hit comparison reads."""
+def _runs(w: Workload, baselines: Sequence[str], progress: bool, **cfg: Any) -> dict[str, Engine]:
+    """The paged engine and each baseline on ``w`` with the same memory (keyed ``"paged"`` and baseline name),
+    each run to the end; the paged engine's per-request log is what the prefix-hit comparison reads."""
     engines = {"paged": Engine(w, EngineConfig(memory="paged", **cfg)),
                **{b: Engine(w, EngineConfig(memory=BASELINES[b], **cfg)) for b in baselines}}
-    return {name: e.run(progress=progress) for name, e in engines.items()}, engines["paged"]
+    for e in engines.values():
+        e.run(progress=progress)
+    return engines
 
 
 def _slots_per_token(s: dict[str, Any]) -> float:
@@ -131,6 +133,49 @@ def check_baselines(baselines: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
+@dataclass(frozen=True)
+class ClaimRuns:
+    """The engine runs the six claims are read from (:func:`run_claims`): the Azure (``chat``) and Mooncake
+    (``long``) workloads, each run paged and through every baseline on the same memory (``chat_engines``,
+    ``long_engines``, keyed ``"paged"`` and by baseline name, each run to the end), the one long request's
+    summary (``one``), and the settings."""
+    chat: Workload
+    long: Workload
+    chat_engines: dict[str, Engine]
+    long_engines: dict[str, Engine]
+    one: dict[str, Any]
+    baselines: tuple[str, ...]
+    num_blocks: int
+    long_num_blocks: int
+    block_size: int
+    long_tokens: int
+
+    @property
+    def many(self) -> dict[str, dict[str, Any]]:
+        """The Azure runs' summaries, keyed ``"paged"`` and by baseline name."""
+        return {name: e.summary() for name, e in self.chat_engines.items()}
+
+    @property
+    def longs(self) -> dict[str, dict[str, Any]]:
+        """The Mooncake runs' summaries, keyed ``"paged"`` and by baseline name."""
+        return {name: e.summary() for name, e in self.long_engines.items()}
+
+
+def run_claims(requests: int = 2000, long_requests: int = 400, *, num_blocks: int = 8192,
+               long_num_blocks: int = 65536, block_size: int = 16, long_tokens: int = 100_000,
+               baselines: str | Sequence[str] = tuple(BASELINES), progress: bool = False) -> ClaimRuns:
+    """Run what :func:`measure_claims` reads, once: a chapter that shows the runs' tables and then the verdicts
+    reads both from here (:func:`claims_of`). Arguments as :func:`measure_claims`'s."""
+    names = check_baselines(baselines)
+    chat, long = _head(CHAT_TRACE, requests), _head(LONG_TRACE, long_requests)
+    chat_engines = _runs(chat, names, progress, num_blocks=num_blocks, block_size=block_size,
+                         max_model_len=CHAT_MAX_LEN, max_batched_tokens=CHAT_BATCH)
+    long_engines = _runs(long, names, progress, num_blocks=long_num_blocks, block_size=block_size,
+                         max_model_len=LONG_MAX_LEN, max_batched_tokens=LONG_BATCH)
+    return ClaimRuns(chat, long, chat_engines, long_engines, _run_long_request(long_tokens, block_size), names,
+                     num_blocks, long_num_blocks, block_size, long_tokens)
+
+
 def measure_claims(requests: int = 2000, long_requests: int = 400, *, num_blocks: int = 8192,
                    long_num_blocks: int = 65536, block_size: int = 16, long_tokens: int = 100_000,
                    baselines: str | Sequence[str] = tuple(BASELINES), progress: bool = False) -> list[Claim]:
@@ -139,17 +184,23 @@ def measure_claims(requests: int = 2000, long_requests: int = 400, *, num_blocks
     :class:`~kvlab.core.errors.ConfigError` for an unknown baseline or more requests than a trace holds.
 
     ``num_blocks`` of ``block_size`` tokens is the memory of the many-users runs, ``long_num_blocks`` that of the
-    long-sequence runs. The defaults take about half a minute on two CPU cores; ``progress`` shows a bar per run."""
-    names = check_baselines(baselines)
-    chat, long = _head(CHAT_TRACE, requests), _head(LONG_TRACE, long_requests)
-    c, _ = _runs(chat, names, progress, num_blocks=num_blocks, block_size=block_size, max_model_len=CHAT_MAX_LEN,
-              max_batched_tokens=CHAT_BATCH)
-    m, long_engine = _runs(long, names, progress, num_blocks=long_num_blocks, block_size=block_size,
-              max_model_len=LONG_MAX_LEN, max_batched_tokens=LONG_BATCH)
-    one = _run_long_request(long_tokens, block_size)
-    chat_setup = (f"{chat.name}: {requests} requests at the trace's arrival times, {num_blocks} blocks x "
+    long-sequence runs. The defaults take about ten seconds on two CPU cores; ``progress`` shows a bar per run."""
+    return claims_of(run_claims(requests, long_requests, num_blocks=num_blocks, long_num_blocks=long_num_blocks,
+                                block_size=block_size, long_tokens=long_tokens, baselines=baselines,
+                                progress=progress))
+
+
+def claims_of(runs: ClaimRuns) -> list[Claim]:
+    """The six claims read from ``runs`` (:func:`run_claims`), as :func:`measure_claims` returns them."""
+    if not isinstance(runs, ClaimRuns):
+        raise ConfigError(f"claims_of needs the ClaimRuns of run_claims, got {runs!r:.80}")
+    names, chat, long, one = runs.baselines, runs.chat, runs.long, runs.one
+    num_blocks, long_num_blocks, block_size, long_tokens = (runs.num_blocks, runs.long_num_blocks, runs.block_size,
+                                                            runs.long_tokens)
+    c, m, long_engine = runs.many, runs.longs, runs.long_engines["paged"]
+    chat_setup = (f"{chat.name}: {len(chat)} requests at the trace's arrival times, {num_blocks} blocks x "
                   f"{block_size} tokens, chunked prefill {CHAT_BATCH} tokens/step, context limit {CHAT_MAX_LEN}")
-    long_setup = (f"{long.name}: {long_requests} requests (mean prompt "
+    long_setup = (f"{long.name}: {len(long)} requests (mean prompt "
                   f"{sum(r.prompt_len for r in long) / len(long):,.0f} tokens) at the trace's arrival times, "
                   f"{long_num_blocks} blocks x {block_size} tokens, chunked prefill {LONG_BATCH} tokens/step, "
                   f"context limit {LONG_MAX_LEN}")
@@ -225,13 +276,14 @@ def claims_report(claims: Sequence[Claim] | None = None, baseline: str | None = 
     claims = list(claims) if claims is not None else measure_claims()
     if keep is not None:
         claims = [c for c in claims if c.baseline in keep]
-    lines = ["Claims of text §2.2.6, measured on kvlab (metadata mode, simulated seconds)", ""]
+    lines = ["文本 §2.2.6 的结论，用 kvlab 测量（元数据模式，模拟秒）"
+             "(Claims of text §2.2.6, measured on kvlab: metadata mode, simulated seconds)", ""]
     for c in claims:
-        verdict = "supported" if c.supported else "NOT supported by this measurement"
-        lines += [f"* {c.text} vs {c.baseline}: {verdict}", f"    setup:    {c.setup}",
-                  f"    measured: {c.measured}", ""]
+        verdict = "成立 (supported)" if c.supported else "本次测量不支持 (NOT supported by this measurement)"
+        lines += [f"* {c.text} vs {c.baseline}: {verdict}", f"    设置 (setup):    {c.setup}",
+                  f"    测得 (measured): {c.measured}", ""]
     return "\n".join(lines)
 
 
-__all__ = ["BASELINES", "CLAIMS", "Claim", "check_baselines", "claims_report", "measure_claims", "prefetch_effect",
-           "prefix_hit_share", "verdicts"]
+__all__ = ["BASELINES", "CLAIMS", "Claim", "ClaimRuns", "check_baselines", "claims_of", "claims_report",
+           "measure_claims", "prefetch_effect", "prefix_hit_share", "run_claims", "verdicts"]

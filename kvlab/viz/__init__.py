@@ -11,6 +11,7 @@ from typing import Any
 
 from kvlab.viz import palette
 from kvlab.viz.export import export_html
+from kvlab.viz.fonts import use_cjk_font
 from kvlab.viz.frames import CACHED, STATE_NAMES, Frame, FrameBuilder, build_frame, decode_frame, frame_of
 from kvlab.viz.live import PRESETS, LiveRun, Pacer, RandomWorkload, Recording, record
 from kvlab.viz.static import Picture, plot_dashboard, plot_evictions, plot_fragmentation, plot_pool
@@ -38,4 +39,5 @@ __all__ = [
     "FragmentationView", "LiveRun", "PRESETS", "Pacer", "Picture", "PoolView", "RandomWorkload", "Recording",
     "STATE_NAMES", "build_frame", "decode_frame", "export_html", "frame_of", "palette", "plot_dashboard",
     "plot_evictions", "plot_fragmentation", "plot_pool", "record", "frame_tables", "plot_block_table",
+    "use_cjk_font",
 ]

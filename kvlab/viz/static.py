@@ -16,6 +16,7 @@ same factor and none is below :data:`MIN_PT` points as the reader sees it.
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 import textwrap
@@ -39,14 +40,48 @@ PNG_DPI = 100  # every still's PNG (a point is then at least a CSS pixel's 96 pe
 DISPLAY_WIDTH_IN = 10.0  # a notebook's output column (JupyterLab, the course site) at PNG_DPI: ~1000 px
 
 
+# Faces that draw Chinese, the README's (fonts-noto-cjk) first; matplotlib's default list names none of them.
+CJK_FAMILIES = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Zen Hei", "PingFang SC",
+                "Microsoft YaHei", "SimHei")
+
+
+@functools.cache
+def cjk_fallback() -> str | None:
+    """Let matplotlib draw the chapters' Chinese labels: the first of :data:`CJK_FAMILIES` this machine has joins
+    ``font.family`` after the default face (matplotlib falls back glyph by glyph along that list, so Latin text
+    keeps DejaVu Sans; a figure's texts take the list when they are made).
+    A font installed after matplotlib built its font cache is missing from that cache: the system's font files
+    are then registered once. Returns the family, or None where no CJK face is installed (Chinese shows as
+    boxes)."""
+    from matplotlib import font_manager, rcParams
+
+    def known() -> str | None:
+        names = {f.name for f in font_manager.fontManager.ttflist}
+        return next((f for f in CJK_FAMILIES if f in names), None)
+
+    if known() is None:
+        for path in font_manager.findSystemFonts():
+            if "cjk" in path.lower() or "wqy" in path.lower():
+                font_manager.fontManager.addfont(path)
+    family = known()
+    if family is not None and family not in rcParams["font.family"]:
+        rcParams["font.family"] = [*rcParams["font.family"], family]
+    return family
+
+
 class Picture(Figure):
     """A matplotlib figure that shows itself as a PNG (``_repr_png_``): Jupyter shows a bare ``Figure`` as its
     text form (``<Figure size 900x450 with 3 Axes>``) unless pyplot's inline backend happens to be loaded.
 
     Drawn readable (:func:`readable`): a figure wider than :data:`DISPLAY_WIDTH_IN` is shown shrunk to the
-    column, so its texts grow by that factor when it is first drawn, and no text is drawn below the floor."""
+    column, so its texts grow by that factor when it is first drawn, and no text is drawn below the floor.
+    Chinese labels draw in a CJK face (:func:`cjk_fallback`)."""
 
     _scaled = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cjk_fallback()  # a text takes the font list when it is made: set it before the figure makes any
+        super().__init__(*args, **kwargs)
 
     def draw(self, renderer: Any) -> None:
         readable(self, scale=not self._scaled)
