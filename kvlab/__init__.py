@@ -176,8 +176,8 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_VIEWS:
         from kvlab import viz
         return getattr(viz, name)
-    if name in _MODULE_NAMES or name in _WHERE or name in _FOLDERS:
-        _import_all()
+    if (name in _MODULE_NAMES or name in _WHERE or name in _FOLDERS) and _WHERE.get(name) != "kvlab.core.errors":
+        _import_all()  # the error types excepted: the command line reads them before it knows it needs torch
     if name in _MODULE_NAMES:
         value = importlib.import_module(_MODULE_NAMES[name])
     elif name in _WHERE:

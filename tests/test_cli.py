@@ -181,13 +181,19 @@ def test_registering_a_command(capsys):
 # ---------------------------------------------------------------------------------------------------- user errors
 def _bad_values(tmp: Path) -> dict:
     """Bad values for every argument type the commands use; a new type without an entry fails the grid below."""
+    (tmp / "a-file").write_text("x")
+    huge = ["99999999999999999999", "9" * 5000]  # too large, not "an int of 67 bits" nor "not an integer"
     return {
-        cli._positive_int: ["0", "-3", "1.5", "x", ""],
+        cli._positive_int: ["0", "-3", "1.5", "x", "", *huge],
         cli._positive_float: ["0", "-2", "nan", "inf", "x"],
-        cli._seed: ["-1", str(2**32), "x"],
+        cli._seed: ["-1", str(2**32), "x", *huge],
+        cli._exercise_seed: ["-1", str(2**31), "x", *huge],
+        cli._port: ["0", "-1", "65536", "99999", "x", *huge],
         cli._device: ["nosuchdev", "cuda:7", "meta", ""],
-        cli._figure_file: ["/nonexistent/x.png", str(tmp / "x.nosuchformat"), str(tmp), "a\0b.png"],
-        cli._output_file: ["/nonexistent/x.json", str(tmp), "a\0b.json"],
+        cli._figure_file: ["/nonexistent/x.png", str(tmp / "x.nosuchformat"), str(tmp), "a\0b.png", "/proc/x.png"],
+        cli._output_file: ["/nonexistent/x.json", str(tmp), "a\0b.json", "/proc/x.json"],
+        # a file, a folder under a file, a folder of the kernel's that takes no files (even root's)
+        cli._output_folder: [str(tmp / "a-file"), str(tmp / "a-file" / "sub"), "/proc/x", "/proc/x/y", "a\0b"],
         cli._path: ["a\0b"],
         cli._sizes: ["16,abc", "16,16", ",", "0"],
         int: ["x", "1.5"],
@@ -238,6 +244,7 @@ def test_every_bad_option_value_is_one_line_and_exit_2_before_any_work(command, 
         err = capsys.readouterr().err
         assert e.value.code == 2, (option, value)
         assert err.count("\n") == 1 and option in err and err.startswith(f"kvlab {command}: error:"), (value, err)
+        assert not (value.isdigit() and len(value) > 12) or "too large: " in err, err  # and the most allowed
     assert list(work.iterdir()) == []
 
 
@@ -268,7 +275,8 @@ def test_user_errors_end_in_one_line_never_a_traceback(tmp_path):
     _one_line_error(run("run", "--trace", str(tmp_path / "none.csv")), 2, "cannot read trace")
     _one_line_error(run("bench", "bench_pool", "nosuch", "--quick"), 2, "nosuch", "bench_pool")
     # 100 blocks of 16 tokens hold no max-length region of 2,048: the baseline could never admit a request
-    _one_line_error(run("run", "--requests", "3", "--blocks", "100", "--baseline"), 2, "max_model_len=2048")
+    _one_line_error(run("run", "--requests", "3", "--blocks", "100", "--baseline"), 2, "--max-model-len 2,048",
+                    "--blocks 128")
 
 
 def test_running_out_of_memory_is_one_line_and_exit_1(capsys, monkeypatch):
@@ -277,7 +285,7 @@ def test_running_out_of_memory_is_one_line_and_exit_1(capsys, monkeypatch):
 
     help_, configure, _ = cli._COMMANDS["run"]
     monkeypatch.setitem(cli._COMMANDS, "run", (help_, configure, too_big))
-    assert cli.main(["run", "--requests", "10000000000000"]) == 1
+    assert cli.main(["run", "--requests", "2000000000"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvlab run: error: out of memory")
 
@@ -374,6 +382,22 @@ def test_chapters_copies_the_course_and_never_overwrites_unasked(tmp_path, capsy
     assert any(n.parts[0] == "solutions" for n in names)
     assert sorted(p.relative_to(dest) for p in dest.rglob("*.ipynb")) == names
     assert all((dest / n).read_bytes() == (src / n).read_bytes() for n in names)
+
+
+def test_the_copied_course_carries_everything_its_links_point_at(tmp_path):
+    """``kvlab chapters DEST``: every relative link of every notebook and Markdown file copied resolves in DEST."""
+    import nbformat
+
+    dest = tmp_path / "course"
+    assert cli.main(["chapters", str(dest)]) == 0
+    assert {"GLOSSARY.md", "TEACHING.md"} <= {p.name for p in dest.glob("*.md")}
+    dead = []
+    for f in sorted(dest.rglob("*.ipynb")) + sorted(dest.glob("*.md")):
+        text = f.read_text(encoding="utf-8") if f.suffix == ".md" else "\n".join(
+            c.source for c in nbformat.read(f, as_version=4).cells if c.cell_type == "markdown")
+        dead += [(f.name, t) for t in re.findall(r"\]\(([^)#\s]+)", text)
+                 if not re.match(r"[a-z]+:", t) and not (f.parent / t).exists()]
+    assert not dead
 
 
 # ---------------------------------------------------------------------------------------------------- lab

@@ -1,7 +1,6 @@
 """Unit tests of the foundation: spec, storage, block state machine, pool operations, errors, events."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -439,29 +438,6 @@ def test_metadata_only_pool_is_large_and_cheap():
     with pytest.raises(ConfigError, match="metadata-only"):
         KVBlock(p, 0).kv_data
     p.check_invariants()
-
-
-def test_environment_yml_matches_pyproject():
-    """Dependencies are declared once, in pyproject.toml: environment.yml brings python and pip, then installs
-    kvlab itself with extras that exist."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # the test extra brings tomli, tomllib's source, on 3.10
-        import tomli as tomllib
-
-    import yaml
-    root = os.path.dirname(os.path.dirname(__file__))
-    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
-    with open(os.path.join(root, "environment.yml")) as f:
-        env = yaml.safe_load(f)
-    assert env["channels"] == ["conda-forge"]
-    plain = [d for d in env["dependencies"] if isinstance(d, str)]
-    assert sorted(d.split(">")[0].split("=")[0] for d in plain) == ["pip", "python"]
-    (pip_list,) = [d["pip"] for d in env["dependencies"] if isinstance(d, dict)]
-    assert len(pip_list) == 1 and pip_list[0].startswith("-e .[")
-    named = set(pip_list[0].split("[", 1)[1].rstrip("]").split(","))
-    assert named and named <= extras
 
 
 def test_pool_larger_than_device_memory_fails_fast_with_what_fits():

@@ -451,9 +451,12 @@ def test_malformed_azure_names_the_line(tmp_path, cid, bad, where, compress):
     ("azure", [], 1, "empty file: expected the header"),
     ("azure", [b"TIMESTAMP,ContextTokens"], 1, "an Azure trace has the header"),
     ("azure", [b"TIMESTAMP,ContextTokens,GeneratedTokens,Extra"], 1, "an Azure trace has the header"),
-    ("azure", [b"id,arrival,prompt_len,output_len", b"1,0,8,2"], 1, "an Azure trace has the header"),
-    ("mooncake", [b'{"id": 1, "arrival": 0, "prompt_len": 8, "output_len": 2}'], 1, "lacks"),
-    ("kvlab", [_moon_line(0)], 1, "unknown fields"),
+    ("azure", [b"id,arrival,prompt_len,output_len", b"1,0,8,2"], 1, "looks like a kvlab trace.*--format kvlab"),
+    ("mooncake", [b'{"id": 1, "arrival": 0, "prompt_len": 8, "output_len": 2}'], 1, "looks like a kvlab trace"),
+    ("mooncake", [b"", AZ_HEAD, AZ_GOOD.encode() + b",1,1"], 2, "looks like an Azure CSV trace.*--format azure"),
+    ("azure", [b"# a comment", _moon_line(0)], 2, "looks like a Mooncake JSONL trace.*--format mooncake"),
+    ("kvlab", [_moon_line(0)], 1, "looks like a Mooncake JSONL trace"),
+    ("kvlab", [AZ_HEAD], 1, "looks like an Azure CSV trace"),
 ])
 def test_production_file_level_errors(tmp_path, fmt, lines, line, word):
     path = tmp_path / "t.txt"

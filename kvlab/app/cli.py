@@ -3,9 +3,13 @@
 Each subcommand is one function registered with :func:`command`, next to a function that declares its
 arguments; :func:`main` builds the parser from the registry. Adding ``kvlab run`` or ``kvlab bench`` is one more
 registered pair. Exit codes: 0 success, 2 bad arguments or bad input (argparse's convention; the message says
-which), 1 any other kvlab error or a file that could not be read or written, 130 interrupted, 141 the reader of
-stdout went away. Every error is one line on stderr. Heavy modules are imported inside the handlers so
-``kvlab --help`` is quick.
+which), 1 any other kvlab error or a file that could not be read or written while the command ran, 130
+interrupted (at any moment, start-up included), 141 the reader of stdout went away. Every error is one line on
+stderr, and a command that fails or is interrupted leaves no file half-written.
+
+Start-up is quick: this module imports no torch, only the chosen command's arguments are declared (they may
+import torch), and heavy modules are imported inside the handlers, so ``kvlab --help`` and ``kvlab --version``
+answer at once (tests/test_cli_startup.py checks that neither imports torch).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -24,6 +29,11 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[str, Configure, Handler]] = {}
+INT32_MAX = 2**31 - 1  # kvlab's counts, sizes and ids are int32 (kvlab.core.checks.INT32_MAX, which imports torch)
+# Optional modules -> the extra of kvlab that installs them (pyproject.toml), for a one-line "install this".
+EXTRAS = {"jupyterlab": "lab", "ipykernel": "lab", "nbformat": "lab", "nbclient": "lab", "nbconvert": "lab",
+          "mistune": "lab", "anywidget": "widgets", "ipywidgets": "widgets", "gguf": "llm", "tokenizers": "llm",
+          "jinja2": "llm"}
 
 
 def command(name: str, help: str, configure: Configure) -> Callable[[Handler], Handler]:
@@ -44,66 +54,142 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvlab import __version__, hotpath_compiled
+def version_line() -> str:
+    """What ``kvlab --version`` prints: kvlab's version and which of its compiled parts run, and if one does not,
+    why and what fixes it (:func:`kvlab.fast.compiled.compiled_report`; neither imports torch)."""
+    from kvlab import __version__
+    from kvlab.fast.compiled import compiled_report
 
-    # Raw: the --version line is printed as written, not wrapped at the terminal's width
-    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    from kvlab.fast.attention import DECODE_KERNEL_COMPILED
+    return f"kvlab {__version__}; {compiled_report()}"
 
-    c_file = "kvlab/fast/_fastpath.c"
-    fast = f"compiled ({c_file})" if hotpath_compiled else f"pure Python (no compiled {c_file})"
-    decode = ("compiled (kvlab/fast/_paged_attention.c)" if DECODE_KERNEL_COMPILED
-              else "gather + SDPA (no compiled kvlab/fast/_paged_attention.c)")
-    parser.add_argument("--version", action="version",
-                        version=f"kvlab {__version__}; FastBlockPool: {fast}; CPU paged decode: {decode}")
+
+class _Version(argparse.Action):
+    """``--version``: :func:`version_line`, worked out only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvlab`` parser, every command listed; the arguments are declared for ``commands`` only (None: all).
+    :func:`main` declares those of the command it runs: declaring some imports torch."""
+    parser = _Parser(prog="kvlab", description="See how a paged KV cache works.")
+    parser.add_argument("--version", action=_Version,
+                        help="print kvlab's version and whether its compiled parts are in use, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, configure, handler) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        configure(p)
-        p.set_defaults(handler=handler)
+        if commands is None or name in commands:
+            configure(p)
+            p.set_defaults(handler=handler)
     return parser
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names: its first word, since ``kvlab``'s own options (--help, --version) take none."""
+    words = [a for a in argv if not a.startswith("-")]
+    return words[0] if words and words[0] in _COMMANDS else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code. A user error ends
-    in one line on stderr and a non-zero code, never a traceback; a reader that closed the pipe
-    (``kvlab demo | head -1``) ends the command quietly with 141, as a shell's SIGPIPE would."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    in one line on stderr and a non-zero code, never a traceback; so does Ctrl-C, with 130, even while the
+    command starts (torch importing); a reader that closed the pipe (``kvlab demo | head -1``) ends the command
+    quietly with 141, as a shell's SIGPIPE would."""
+    prog = "kvlab"
+    try:  # from the first line: Ctrl-C lands anywhere
+        argv = sys.argv[1:] if argv is None else list(argv)
+        name = _chosen(argv)
+        prog = f"kvlab {name}" if name else "kvlab"
+        args = build_parser([name] if name else []).parse_args(argv)
         code = args.handler(args)
         sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
-        return code
+        return int(code)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     except KVLabError as e:  # bad input found after parsing: a trace file, a size the pool refuses
-        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError | ValueError) else 1
     except BrokenPipeError:
         # Python would complain again when it flushes stdout at exit: point stdout at /dev/null first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except OSError as e:  # a file the command was told to read or write: missing, unwritable, a full disk
-        print(f"kvlab {args.command}: error: {e}", file=sys.stderr)
+    except OSError as e:  # a file the command read or wrote as it ran: gone, unwritable, a full disk
+        print(f"{prog}: error: {_os_error(e)}", file=sys.stderr)
         return 1
-    except MemoryError:  # a size this machine cannot hold (kvlab run --requests 10000000000000)
-        print(f"kvlab {args.command}: error: out of memory; ask for fewer requests, blocks or sizes",
-              file=sys.stderr)
+    except ModuleNotFoundError as e:  # an optional dependency (the checks before the work name most of them)
+        if (e.name or "kvlab").partition(".")[0] == "kvlab":
+            raise  # a part of kvlab itself missing is a broken install or a bug: the traceback says where
+        print(f"{prog}: error: {_missing(e.name or str(e))}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"kvlab {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except MemoryError:  # a size this machine cannot hold (kvlab run --requests 2000000000)
+        print(f"{prog}: error: out of memory; ask for fewer requests, blocks or sizes", file=sys.stderr)
+        return 1
+
+
+def _reason(e: OSError) -> str:
+    """Why the OS refused, in words: ``permission denied``."""
+    reason = (e.strerror or str(e)).rstrip(".")
+    return reason[:1].lower() + reason[1:]
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError in words, naming the path(s): ``'/x/y': permission denied`` rather than ``[Errno 13] ...``."""
+    paths = [repr(os.fsdecode(f)) for f in (e.filename, e.filename2) if f is not None]
+    return f"{' -> '.join(paths)}: {_reason(e)}" if paths else _reason(e)
+
+
+def _missing(module: str) -> str:
+    """The line for an optional module that is not installed, naming the extra that brings it."""
+    top = module.partition(".")[0]
+    extra = EXTRAS.get(top)
+    fix = f'pip install "kvlab[{extra}]"' if extra else f"pip install {top}"
+    return f"this needs {top}, which is not installed: {fix}"
+
+
+def require(*modules: str) -> None:
+    """Refuse (:class:`~kvlab.KVLabError`, exit 1) before any work when an optional module is not installed,
+    naming the extra to install; checked without importing them."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise KVLabError(_missing(module))
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
+def _int(text: str, lo: int, hi: int, what: str) -> int:
+    """``text`` as an int in ``lo..hi``, else an argparse error in words: not an integer, too small, or too large
+    and the most there is (not Python's "int of 67 bits"; a number of thousands of digits is too large too)."""
+    shown = text if len(text) <= 30 else f"{text[:20]}... ({len(text)} characters)"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+        digits = text.strip().removeprefix("-").removeprefix("+")
+        if not (digits.isdigit() and digits.isascii()):
+            raise argparse.ArgumentTypeError(f"{shown!r} is not an integer") from None
+        value = -(hi + 1) if text.strip().startswith("-") else hi + 1  # past Python's limit on digits
+    if value > hi:
+        raise argparse.ArgumentTypeError(f"{shown} is too large: {what} is at most {hi:,}")
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"{shown} is not {what}" + (f" (at least {lo})" if lo > 1 else ""))
     return value
+
+
+def _positive_int(text: str) -> int:
+    """A count or size: 1..:data:`INT32_MAX`."""
+    return _int(text, 1, INT32_MAX, "a positive integer")
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on, 1..65535 (0 would let the system choose; ``kvlab lab`` finds a free one itself)."""
+    return _int(text, 1, 65535, "a port")
 
 
 def _positive_float(text: str) -> float:
@@ -134,17 +220,66 @@ def _path(text: str) -> str:
     return text
 
 
+def _writable(folder: str) -> str | None:
+    """Why nothing can be made in ``folder`` (an existing folder), or None: found by making a file there and
+    removing it, since permissions do not tell (root may write anywhere by them, yet not into /proc)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvlab-probe-", dir=folder)
+    except OSError as e:
+        return _reason(e)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def _output_file(text: str) -> str:
-    """A file to write: its folder must exist and be writable, so a long run does not fail at its last step."""
+    """A file to write: its folder must exist and take files, so a long run does not fail at its last step."""
     _path(text)
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} is not writable")
+    why = _writable(folder)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} takes no new files ({why})")
     return text
+
+
+def _output_folder(text: str) -> str:
+    """A folder to write into: one that takes files, or one that can be made (its nearest existing parent takes
+    files), checked before any work; nothing is made here."""
+    _path(text)
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    parent = path
+    while not os.path.isdir(parent):
+        if os.path.lexists(parent):  # a file (or a broken link) where a folder would have to be made
+            raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: {parent!r} is not a folder")
+        parent = os.path.dirname(parent)
+    why = _writable(parent)
+    if why:
+        verb = "write into" if parent == path else "make"
+        raise argparse.ArgumentTypeError(f"cannot {verb} folder {text!r}: {parent!r} takes no new files ({why})")
+    return text
+
+
+def _write_whole(path: str, write: Callable[[str], object]) -> None:
+    """``write(name)`` into a new file beside ``path``, renamed over it once complete: a failure or an interrupt
+    leaves ``path`` as it was, never half-written. The name keeps ``path``'s suffix (matplotlib reads it)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(base)[1], dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; the file gets the mode a plain open gives
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _figure_file(text: str) -> str:
@@ -158,13 +293,8 @@ def _figure_file(text: str) -> str:
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"{value} is not a seed (0 <= seed < 2**32)")
-    return value
+    """A workload's or a model's seed, 0..2**32 - 1."""
+    return _int(text, 0, 2**32 - 1, "a seed")
 
 
 def _sizes(text: str) -> list[int]:
@@ -175,9 +305,10 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
+def _workload_args(p: argparse.ArgumentParser, requests: int, trace_requests: int | None = None) -> None:
     """Where the requests come from: a generated scenario (``--workload``, ``--requests``, ``--seed``) or a trace
-    (``--trace`` a bundled name or a file, ``--format``, ``--requests`` its first N)."""
+    (``--trace`` a bundled name or a file, ``--format``, ``--requests`` its first N: ``trace_requests`` unless
+    given, None for all)."""
     from kvlab.workloads.traces import FORMATS, trace_names
     from kvlab.workloads.mixes import ALIASES, WORKLOADS
 
@@ -187,13 +318,18 @@ def _workload_args(p: argparse.ArgumentParser, requests: int) -> None:
                      help=f"a bundled trace ({', '.join(trace_names())}) or a trace file (Azure CSV, Mooncake JSONL, "
                           "kvlab JSONL/CSV; .gz too) instead of a generated workload")
     p.add_argument("--format", choices=FORMATS, default=None, help="the trace file's format (default: detected)")
-    p.add_argument("--requests", type=_positive_int, default=None, metavar="N",
-                   help=f"requests to generate (default: {requests}), or the first N of a trace (default: all)")
+    if trace_requests == requests:
+        said = f"requests to generate, or the first N of a trace (default: {requests})"
+    else:
+        first = "all" if trace_requests is None else f"{trace_requests}"
+        said = f"requests to generate (default: {requests}), or the first N of a trace (default: {first})"
+    p.add_argument("--requests", type=_positive_int, default=None, metavar="N", help=said)
     p.add_argument("--seed", type=_seed, default=0, help="workload seed (default: 0)")
-    p.set_defaults(default_requests=requests)
+    p.set_defaults(default_requests=requests, trace_requests=trace_requests)
 
 
-def _workload(args: argparse.Namespace, rate: float | None = None) -> Workload:
+def _load(args: argparse.Namespace, rate: float | None = None) -> tuple[Workload, int]:
+    """The workload the arguments name, and how many requests its source holds (a trace's whole length)."""
     from kvlab.workloads.traces import load_trace
     from kvlab.workloads.mixes import Workload, make_workload
 
@@ -201,11 +337,17 @@ def _workload(args: argparse.Namespace, rate: float | None = None) -> Workload:
         if args.format is not None:
             raise ConfigError("--format describes a trace file: give it with --trace")
         name, n = args.workload or "chat", args.requests or args.default_requests
-        return make_workload(name, n, args.seed) if rate is None else make_workload(name, n, args.seed, rate=rate)
+        w = make_workload(name, n, args.seed) if rate is None else make_workload(name, n, args.seed, rate=rate)
+        return w, n
     workload = load_trace(args.trace, args.format)
-    if args.requests is not None:
-        workload = Workload(workload.name, workload.requests[:args.requests])
-    return workload
+    total, first = len(workload.requests), args.requests or args.trace_requests
+    if first is not None and first < total:
+        workload = Workload(workload.name, workload.requests[:first])
+    return workload, total
+
+
+def _workload(args: argparse.Namespace, rate: float | None = None) -> Workload:
+    return _load(args, rate)[0]
 
 
 def _print_json(obj: Any) -> None:
@@ -257,7 +399,8 @@ def _sweep(args: argparse.Namespace) -> int:
                        rounds=args.rounds, device=args.device)
     stats = opt.sequence_length_stats
     if args.plot:
-        plot_sweep(result, args.goal).savefig(args.plot, dpi=100)
+        figure = plot_sweep(result, args.goal)
+        _write_whole(args.plot, lambda name: figure.savefig(name, dpi=100))
     if args.json:
         _print_json({"workload": result.workload, "requests": result.requests, "attention": result.attention,
                           "goal": args.goal, "recommended": result.recommend(args.goal),
@@ -279,21 +422,28 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- run, demo
+RUN_REQUESTS = 1000  # requests generated, or the first of a trace, unless --requests says otherwise
+LONGEST_AT_ONCE = 4  # a pool sized from the workload holds this many of its longest requests (see _fit)
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     from kvlab.workloads.race import RACE_POLICIES
     from kvlab.serve.config import EngineConfig
 
     d = EngineConfig()
-    _workload_args(p, requests=1000)
+    _workload_args(p, requests=RUN_REQUESTS, trace_requests=RUN_REQUESTS)
     p.add_argument("--rate", type=_positive_float, default=None,
                    help="arrivals per second of a generated workload (default: 200; a trace has its own times)")
-    p.add_argument("--blocks", type=_positive_int, default=d.num_blocks, help="pool blocks (default: %(default)s)")
+    p.add_argument("--blocks", type=_positive_int, default=None,
+                   help=f"pool blocks (default: {d.num_blocks}, or room for {LONGEST_AT_ONCE} of the workload's "
+                        "longest requests where that is more)")
     p.add_argument("--block-size", type=_positive_int, default=d.block_size, help="tokens per block")
     p.add_argument("--policy", default=d.policy, choices=list(RACE_POLICIES),
                    help="eviction policy (opt: Belady's, knowing the workload's future)")
     p.add_argument("--preemption", default=d.preemption, choices=["recompute", "swap"])
-    p.add_argument("--max-model-len", type=_positive_int, default=d.max_model_len,
-                   help="longest sequence; the contiguous baseline reserves this much per request")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help=f"longest sequence; the contiguous baseline reserves this much per request (default: "
+                        f"{d.max_model_len}, or the workload's longest request where that is longer)")
     p.add_argument("--max-batched-tokens", type=_positive_int, default=d.max_batched_tokens,
                    help="tokens computed per step, prompt chunks included (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -305,12 +455,62 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _fit(workload: Workload, total: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The sizes ``kvlab run`` runs ``workload`` with, and why, so that any workload runs with no size given:
+
+    * ``max_model_len``: ``--max-model-len``, or the engine's default (2048), or the workload's longest request
+      (prompt + output) where that is longer;
+    * ``num_blocks``: ``--blocks``, or the engine's default (4096), or room for :data:`LONGEST_AT_ONCE` of the
+      longest requests where that is more (one alone would leave the pool to it, and the rest would be preempted
+      again and again), and at least one contiguous region of ``max_model_len`` with ``--baseline``.
+
+    A size given too small for some request to ever run is refused here, naming the flag and the least value that
+    works, rather than by the engine in its own terms. Returns the sizes and a line saying where each came from."""
+    from kvlab.serve.config import EngineConfig
+
+    d, B = EngineConfig(), args.block_size
+    longest = max(workload.requests, key=lambda r: (r.total_len, -r.id))
+    need = -(-longest.total_len // B)  # blocks the longest request holds at its end
+    what = f"request {longest.id} ({longest.prompt_len:,} prompt + {longest.output_len:,} output tokens)"
+    if args.max_model_len is not None and longest.total_len > args.max_model_len:
+        raise ConfigError(f"{what} is longer than --max-model-len {args.max_model_len:,}: give --max-model-len "
+                          f"{longest.total_len} or more, or leave it out to fit the workload")
+    if args.max_model_len is not None:
+        mml, mml_why = args.max_model_len, "--max-model-len"
+    elif longest.total_len > d.max_model_len:
+        mml, mml_why = longest.total_len, "the longest request; --max-model-len to change"
+    else:
+        mml, mml_why = d.max_model_len, "the default; --max-model-len to change"
+    region = -(-mml // B) if args.baseline else 0  # the contiguous baseline holds max_model_len per request
+    if args.blocks is not None and args.blocks < max(need, region):
+        if need >= region:
+            raise ConfigError(f"{what} needs {need:,} blocks of {B} tokens, more than --blocks {args.blocks:,}: give "
+                              f"--blocks {need} or more (or a larger --block-size), or leave it out")
+        raise ConfigError(f"--baseline reserves --max-model-len {mml:,} tokens ({region:,} blocks of {B}) for each "
+                          f"request, more than --blocks {args.blocks:,}: give --blocks {region} or more, or a smaller "
+                          "--max-model-len")
+    if args.blocks is not None:
+        blocks, blocks_why = args.blocks, "--blocks"
+    elif max(LONGEST_AT_ONCE * need, region) > d.num_blocks:
+        blocks = max(LONGEST_AT_ONCE * need, region)
+        blocks_why = (f"room for {LONGEST_AT_ONCE} of the longest requests" if blocks > region else
+                      "one --max-model-len region of the baseline") + "; --blocks to change"
+    else:
+        blocks, blocks_why = d.num_blocks, "the default; --blocks to change"
+    n = len(workload.requests)
+    requests = f"{n:,} requests" if n == total or args.trace is None else f"the first {n:,} of {total:,} requests"
+    line = (f"{workload.name}: {requests} (--requests), the longest {longest.total_len:,} tokens; "
+            f"max_model_len {mml:,} ({mml_why}); {blocks:,} blocks of {B} tokens ({blocks_why})")
+    return {"requests": n, "source_requests": total, "longest_request": longest.total_len, "max_model_len": mml,
+            "num_blocks": blocks, "block_size": B, "max_batched_tokens": args.max_batched_tokens, "line": line}
+
+
 RUN_KEYS = ("requests", "finished", "prompt_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_hit_bound",
             "preemptions", "utilisation", "usage_by_block", "usage_by_token", "wall_s")
 
 
 @command("run", "run a workload or a real trace through the paged serving engine (metadata mode) and print a "
-                "summary (text 2.2.6)", _run_args)
+                "summary (text 2.2.6); sizes not given are fitted to the workload and stated", _run_args)
 def _run_cmd(args: argparse.Namespace) -> int:
     import dataclasses
     import time
@@ -322,11 +522,14 @@ def _run_cmd(args: argparse.Namespace) -> int:
 
     if args.trace is not None and args.rate is not None:
         raise ConfigError("--rate sets a generated workload's arrivals; a trace brings its own timestamps")
-    workload = _workload(args, rate=200.0 if args.rate is None else args.rate)
-    cfg = EngineConfig(num_blocks=args.blocks, block_size=args.block_size, policy=args.policy,
-                       preemption=args.preemption, max_model_len=args.max_model_len,
+    workload, total = _load(args, rate=200.0 if args.rate is None else args.rate)
+    sizes = _fit(workload, total, args)
+    cfg = EngineConfig(num_blocks=sizes["num_blocks"], block_size=args.block_size, policy=args.policy,
+                       preemption=args.preemption, max_model_len=sizes["max_model_len"],
                        max_batched_tokens=args.max_batched_tokens, prefix_caching=not args.no_prefix_caching,
                        shared_prefill=args.shared_prefill)
+    if not args.json:
+        print(sizes["line"], flush=True)  # before the run: what it runs with, while the bar moves
     rows: dict[str, dict[str, Any]] = {}
     for memory in ("paged", "contiguous") if args.baseline else ("paged",):
         t0 = time.perf_counter()
@@ -339,7 +542,7 @@ def _run_cmd(args: argparse.Namespace) -> int:
     if not args.json:
         print(format_table(rows))
         return 0
-    out = {"workload": workload.name, **{k: paged[k] for k in RUN_KEYS}, "summary": paged}
+    out = {"workload": workload.name, **{k: paged[k] for k in RUN_KEYS}, "sizes": sizes, "summary": paged}
     if args.baseline:
         out["contiguous"] = rows["contiguous"]
     _print_json(out)
@@ -371,14 +574,14 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(bench.report(result))
     if args.out:
-        bench.write_json(result, args.out)
+        _write_whole(args.out, lambda name: bench.write_json(result, name))
         print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def _html_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", default=None, help="chapters folder (default: the chapters shipped with kvlab)")
-    p.add_argument("--out", type=_path, default="site", help="output folder (default: site)")
+    p.add_argument("--out", type=_output_folder, default="site", help="output folder (default: site)")
     p.add_argument("--fast", action="store_true", help="small sizes (KVLAB_FAST=1)")
     p.add_argument("--no-solutions", action="store_true", help="leave out chapters/solutions/")
     p.add_argument("--timeout", type=_positive_int, default=600, help="seconds per cell")
@@ -390,6 +593,8 @@ def _html_args(p: argparse.ArgumentParser) -> None:
 @command("html", "execute the chapters and render them to static HTML with widget state, for a course site "
                  "that works offline (its scripts are pinned copies in the site's _kvlab/ folder)", _html_args)
 def _html(args: argparse.Namespace) -> int:
+    # Checked before anything is written (a missing one used to stop the site half-made).
+    require("nbformat", "nbclient", "nbconvert", "mistune", "ipykernel", "anywidget", "ipywidgets")
     from kvlab.app.render import render_chapters, write_executed
 
     if args.ipynb:
@@ -405,7 +610,8 @@ def _html(args: argparse.Namespace) -> int:
 
 
 def _chapters_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dest", type=_path, metavar="DEST", help="folder to copy the notebooks into (created if missing)")
+    p.add_argument("dest", type=_output_folder, metavar="DEST",
+                   help="folder to copy the notebooks into (created if missing)")
     p.add_argument("--no-solutions", action="store_true", help="leave out solutions/")
     p.add_argument("--force", action="store_true", help="overwrite notebooks already in DEST")
 
@@ -415,26 +621,23 @@ def _chapters(args: argparse.Namespace) -> int:
     from kvlab.app.resources import copy_chapters
 
     written = copy_chapters(args.dest, solutions=not args.no_solutions, overwrite=args.force)
-    print(f"copied {len(written)} notebooks into {args.dest}; start with: kvlab lab {args.dest}")
+    print(f"copied {len(written)} files (notebooks, glossary, notes) into {args.dest}; start with: "
+          f"kvlab lab {args.dest}")
     return 0
 
 
 def _exercise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("key", nargs="?", metavar="KEY", help="the exercise to draw, e.g. 2.2.4-moves (none: list them)")
-    p.add_argument("-s", "--seed", type=_seed, default=None, help="the problem's seed (default: a fresh one, shown)")
+    p.add_argument("-s", "--seed", type=_exercise_seed, default=None,
+                   help="the problem's seed (default: a fresh one, shown)")
     p.add_argument("-c", "--compute", action="store_true", help="also show the answer and how it follows")
 
 
-def _seed(text: str) -> int:
+def _exercise_seed(text: str) -> int:
+    """An exercise's seed, 0..:data:`kvlab.exercises.scenarios.SEED_MAX`."""
     from kvlab.exercises.scenarios import SEED_MAX
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"{value} is not a seed in 0..{SEED_MAX}")
-    return value
+    return _int(text, 0, SEED_MAX, "an exercise's seed")
 
 
 @command("exercise", "draw a chapter's exercise afresh from a seed (-s), the answer on request (-c), as OSTEP's "
@@ -457,7 +660,7 @@ def _lab_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("folder", nargs="?", default=".", metavar="FOLDER",
                    help="folder to serve: a kvlab checkout or one made by `kvlab chapters` (default: .)")
-    p.add_argument("--port", type=_positive_int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT,
                    help="port to listen on, or a free one if it is taken (default: %(default)s)")
     p.add_argument("--ip", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--no-browser", action="store_true", default=None,

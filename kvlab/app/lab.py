@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvlab.core.errors import ConfigError
+from kvlab.core.errors import ConfigError, KVLabError
 
 # Where the chapter index lies in a folder: a checkout (chapters/) or one made by `kvlab chapters DEST`.
 INDEX_PATHS = ("chapters/index.ipynb", "index.ipynb")
@@ -92,9 +92,9 @@ def launch(folder: str | Path = ".", *, port: int = DEFAULT_PORT, ip: str = "127
     if not root.is_dir():
         raise ConfigError(f"{str(folder)!r} is not a folder")
     index = find_index(root)
-    if importlib.util.find_spec("jupyterlab") is None:
-        raise ConfigError("JupyterLab is not installed here: pip install 'kvlab[lab]' (or open the notebooks in "
-                          "VS Code or Colab with 'kvlab[widgets]')")
+    if importlib.util.find_spec("jupyterlab") is None:  # not the user's input: exit 1, as other failures
+        raise KVLabError('JupyterLab is not installed here: pip install "kvlab[lab]" (or open the notebooks in '
+                         'VS Code or Colab with "kvlab[widgets]")')
     token = secrets.token_hex(24)
     port = free_port(ip, port)
     argv = lab_argv(root, index, port=port, token=token, ip=ip, as_root=is_root(),

@@ -36,17 +36,24 @@ def chapter_notebooks(solutions: bool = True) -> list[Path]:
     return [p.relative_to(src) for p in found]
 
 
+def course_files(solutions: bool = True) -> list[Path]:
+    """What the notebooks link to comes with them: :func:`chapter_notebooks` and the course's Markdown files
+    (the glossary, the teaching notes, the table of vLLM facts), relative to :func:`shipped` ``("chapters")``."""
+    src = shipped("chapters")
+    return chapter_notebooks(solutions) + [p.relative_to(src) for p in sorted(src.glob("*.md"))]
+
+
 def copy_chapters(dest: str | Path, *, solutions: bool = True, overwrite: bool = False) -> list[Path]:
-    """Copy the course notebooks into ``dest`` (created if missing), keeping ``solutions/`` as a subfolder.
-    Returns the files written. Refuses, before writing anything, when ``dest`` is a file or when a notebook
-    there would be replaced and ``overwrite`` is false (a student's work is never lost to a second copy)."""
+    """Copy the course (:func:`course_files`) into ``dest`` (created if missing), keeping ``solutions/`` as a
+    subfolder. Returns the files written. Refuses, before writing anything, when ``dest`` is a file or when a
+    file there would be replaced and ``overwrite`` is false (a student's work is never lost to a second copy)."""
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"cannot copy the chapters into {str(dest)!r}: it is a file, not a folder")
-    src, names = shipped("chapters"), chapter_notebooks(solutions)
+    src, names = shipped("chapters"), course_files(solutions)
     clash = [str(dest / n) for n in names if (dest / n).exists()]
     if clash and not overwrite:
-        raise ConfigError(f"{len(clash)} notebook(s) already in {str(dest)!r} (first: {clash[0]}); nothing "
+        raise ConfigError(f"{len(clash)} file(s) of the course already in {str(dest)!r} (first: {clash[0]}); nothing "
                           "copied: choose another folder, or overwrite them on purpose (kvlab chapters --force)")
     linked = sorted({str((dest / n).parent) for n in names
                      if (dest / n).parent != dest and (dest / n).parent.is_symlink()})

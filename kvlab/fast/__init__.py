@@ -8,22 +8,23 @@
 * ``decode``: :func:`kvlab.fast.attention.paged_attention`, decode attention by ``_paged_attention.c``, which
   reads K/V blocks in place.
 
-``compiled`` loads the C extensions (``KVLAB_PURE_PYTHON=1`` switches them off). ``docs/benchmarks.md`` lists each
+``compiled`` loads the C extensions (``KVLAB_PURE_PYTHON=1`` switches them off) and says, without torch, which
+are compiled and why not (:func:`kvlab.fast.compiled.compiled_report`, the ``kvlab --version`` line): this package
+imports the twins, and so torch, only when :func:`choose` runs. ``docs/benchmarks.md`` lists each
 part's lines and what it gains end to end, measured by running with ``KVLAB_REFERENCE`` naming it.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvlab.core.attention import paged_attention as reference_attention
 from kvlab.core.errors import ConfigError
-from kvlab.core.pool import BlockPool
-from kvlab.core.prefix import PrefixCache
-from kvlab.core.sequence import SequenceManager
-from kvlab.fast.attention import paged_attention as fast_attention
-from kvlab.fast.pool import FastBlockPool, FastPrefixCache, FastSequenceManager
+
+if TYPE_CHECKING:
+    from kvlab.core.pool import BlockPool
+    from kvlab.core.prefix import PrefixCache
+    from kvlab.core.sequence import SequenceManager
 
 PARTS = ("pool", "append", "prefix", "decode")
 
@@ -41,6 +42,13 @@ def choose(reference: Iterable[str] | None = None) -> Paths:
     """Each part's fast twin, except the parts named in ``reference`` (some of :data:`PARTS`, or ``"all"``),
     which run the reference. By default ``reference`` is read from the environment variable ``KVLAB_REFERENCE``
     (a comma-separated list), so a benchmark can measure what one part gains with everything else unchanged."""
+    from kvlab.core.attention import paged_attention as reference_attention
+    from kvlab.core.pool import BlockPool
+    from kvlab.core.prefix import PrefixCache
+    from kvlab.core.sequence import SequenceManager
+    from kvlab.fast.attention import paged_attention as fast_attention
+    from kvlab.fast.pool import FastBlockPool, FastPrefixCache, FastSequenceManager
+
     if reference is None:
         reference = [p for p in os.environ.get("KVLAB_REFERENCE", "").replace(" ", "").split(",") if p]
     elif isinstance(reference, str):

@@ -22,8 +22,10 @@ name                        requests  what
 
 Left to ``None``, the format is taken from the first record: the Azure header, a JSON object holding
 ``input_length`` or ``hash_ids`` but no ``prompt_len``, else kvlab's (JSONL if it starts with ``{`` or ``[``,
-CSV otherwise). Arrival times are seconds since the first request; request ids number the records from 0 in file
-order; the tenant is ``"default"``. A malformed record raises :class:`~kvlab.core.errors.TraceFormatError` naming the
+CSV otherwise). A format given that the first record plainly contradicts (``"azure"`` for a file whose first
+record is a Mooncake object, say) is refused at that line, naming the format the file looks like. Arrival times
+are seconds since the first request; request ids number the records from 0 in file order; the tenant is
+``"default"``. A malformed record raises :class:`~kvlab.core.errors.TraceFormatError` naming the
 file and the 1-based line, and nothing is returned.
 
 :func:`prefix_hits` and :func:`prefix_hit_bound` say how much prompt an *unbounded* prefix cache could serve: each
@@ -84,7 +86,7 @@ def load_trace(name_or_path: str | Path, format: str | None = None) -> Workload:
         data = gunzip(data, where, lambda out, problem: TraceFormatError(where, _lines_in(out), problem))
     elif path.suffix.lower() == ".gz":
         raise TraceFormatError(where, 1, "the name ends in .gz but the file is not gzip data")
-    return parse_trace(data, _reader(format, data), where, name)
+    return parse_trace(data, _reader(format, data, where), where, name)
 
 
 def _lines_in(chunks: list[bytes]) -> int:
@@ -93,34 +95,56 @@ def _lines_in(chunks: list[bytes]) -> int:
     return 1 + text.count(b"\n") + text.count(b"\r") - text.count(b"\r\n")
 
 
-def _first_record(data: bytes) -> str:
-    """The first line of ``data`` that is neither blank nor a ``#`` comment, stripped ("" if none). Only to
-    choose a reader: undecodable bytes are replaced here, and the reader reports them."""
-    for raw in io.StringIO(data.decode("utf-8-sig", "replace"), newline=""):
+def _first_record(data: bytes) -> tuple[int, str]:
+    """The first line of ``data`` that is neither blank nor a ``#`` comment, stripped, and its 1-based number
+    (``(1, "")`` if none). Only to choose a reader: undecodable bytes are replaced here, and the reader reports
+    them."""
+    for number, raw in enumerate(io.StringIO(data.decode("utf-8-sig", "replace"), newline=""), start=1):
         line = raw.strip()
         if line and not line.startswith("#"):
-            return line
-    return ""
+            return number, line
+    return 1, ""
 
 
-def _reader(format: str | None, data: bytes) -> str:
-    """The reader (:data:`kvlab.workloads.mixes.TRACE_KINDS`) for ``data`` in ``format``, detected from the first
-    record where the format leaves it open."""
-    if format in ("azure", "mooncake"):
-        return format
-    first = _first_record(data)
-    if format is None and [c.strip() for c in first.split(",")] == list(AZURE_COLUMNS):
+# What each format's first record shows, for a message saying which one a file looks like.
+LOOKS = {"azure": "an Azure CSV trace (its header TIMESTAMP,ContextTokens,GeneratedTokens)",
+         "mooncake": "a Mooncake JSONL trace (input_length and hash_ids, no prompt_len)",
+         "kvlab": "a kvlab trace (prompt_len)"}
+
+
+def _looks_like(first: str) -> str | None:
+    """The format (:data:`FORMATS`) that the first record ``first`` plainly shows, or None when it shows none
+    (a malformed line: the reader asked for says what is wrong with it)."""
+    cells = [c.strip() for c in first.split(",")]
+    if sorted(cells) == sorted(AZURE_COLUMNS):
         return "azure"
-    if not first.startswith(("{", "[")):  # a CSV header starts with a column name
-        return "csv"
-    if format == "kvlab":
-        return "jsonl"
+    if not first.startswith(("{", "[")):
+        return "kvlab" if "prompt_len" in cells else None  # kvlab's CSV header names its fields
     try:
         rec = json.loads(first)
     except (ValueError, RecursionError):
-        return "jsonl"  # whichever JSON it was meant to be, kvlab's reader reports the broken line
-    mooncake = isinstance(rec, dict) and "prompt_len" not in rec and ("input_length" in rec or "hash_ids" in rec)
-    return "mooncake" if mooncake else "jsonl"  # kvlab's own records name prompt_len and may hold hash_ids too
+        return None
+    if not isinstance(rec, dict):
+        return None
+    if "prompt_len" in rec:  # kvlab's own records name prompt_len and may hold hash_ids too
+        return "kvlab"
+    return "mooncake" if "input_length" in rec or "hash_ids" in rec else None
+
+
+def _reader(format: str | None, data: bytes, where: str) -> str:
+    """The reader (:data:`kvlab.workloads.mixes.TRACE_KINDS`) for ``data`` in ``format``, detected from the first
+    record where the format leaves it open; a :class:`~kvlab.core.errors.TraceFormatError` at that record when
+    it plainly belongs to another format than the one given."""
+    line, first = _first_record(data)
+    looks = _looks_like(first)
+    if format is not None and looks is not None and looks != format:
+        raise TraceFormatError(where, line, f"read as format {format!r}, but it looks like {LOOKS[looks]}: give "
+                                            f"format {looks!r} (kvlab's --format {looks}), or none to detect it")
+    if format in ("azure", "mooncake"):
+        return format
+    if format is None and looks in ("azure", "mooncake"):
+        return looks
+    return "jsonl" if first.startswith(("{", "[")) else "csv"  # a CSV header starts with a column name
 
 
 # ---------------------------------------------------------------------------------------------------- hit bound
