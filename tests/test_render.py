@@ -237,7 +237,7 @@ def test_executed_copies_keep_the_layout_drop_widget_state_and_point_links_back(
     written = render.write_executed(src, out)
     assert written == [out / "a.ipynb", out / "solutions" / "a_solutions.ipynb"]
     copy = nbformat.read(out / "a.ipynb", as_version=4)
-    assert "widgets" not in copy.metadata and copy.metadata["kvlab"] == {"mode": "full"}
+    assert "widgets" not in copy.metadata and copy.metadata["kvlab"]["mode"] == "full"
     assert copy.cells[0].source == ("[g](../../chapters/GLOSSARY.md) [f](../facts.md#F1) "
                                     "[s](solutions/a_solutions.ipynb) [all](solutions/) [web](https://example.org/x.md)")
     assert copy.cells[0].id == cell.id

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,9 +194,12 @@ def write_executed(src: str | Path | None = None, out: str | Path = "docs/chapte
 
             mode = "fast" if fast_mode() else "full"
             for path in tqdm(notebooks, desc="executing", unit="notebook", disable=None):
+                start = time.perf_counter()
                 nb = execute(path, timeout=timeout)
                 nb.metadata.pop("widgets", None)
-                nb.metadata["kvlab"] = {"mode": mode}  # what tests/test_executed.py compares with fast mode
+                # the mode, which tests/test_executed.py compares with fast mode, and the run's seconds (the
+                # kernel's start included), which TEACHING.md's table of run times reports
+                nb.metadata["kvlab"] = {"mode": mode, "seconds": round(time.perf_counter() - start, 1)}
                 dest = new / path.relative_to(src)
                 _relinked(nb, path.parent.resolve(), out.resolve() / path.relative_to(src))
                 dest.parent.mkdir(parents=True, exist_ok=True)
