@@ -76,8 +76,10 @@ _MODULES: dict[str, str] = {
     "kvlab.serve.tokenizer": "ChatTokenizer",
     "kvlab.serve.sampling": "sample",
     "kvlab.serve.chat": "ChatReply ChatSession ChatStep ChatStream",
-    "kvlab.serve.claims": "BASELINES Claim ClaimRuns claims_of claims_report measure_claims prefetch_effect "
-                          "prefix_hit_share run_claims verdicts",
+    "kvlab.serve.claims": "BASELINES Claim ClaimRuns PrefixHitTable claims_of claims_report measure_claims "
+                          "prefetch_effect prefix_hit_share prefix_hit_table run_claims summary_table verdicts "
+                          "workloads_table",
+    "kvlab.serve.realsim": "RealVsMetadata answer_blocks compare_real_and_metadata",
     # exercises/: the chapters' exercises and their checks.
     "kvlab.exercises": "fast_mode sized",
 }
@@ -136,8 +138,10 @@ if TYPE_CHECKING:  # the same names as _WHERE and _MODULE_NAMES, imported for my
     from kvlab.serve.tokenizer import ChatTokenizer
     from kvlab.serve.sampling import sample
     from kvlab.serve.chat import ChatReply, ChatSession, ChatStep, ChatStream
-    from kvlab.serve.claims import (BASELINES, Claim, ClaimRuns, claims_of, claims_report, measure_claims,
-                                    prefetch_effect, prefix_hit_share, run_claims, verdicts)
+    from kvlab.serve.claims import (BASELINES, Claim, ClaimRuns, PrefixHitTable, claims_of, claims_report,
+                                    measure_claims, prefetch_effect, prefix_hit_share, prefix_hit_table, run_claims,
+                                    summary_table, verdicts, workloads_table)
+    from kvlab.serve.realsim import RealVsMetadata, answer_blocks, compare_real_and_metadata
     from kvlab import exercises
     from kvlab.exercises import fast_mode, sized
 
@@ -150,6 +154,8 @@ __all__ = [
     "Finished", "MetricsLog", "Preempted", "RequestRecord", "StepMetrics", "SwappedIn", "TenantReclaimed",
     "PolicyRace", "race_policies", "BASELINES", "claims_report", "measure_claims", "prefetch_effect",
     "prefix_hit_share", "verdicts", "ClaimRuns", "claims_of", "run_claims", "run_workload",
+    "PrefixHitTable", "prefix_hit_table", "summary_table", "workloads_table", "RealVsMetadata",
+    "answer_blocks", "compare_real_and_metadata",
     "AttentionWorkspace", "CopiedOnWrite", "PagedBatch", "PrefixCache", "PrefixEvicted", "PrefixHit",
     "PrefixStored", "Sequence", "SequenceManager", "Swapped", "Llama", "LlamaConfig", "TinyConfig", "TinyLlama",
     "contiguous_attention", "paged_attention", "ChatTokenizer", "ModelFileError", "load_model",

@@ -1,11 +1,19 @@
-"""``python -m kvlab``: the same command line as ``kvlab``."""
+"""``python -m kvlab`` and the ``kvlab`` script: the command line of :mod:`kvlab.app.cli`."""
 import sys
 
-try:  # around the import too: Ctrl-C in the first instants is one line and 130, as main() answers after them
-    from kvlab.app.cli import main
 
-    code = main()
-except KeyboardInterrupt:
-    print("kvlab: interrupted", file=sys.stderr)
-    code = 130
-raise SystemExit(code)
+def run() -> None:
+    """Import the command line and run it; Ctrl-C while it imports is one line and exit 130, as ``main`` answers
+    once it runs (the script points here, not at ``main``, so that the import is inside the guard too)."""
+    try:
+        from kvlab.app.cli import main
+
+        code = main()
+    except KeyboardInterrupt:
+        print("kvlab: interrupted", file=sys.stderr)
+        code = 130
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    run()

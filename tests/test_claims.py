@@ -186,3 +186,39 @@ def test_retrieved_text_is_prompt_and_as_output_the_engine_takes_far_more_steps(
     assert [r.prompt_len + r.output_len - s.prompt_len for r, s in zip(text, served)] == [0] * len(text)
     assert sum(r.output_len for r in served) < sum(r.output_len for r in text) / 10
     assert a["finished"] == b["finished"] == len(text) and a["steps"] > 10 * b["steps"]
+
+
+def test_summary_table_has_a_column_per_run_and_a_line_per_key():
+    table = kvlab.summary_table({"paged": {"steps": 12, "usage": 0.5}, "max-length": {"steps": 30, "usage": 0.25}},
+                                ["steps", "usage"])
+    assert table.splitlines() == [" " * 18 + "         paged    max-length",
+                                  "steps" + " " * 13 + "            12            30",
+                                  "usage" + " " * 13 + "         0.500         0.250"]
+
+
+def test_prefix_hit_table_reuses_the_claims_runs_and_runs_other_memories(monkeypatch):
+    small = run_claims(40, 20, num_blocks=2048, long_num_blocks=16384)
+    made: list[int] = []                              # the num_blocks of each engine prefix_hit_table runs
+    run = Engine.run
+    monkeypatch.setattr(Engine, "run", lambda self, *a, **k: made.append(self.config.num_blocks) or run(self, *a, **k))
+    hits = kvlab.prefix_hit_table(small, [("chat", 2048), ("long", 16384), ("long", 65536)])
+    assert made == [65536]                            # the claims' own memories are read from their runs
+    own = prefix_hit_share(small.long_engines["paged"], small.long, 16)
+    assert hits.rows[small.long.name, 16384] == (*own[:2], small.longs["paged"]["evictions"])
+    assert hits.preempted[small.long.name, 16384] == own[2]
+    roomy = Engine(small.long, EngineConfig(num_blocks=65536, max_model_len=131072, max_batched_tokens=8192))
+    roomy.run()
+    assert hits.rows[small.long.name, 65536] == (*prefix_hit_share(roomy, small.long, 16)[:2], 0)
+    lines = str(hits).splitlines()
+    assert lines[0].split()[:2] == ["workload", "blocks"] and len(lines) == 4
+    assert lines[3].split()[:2] == [small.long.name, "65536"]
+    with pytest.raises(ConfigError, match="'chat' or 'long'"):
+        kvlab.prefix_hit_table(small, [("azure", 512)])
+
+
+def test_workloads_table_describes_each_workload():
+    reqs = [Request(0, 0.0, 100, 10), Request(1, 1.0, 300, 30), Request(2, 2.0, 120_000, 2)]
+    lines = kvlab.workloads_table([kvlab.Workload("toy", reqs)]).splitlines()
+    assert lines[0].startswith("列 (columns)") and lines[1].split()[:2] == ["workload", "requests"]
+    # 3 requests; prompts mean 40,133, median 300, max 120,000; outputs mean 14; 3 requests in 2 s; one >= 100k
+    assert lines[2].split() == ["toy", "3", "40,133", "300", "120,000", "14", "1.5", "1"]

@@ -555,3 +555,15 @@ def test_transfer_timing_ratio_is_the_connectors_share_of_the_plain_speed():
     t = TransferTiming(block_size=16, tokens=64, requests=2, blocks=8, bytes=4_000_000, connector=0.02, plain=0.005)
     assert t.ratio == 0.25
     assert (t.blocks_per_s, t.gb_per_s, t.plain_gb_per_s) == (400.0, 0.2, 0.8)
+
+
+def test_plot_move_or_recompute_draws_both_times_in_milliseconds():
+    rows = [kd.MoveOrRecompute(512, 1000, 0.002, 0.003, 0.001), kd.MoveOrRecompute(4096, 8000, 0.004, 0.005, 0.5)]
+    fig = kd.plot_move_or_recompute(rows, "title")
+    ax = fig.axes[0]
+    (move, again) = ax.get_lines()
+    assert list(move.get_xdata()) == [512, 4096] and list(move.get_ydata()) == [2.0, 4.0]
+    assert list(again.get_ydata()) == [1.0, 500.0]
+    assert ax.get_xscale() == ax.get_yscale() == "log" and ax.get_title() == "title"
+    with pytest.raises(ConfigError):
+        kd.plot_move_or_recompute([], "empty")

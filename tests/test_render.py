@@ -10,6 +10,7 @@ import nbclient
 import pytest
 
 from kvlab.app import render
+from _util import CHAPTERS
 
 
 class NoKernel:
@@ -243,3 +244,18 @@ def test_executed_copies_keep_the_layout_drop_widget_state_and_point_links_back(
     assert copy.cells[0].id == cell.id
     solution = nbformat.read(out / "solutions" / "a_solutions.ipynb", as_version=4)
     assert solution.cells[0].source == "[back](../../../chapters/GLOSSARY.md)"
+
+
+def test_every_link_of_the_real_course_site_resolves(tmp_path, monkeypatch):
+    """The site of the chapters as they are (their text: nothing executed): every relative link of every page, to
+    a chapter, a solution, the glossary, the teaching notes or the facts, names a page the site has."""
+    monkeypatch.setattr(nbclient, "NotebookClient", NoKernel)
+    pages = render.render_chapters(CHAPTERS, tmp_path / "site")
+    names = {p.name for p in pages}
+    assert {"index.html", "GLOSSARY.html", "TEACHING.html", "FACTS.html"} <= names
+    dead = []
+    for page in pages:
+        for target in re.findall(r'<a\b[^>]*\bhref="([^"#]+)', page.read_text(encoding="utf-8")):
+            if not re.match(r"[a-z]+:|//", target) and not (page.parent / target).exists():
+                dead.append((page.name, target))
+    assert not dead

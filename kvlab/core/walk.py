@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,33 @@ class BlockWalk:
 
     def __str__(self) -> str:
         return self.table()
+
+    def plot(self, layer: int) -> Any:
+        """Two panels: every position's score coloured by its logical block (physical block ``b..`` marked under
+        it, the running max after each block dashed), and each block's share of the weight (:meth:`block_weights`).
+        ``layer`` only labels the title. Returns the Figure."""
+        from matplotlib import colormaps
+
+        from kvlab.viz.static import Picture
+
+        colors = colormaps["tab10"].colors  # type: ignore[attr-defined]
+        fig = Picture(figsize=(10, 3), layout="tight")
+        ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1]})
+        for s in self.steps:
+            ax1.bar(range(s.first_pos, s.last_pos + 1), self.scores[s.first_pos:s.last_pos + 1].tolist(),
+                    color=colors[s.logical % 10], width=1.0)
+            ax1.hlines(s.running_max, s.first_pos - 0.5, s.last_pos + 0.5, colors="k", linestyles="dashed", lw=1)
+            ax1.text((s.first_pos + s.last_pos) / 2, ax1.get_ylim()[0], f"b{s.physical}", ha="center", va="bottom",
+                     fontsize=9)
+        ax1.set_xlabel("位置 (position)；标注 b 为物理块 (physical block)")
+        ax1.set_ylabel("分数 (score) q·k/√d")
+        ax1.set_title(f"第 {layer} 层、query 头 {self.head}：按块着色的分数，虚线为累计最大值 (running max)",
+                      fontsize=9)
+        share = self.block_weights()
+        ax2.bar(range(len(share)), share, color=[colors[i % 10] for i in range(len(share))])
+        ax2.set_xlabel("逻辑块 (logical block)")
+        ax2.set_title("注意力权重的份额 (weight share)", fontsize=9)
+        return fig
 
 
 def _width(text: str) -> int:

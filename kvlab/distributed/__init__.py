@@ -7,6 +7,7 @@
 * :mod:`~kvlab.distributed.disagg`: disaggregated prefill and decode, checked against one process;
 * :mod:`~kvlab.distributed.tp`: tensor-parallel KV (each rank holds ``num_kv_heads / tp`` heads of every block);
 * :mod:`~kvlab.distributed.measure`: the transfer against the transport's limit and against recomputing;
+* :mod:`~kvlab.distributed.watch`: both pools of a disaggregated run, shown live in a notebook;
 * :mod:`~kvlab.distributed.exercises`: the chapter's predict-then-check exercises (registered on import).
 """
 from kvlab.distributed.connector import (BlocksReceived, BlocksSent, BlocksSkipped, KVReceiver, KVSender, LoadSpec,
@@ -17,8 +18,10 @@ from kvlab.distributed.errors import (PeerLostError, ProtocolError, SpecMismatch
                                      TransferTimeoutError)
 from kvlab.distributed.launch import Link, backend_for, free_port, from_env, run_threads, spawn
 from kvlab.distributed.measure import (MoveOrRecompute, TransferCase, TransferTiming, measure_transfer,
-                                       measure_transfers, move_or_recompute, move_or_recompute_table, prefill_seconds)
+                                       measure_transfers, move_or_recompute, move_or_recompute_table,
+                                       plot_move_or_recompute, prefill_seconds)
 from kvlab.distributed.tp import TPShard, head_split, run_tp, single_process
+from kvlab.distributed.watch import WatchedDisagg, watch_disagg
 from kvlab.distributed import exercises  # registers the chapter's exercises with kvlab.exercises
 
 __all__ = [
@@ -29,5 +32,6 @@ __all__ = [
     "TransferTimeoutError",
     "Link", "backend_for", "free_port", "from_env", "run_threads", "spawn", "TransferCase", "TransferTiming",
     "measure_transfer", "measure_transfers", "MoveOrRecompute", "move_or_recompute", "move_or_recompute_table",
-    "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process", "exercises",
+    "plot_move_or_recompute", "prefill_seconds", "TPShard", "head_split", "run_tp", "single_process",
+    "WatchedDisagg", "watch_disagg", "exercises",
 ]

@@ -283,3 +283,21 @@ def move_or_recompute_table(rows: list[MoveOrRecompute]) -> str:
         lines.append(f"{r.tokens:7,d} {r.bytes:12,d} {r.transfer * 1e3:9.2f} {r.plain * 1e3:7.2f} "
                      f"{r.recompute * 1e3:10.1f} {r.ratio:8.1f} {r.break_even_mb_s:8.1f}")
     return "\n".join(lines)
+
+
+def plot_move_or_recompute(rows: list[MoveOrRecompute], title: str) -> Any:
+    """Transfer and recompute milliseconds of :func:`move_or_recompute`'s rows against the prompt length, on log
+    axes; returns the matplotlib figure (shown in a notebook as the cell's result)."""
+    import matplotlib.pyplot as plt  # only when a figure is asked for: the ranks never need matplotlib
+
+    if not rows:
+        raise ConfigError("no rows to plot: move_or_recompute gives one per prompt length")
+    fig, ax = plt.subplots(figsize=(6, 3))
+    tokens = [r.tokens for r in rows]
+    ax.loglog(tokens, [r.transfer * 1e3 for r in rows], "o-", label="传输 (transfer, connector)")
+    ax.loglog(tokens, [r.recompute * 1e3 for r in rows], "s-", label="重新计算 (recompute)")
+    ax.set_xlabel("提示 token 数 (prompt tokens)")
+    ax.set_ylabel("毫秒 (ms)")
+    ax.legend(fontsize=9)
+    ax.set_title(title, fontsize=10)
+    return fig

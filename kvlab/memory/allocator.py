@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from kvlab.core.block import FREE, BlockStatus
 from kvlab.core.checks import check_flag, check_kv_data, check_owner, check_real, is_int
 from kvlab.core.errors import ConfigError, IllegalTransitionError, KVDataError, OutOfBlocksError
 from kvlab.core.pool import BlockPool
+from kvlab.core.spec import KVSpec
 from kvlab.core.interrupts import atomic
 from kvlab.textbook.pool import KVBlock
 
@@ -353,3 +356,70 @@ class DynamicAllocator:
         with self.pool.lock:
             self.pool.free([block_id])
             return self.handle_wait_queue()
+
+
+def layout(pool: BlockPool) -> str:
+    """``pool``'s blocks as one character per base block: a FREE block shows its size class at its first base block
+    and ``.`` inside it; a block in use shows ``A`` (referenced) or ``c`` (cached: refcount 0, data kept) on every
+    base block it covers. Read from one :meth:`~kvlab.BlockPool.snapshot`, so it is consistent."""
+    snap, out = pool.snapshot(), []
+    for i in range(pool.num_blocks):
+        head = i - i % (1 << int(snap["size_class"][i]))  # first base block of the block holding i
+        if snap["status"][i] == BlockStatus.FREE:
+            out.append(str(snap["size_class"][i]) if i == head else ".")
+        else:
+            out.append("c" if snap["cached"][head] else "A")
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class SharingCurve:
+    """:func:`prefix_sharing_curve`'s counts: blocks in use for each number of ``users``, each user a
+    ``prefix``-token shared prompt plus ``own`` tokens of their own, without (``plain``) and with (``shared``)
+    sharing the prefix's full blocks. ``str()`` is the last point's line; :meth:`plot` draws both curves."""
+    users: list[int]
+    plain: list[int]
+    shared: list[int]
+
+    def __str__(self) -> str:
+        n, p, s = self.users[-1], self.plain[-1], self.shared[-1]
+        return (f"{n} 个用户 (users)：不共享 {p} 块，共享 {s} 块 (without / with sharing)，"
+                f"少 {100 * (1 - s / p):.0f}% (fewer)")
+
+    def plot(self) -> Any:
+        """Blocks in use against users, both ways. Returns the Figure."""
+        from kvlab.viz.static import Picture
+
+        fig = Picture(figsize=(5, 2.8))
+        ax = fig.subplots()
+        ax.plot(self.users, self.plain, "o-", label="不共享 (no sharing)")
+        ax.plot(self.users, self.shared, "s-", label="共享前缀 (shared prefix, refcounts)")
+        ax.set_xlabel("用户数 (users)")
+        ax.set_ylabel("在用的块 (blocks in use)")
+        ax.legend()
+        return fig
+
+
+def prefix_sharing_curve(users: Sequence[int], *, prefix: int = 300, own: int = 200,
+                         block_size: int = 16) -> SharingCurve:
+    """Count the blocks a pool holds for each number in ``users`` of users who each send the same ``prefix``
+    tokens and ``own`` tokens of their own: every user allocating all their blocks, and users sharing the
+    prefix's full blocks (one allocation, one :meth:`~kvlab.BlockPool.incref` per user; the partly filled last
+    prefix block cannot be shared, so each user's own blocks start there). Counts only: no K/V storage."""
+    counts = [prefix, own, block_size, *users]
+    if not users or any(not is_int(n) or n < (0 if i == 1 else 1) for i, n in enumerate(counts)):
+        raise ConfigError(f"users, prefix, block_size must be positive ints and own >= 0; got "
+                          f"users={list(users)!r:.80}, prefix={prefix!r}, own={own!r}, block_size={block_size!r}")
+    full, each = prefix // block_size, -(-(prefix + own) // block_size)
+    spec = KVSpec(block_size=block_size, device=torch.device("cpu"))
+
+    def used(n: int, share: bool) -> int:
+        pool = BlockPool(n * each + full, spec=spec, with_storage=False)
+        common = pool.allocate(full) if share else []
+        for _ in range(n):
+            if share:
+                pool.incref(common)
+            pool.allocate(each - full if share else each)
+        return pool.num_blocks - pool.num_free_blocks
+
+    return SharingCurve(list(users), [used(n, False) for n in users], [used(n, True) for n in users])

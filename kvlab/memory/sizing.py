@@ -300,6 +300,80 @@ def measure_decode_ms(model: Llama, workload: Workload, block_sizes: Sequence[in
                              float(np.median([a / s for s, a in r]))) for bs, r in runs.items()}
 
 
+def decode_table(decode: dict[int, DecodeTiming], num_layers: int) -> str:
+    """:func:`measure_decode_ms`'s timings as a table, one row per block size: the whole step and its attention as
+    ``median [fastest-slowest]`` ms, and attention's share of the step (``num_layers`` names the attention calls)."""
+    def span(t: tuple[float, float, float]) -> str:
+        return f"{t[0]:.1f} [{t[1]:.1f}-{t[2]:.1f}]"
+
+    head = (f"{'块':>5s} | {'一步解码 ms，中位数 [最快-最慢]':24s} | {f'其中注意力 ms（{num_layers} 次调用）':22s} | "
+            "注意力占比")
+    rows = [f"{bs:5d} | {span(t.step):34s} | {span(t.attention):31s} | {t.attention_share:.0%}"
+            for bs, t in decode.items()]
+    return "\n".join([head, *rows])
+
+
+def _overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    """Two (median, fastest, slowest) ranges share a value: their order is not shown by the timing."""
+    return max(a[1], b[1]) <= min(a[2], b[2])
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeVerdict:
+    """What :func:`judge_decode` read from the timings; ``str()`` is the chapter's four lines."""
+
+    decode: dict[int, DecodeTiming]
+    slots: dict[int, int]  # the counted attention slots per block size (the cost's term)
+    requests: int  # how many requests those slots count
+    apart: list[tuple[int, int]]  # pairs of block sizes whose whole-step ranges do not overlap
+    slowest_attention: int  # block size with the largest median attention time
+    slowest_clear: bool  # its attention range overlaps no other size's
+    first_vs_last: str  # attention time from the smallest to the largest timed size: 下降 / 没有下降 / 分不出升降
+
+    def __str__(self) -> str:
+        sizes = list(self.decode)
+        pairs = len(sizes) * (len(sizes) - 1) // 2
+        shares = [t.attention_share for t in self.decode.values()]
+        steps = {bs: t.step[0] for bs, t in self.decode.items()}
+        attn = {bs: t.attention[0] for bs, t in self.decode.items()}
+        lo, hi = min(steps, key=steps.__getitem__), max(steps, key=steps.__getitem__)
+        slow, first, last = self.slowest_attention, sizes[0], sizes[-1]
+        others = ", ".join(f"{bs}: {ms:.0f}" for bs, ms in attn.items() if bs != slow)
+        share = f"{min(shares):.0%}–{max(shares):.0%}"
+        step_gap = f"差 {steps[hi] / steps[lo] - 1:.0%}（其中注意力 {attn[lo]:.0f} -> {attn[hi]:.0f} ms）"
+        order = f"，分得开的 (apart): {self.apart}" if self.apart else "：整步的计时排不出先后 (cannot order them)"
+        return "\n".join([
+            f"计时（这台机器这一次，timing）：注意力占一步解码的 {share}；其余是权重矩阵乘和输出层，"
+            "它们的形状在每个块大小下都一样",
+            f"计时：整步的中位数从 {steps[lo]:.0f} ms（块 {lo}）到 {steps[hi]:.0f} ms（块 {hi}），{step_gap}"
+            f"；{pairs} 对块大小里 {pairs - len(self.apart)} 对的整步区间重叠{order}",
+            f"计时：单看注意力，块 {slow} 最慢（{attn[slow]:.0f} ms；{others}），它的区间"
+            + ("和其他每个块大小都分得开" if self.slowest_clear else "和别的块大小有重叠，分不出先后"),
+            f"计数 vs 计时：代价里的注意力槽位（全部 {self.requests:,} 个请求按整块读，计数）从 {self.slots[first]:,}"
+            f"（块 {first}）增加到 {self.slots[last]:,}（块 {last}）；"
+            f"实测的注意力时间在这两个块大小之间{self.first_vs_last}",
+        ])
+
+
+def judge_decode(decode: dict[int, DecodeTiming], slots: dict[int, int], requests: int) -> DecodeVerdict:
+    """Read :func:`measure_decode_ms`'s timings against the counted attention ``slots`` (per block size, over
+    ``requests`` requests): which sizes' whole steps can be told apart (ranges that do not overlap), which size's
+    attention is slowest and whether clearly so, and whether attention time fell from the smallest timed size to the
+    largest. Only non-overlapping (fastest, slowest) ranges count as an order: a timing never decides by medians
+    alone. Needs at least two timed sizes, each in ``slots``."""
+    sizes = list(decode)
+    if len(sizes) < 2 or any(bs not in slots for bs in sizes):
+        raise ConfigError(f"need two or more timed block sizes, each with counted slots; got {sizes}, {list(slots)}")
+    pairs = [(a, b) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
+    apart = [p for p in pairs if not _overlap(decode[p[0]].step, decode[p[1]].step)]
+    attn = {bs: t.attention[0] for bs, t in decode.items()}
+    slow = max(attn, key=attn.__getitem__)
+    clear = all(not _overlap(decode[slow].attention, decode[bs].attention) for bs in sizes if bs != slow)
+    first, last = decode[sizes[0]].attention, decode[sizes[-1]].attention
+    moved = "分不出升降（区间重叠）" if _overlap(first, last) else "下降" if last[0] < first[0] else "没有下降"
+    return DecodeVerdict(dict(decode), dict(slots), requests, apart, slow, clear, moved)
+
+
 def _sample_lengths(workload: Workload, batch: int, max_len: int) -> list[int]:
     """``batch`` evenly spaced quantiles of the workload's sequence lengths (all of them if fewer), each clipped to
     ``max_len``: the timed batch, short to long."""
@@ -742,6 +816,65 @@ def plot_pick_grid(grids: Sequence[PickGrid], band: tuple[int, int] = (256, 512)
     fig.suptitle(f"{grids[0].goal} 选哪个块：随权重（行：浪费/前缀损失/开销/注意力）和扫描范围（列）变化 "
                  "(which block wins)")
     return fig
+
+
+@dataclass(frozen=True)
+class TraceLengths:
+    """:func:`trace_lengths`'s numbers: per trace, ``requests`` and the prompt's mean, median and 95th percentile
+    and the output's mean and median (tokens). ``lengths[name]`` is one trace's dict; ``str()`` the table."""
+    stats: dict[str, dict[str, float]]
+
+    def __getitem__(self, name: str) -> dict[str, float]:
+        return self.stats[name]
+
+    def __str__(self) -> str:
+        lines = [f"{'trace':16s} {'请求数':>6s} | {'提示均值':>8s} {'中位':>5s} {'p95':>5s} | "
+                 f"{'输出均值':>8s} {'中位':>5s}"]
+        lines += [f"{name:16s} {int(t['requests']):9d} | {t['prompt_mean']:12.1f} {t['prompt_median']:7.0f} "
+                  f"{t['prompt_p95']:5.0f} | {t['output_mean']:12.1f} {t['output_median']:7.0f}"
+                  for name, t in self.stats.items()]
+        return "\n".join(lines)
+
+
+def trace_lengths(traces: dict[str, Workload]) -> TraceLengths:
+    """Prompt and output lengths of each workload in ``traces`` (every request), in their order."""
+    stats = {}
+    for name, w in traces.items():
+        _check_workload(w)
+        p = np.array([r.prompt_len for r in w])
+        o = np.array([r.output_len for r in w])
+        stats[name] = {"requests": float(len(w)), "prompt_mean": float(p.mean()), "prompt_median": float(np.median(p)),
+                       "prompt_p95": float(np.percentile(p, 95)), "output_mean": float(o.mean()),
+                       "output_median": float(np.median(o))}
+    return TraceLengths(stats)
+
+
+def weight_explorer(result: SweepResult, goal: str = "balanced") -> Any:
+    """Four sliders (0 to 4), one per cost term's weight for ``goal`` (starting at :data:`WEIGHTS`), and the size
+    ``result`` recommends under them (:meth:`SweepResult.with_weights`: counts only, no new sweep), shown again on
+    every change. Returns the ``ipywidgets.VBox`` to display."""
+    import ipywidgets as widgets  # type: ignore[import-untyped]
+
+    check_choice(goal, "optimization goal", GOALS)
+    names = ("浪费 (waste)", "前缀损失 (prefix loss)", "管理开销 (overhead)", "注意力槽位 (attention)")
+    sliders = [widgets.FloatSlider(value=v, min=0.0, max=4.0, step=0.25, description=d,
+                                   style={"description_width": "initial"}) for v, d in zip(WEIGHTS[goal], names)]
+    out = widgets.Output()
+
+    def show(_: Any = None) -> None:
+        weights = [s.value for s in sliders]
+        out.clear_output()
+        with out:
+            if not any(weights):
+                print("至少一个权重要大于 0 (at least one weight must be > 0)")
+                return
+            pick = result.with_weights(goal, weights).recommend(goal)
+            print(f"权重 (weights) {weights} -> {result.workload} 上 {goal} 推荐的块 (recommended): {pick}")
+
+    for s in sliders:
+        s.observe(show, names="value")
+    show()
+    return widgets.VBox([*sliders, out])
 
 
 def plot_lengths(workloads: dict[str, Workload], traces: dict[str, Workload], band: tuple[int, int] = (10, 200)

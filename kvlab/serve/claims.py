@@ -33,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvlab.core.checks import is_int, is_number
 from kvlab.core.errors import ConfigError
 from kvlab.serve.config import EngineConfig
@@ -161,6 +163,76 @@ class ClaimRuns:
         return {name: e.summary() for name, e in self.long_engines.items()}
 
 
+def workloads_table(workloads: Sequence[Workload]) -> str:
+    """One line per workload: requests, prompt tokens (mean, median, max), mean output tokens, requests arriving
+    per second, and how many prompts hold 100,000 tokens or more; a legend line first."""
+    lines = ["列 (columns)：负载、请求数、提示 token 的平均 / 中位数 / 最大、输出 token 的平均、每秒到达的请求、"
+             "提示 ≥ 10 万 token 的请求数",
+             f"{'workload':32s} {'requests':>8s} {'prompt mean':>11s} {'median':>7s} {'max':>7s} {'output mean':>11s} "
+             f"{'req/s':>6s} {'>=100k':>6s}"]
+    for w in workloads:
+        p = np.array([r.prompt_len for r in w])
+        o = np.array([r.output_len for r in w])
+        span = w.requests[-1].arrival - w.requests[0].arrival
+        lines.append(f"{w.name:32s} {len(w):8d} {p.mean():11,.0f} {np.median(p):7,.0f} {p.max():7,d} "
+                     f"{o.mean():11,.0f} {len(w) / span:6.1f} {int((p >= 100_000).sum()):6d}")
+    return "\n".join(lines)
+
+
+#: the summary figures the claims read, one line each in :func:`summary_table`
+SUMMARY_KEYS = ("finished", "mean_running", "max_running", "usage_by_token", "usage_by_block", "latency_mean_s",
+                "ttft_mean_s", "throughput_tok_s", "preemptions")
+
+
+def summary_table(results: dict[str, dict[str, Any]], keys: Sequence[str] = SUMMARY_KEYS) -> str:
+    """One column per run of ``results`` (run name -> engine summary, e.g. :attr:`ClaimRuns.many`), one line per
+    key of ``keys``: floats to three decimals, ints whole."""
+    lines = [f"{'':18s}" + "".join(f"{m:>14s}" for m in results)]
+    lines += [f"{k:18s}" + "".join(f"{s[k]:14.3f}" if isinstance(s[k], float) else f"{s[k]:14d}"
+                                   for s in results.values()) for k in keys]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PrefixHitTable:
+    """Prefix-cache hits against the unbounded bound, per workload and memory: ``rows`` maps ``(workload name,
+    blocks)`` to ``(hit share, bound, evictions)`` and ``preempted`` to the requests left out of both shares (see
+    :func:`prefix_hit_share`). ``str()`` is the table the chapter prints."""
+    rows: dict[tuple[str, int], tuple[float, float, int]]
+    preempted: dict[tuple[str, int], int]
+
+    def __str__(self) -> str:
+        lines = [f"{'workload':32s} {'blocks':>7s} {'hit share':>9s} {'bound':>7s} {'preempted':>9s} {'evictions':>9s}"
+                 "   (命中比例、无界上限、被抢占的请求、淘汰次数)"]
+        lines += [f"{name:32s} {blocks:7d} {got:9.1%} {bound:7.1%} {self.preempted[name, blocks]:9d} {ev:9d}"
+                  for (name, blocks), (got, bound, ev) in self.rows.items()]
+        return "\n".join(lines)
+
+
+def prefix_hit_table(runs: ClaimRuns, memories: Sequence[tuple[str, int]]) -> PrefixHitTable:
+    """The paged engine's prefix hits on ``runs``' workloads with other memory sizes: ``memories`` lists
+    ``("chat" | "long", num_blocks)`` pairs. A pair with the claims' own memory reads the paged run already in
+    ``runs``; any other runs the paged engine once, with the settings of that workload's claims runs."""
+    rows: dict[tuple[str, int], tuple[float, float, int]] = {}
+    preempted: dict[tuple[str, int], int] = {}
+    for which, blocks in memories:
+        if which not in ("chat", "long"):
+            raise ConfigError(f"a memory names the workload 'chat' or 'long', got {which!r}")
+        w, engines, own, mml, mbt = ((runs.chat, runs.chat_engines, runs.num_blocks, CHAT_MAX_LEN, CHAT_BATCH)
+                                     if which == "chat" else
+                                     (runs.long, runs.long_engines, runs.long_num_blocks, LONG_MAX_LEN, LONG_BATCH))
+        if blocks == own:
+            eng = engines["paged"]
+        else:
+            eng = Engine(w, EngineConfig(num_blocks=blocks, block_size=runs.block_size, max_model_len=mml,
+                                         max_batched_tokens=mbt))
+            eng.run()
+        got, bound, pre = prefix_hit_share(eng, w, runs.block_size)
+        rows[w.name, blocks] = (got, bound, eng.summary()["evictions"])
+        preempted[w.name, blocks] = pre
+    return PrefixHitTable(rows, preempted)
+
+
 def run_claims(requests: int = 2000, long_requests: int = 400, *, num_blocks: int = 8192,
                long_num_blocks: int = 65536, block_size: int = 16, long_tokens: int = 100_000,
                baselines: str | Sequence[str] = tuple(BASELINES), progress: bool = False) -> ClaimRuns:
@@ -285,5 +357,6 @@ def claims_report(claims: Sequence[Claim] | None = None, baseline: str | None = 
     return "\n".join(lines)
 
 
-__all__ = ["BASELINES", "CLAIMS", "Claim", "ClaimRuns", "check_baselines", "claims_of", "claims_report",
-           "measure_claims", "prefetch_effect", "prefix_hit_share", "run_claims", "verdicts"]
+__all__ = ["BASELINES", "CLAIMS", "SUMMARY_KEYS", "Claim", "ClaimRuns", "PrefixHitTable", "check_baselines",
+           "claims_of", "claims_report", "measure_claims", "prefetch_effect", "prefix_hit_share", "prefix_hit_table",
+           "run_claims", "summary_table", "verdicts", "workloads_table"]

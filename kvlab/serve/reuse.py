@@ -19,10 +19,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvlab.core.checks import check_positive, check_token_ids
 from kvlab.core.errors import ConfigError
+from kvlab.core.events import EventRecorder
 from kvlab.core.pool import BlockPool
-from kvlab.core.sequence import SequenceManager
+from kvlab.core.spec import KVSpec
+from kvlab.core.sequence import CopiedOnWrite, Sequence as Seq, SequenceManager
 from kvlab.serve.model import Llama
 
 
@@ -93,3 +97,94 @@ def measure_prefix_hit(model: Llama, prompt: Sequence[int], earlier: Sequence[in
                 hits.add(hit)
     (hit,) = hits  # the same cache state each round: the same hit
     return PrefillSaving(len(prompt), hit, statistics.median(cold), statistics.median(warm), rounds)
+
+
+@dataclass(frozen=True)
+class ForkRun:
+    """:func:`decode_forks`'s record. ``rows``: per step (step, tokens of sample 0, copies made in the step, distinct
+    blocks the samples hold, blocks they would hold as independent copies, what happened); ``answers``: each
+    sample's generated token ids; ``texts``: those decoded (empty where the model has no tokenizer); ``logits``: the
+    last step's ``[samples, vocab]``. ``str()`` is the table (rows where something happened, and the last) and the
+    answers."""
+    rows: list[tuple[int, int, int, int, int, str]]
+    answers: list[list[int]]
+    texts: list[str]
+    logits: torch.Tensor
+
+    def __str__(self) -> str:
+        lines = [f"{'step':>4s} {'tokens':>6s} {'copies':>6s} {'blocks held':>11s} "
+                 f"{f'{len(self.answers)} copies would hold':>19s}  "
+                 "what happened"]
+        lines += [f"{r[0]:4d} {r[1]:6d} {r[2]:6d} {r[3]:11d} {r[4]:19d}  {r[5]}"
+                  for r in self.rows if r[5] or r is self.rows[-1]]
+        lines += [f"sample {i}: {t!r}" for i, t in enumerate(self.texts)]
+        return "\n".join(lines)
+
+
+def decode_forks(model: Llama, manager: SequenceManager, samples: Sequence[Seq], first_tokens: Sequence[int],
+                 steps: int) -> ForkRun:
+    """Decode forked ``samples`` (sharing blocks in ``manager``'s pool) for ``steps`` steps: sample ``i`` is fed
+    ``first_tokens[i]`` first, then greedily its most likely next token. Each step's copy-on-write copies (recorded
+    from the pool's events as they happen) and new blocks are noted, with the distinct blocks the samples hold
+    against the blocks as many independent sequences would hold. The model's work is ``model.step``'s: nothing here
+    changes what is computed."""
+    if not isinstance(model, Llama):
+        raise ConfigError(f"model must be a kvlab Llama (kvlab.load_model, TinyLlama), got {model!r:.80}")
+    if len(first_tokens) != len(samples):
+        raise ConfigError(f"one first token per sample: {len(first_tokens)} tokens for {len(samples)} samples")
+    check_positive(steps, "steps")
+    copies = EventRecorder(manager.pool.events, (CopiedOnWrite,))
+    feed = [[int(t)] for t in first_tokens]
+    answers: list[list[int]] = [[] for _ in samples]
+    rows: list[tuple[int, int, int, int, int, str]] = []
+    try:
+        for step in range(1, steps + 1):
+            before = [len(s.block_table) for s in samples]
+            seen = len(copies)
+            logits = model.step(manager, samples, feed)
+            for out, f in zip(answers, feed):
+                out.extend(f)
+            new = [(i, b) for i, (s, old) in enumerate(zip(samples, before)) for b in s.block_table[old:]]
+            held = len({b for s in samples for b in s.block_table})
+            copied = [e for e in copies.events[seen:] if isinstance(e, CopiedOnWrite)]
+            event = "; ".join([f"sample {samples.index(manager.seqs[e.seq_id])}: block {e.src} copied to {e.dst}"
+                               for e in copied] + [f"sample {i}: new block {b}" for i, b in new])
+            rows.append((step, samples[0].num_tokens, len(copied), held, sum(s.num_blocks for s in samples), event))
+            feed = [[t] for t in logits.argmax(-1).tolist()]
+    finally:
+        copies.close()
+    tok = model.tokenizer
+    texts = [tok.decode(out) for out in answers] if tok is not None else []
+    return ForkRun(rows, answers, texts, logits)
+
+
+def same_token_copies(samples: int, block_size: int, prompt_tokens: int = 5) -> int:
+    """Copies made when ``samples`` forks of one sequence, whose last block holds ``prompt_tokens`` tokens (fewer
+    than ``block_size``: a partly filled, shared block), each append the SAME token: a copy is made on writing,
+    whatever is written, so ``samples - 1`` of them copy. Block bookkeeping only (no K/V, no model)."""
+    check_positive(samples, "samples")
+    check_positive(block_size, "block_size")
+    check_positive(prompt_tokens, "prompt_tokens")
+    if prompt_tokens % block_size == 0:
+        raise ConfigError(f"prompt_tokens={prompt_tokens} fills its last block of {block_size}: nothing is shared to "
+                          "copy; pick a count that leaves the last block partly filled")
+    blocks = -(-prompt_tokens // block_size) * samples + samples
+    manager = SequenceManager(BlockPool(blocks, spec=KVSpec(block_size=block_size), with_storage=False))
+    tokens = list(range(1, prompt_tokens + 1))
+    first = manager.create(tokens)
+    first.append(tokens)
+    alike = [first] + [first.fork() for _ in range(samples - 1)]
+    copies = EventRecorder(manager.pool.events, (CopiedOnWrite,))
+    try:
+        manager.append_batch(alike, [[7]] * samples)
+    finally:
+        copies.close()
+    return len(copies)
+
+
+def unshared_logits(model: Llama, spec: KVSpec, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The last logits of each token list, each prefilled as its own sequence in a fresh pool of ``spec`` with no
+    sharing and no prefix cache: what the model computes without copy-on-write, to compare against."""
+    blocks = sum(-(-len(t) // spec.block_size) for t in token_lists) + 1
+    manager = SequenceManager(BlockPool(blocks, spec=spec))
+    return model.step(manager, [manager.create() for _ in token_lists], [list(t) for t in token_lists])
