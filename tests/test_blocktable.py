@@ -58,7 +58,8 @@ def sharing_steps(mgr: SequenceManager) -> list:
 
 def expected(mgr: SequenceManager, copies: dict[int, set[int]], hits: dict[int, int]) -> list[dict]:
     """The rows, computed from the sequences themselves."""
-    return [{"id": s.seq_id, "label": f"seq {s.seq_id}", "blocks": list(s.block_table), "hits": hits.get(s.seq_id, 0),
+    return [{"id": s.seq_id, "label": f"序列 {s.seq_id} seq", "blocks": list(s.block_table),
+             "hits": hits.get(s.seq_id, 0),
              "copied": sorted(p for p, b in enumerate(s.block_table) if b in copies.get(s.seq_id, set())), "more": 0}
             for s in mgr.seqs.values()]
 
@@ -114,7 +115,7 @@ def test_engine_rows_are_its_requests_with_the_hits_they_were_admitted_with():
             rows = tables.tail()["tables"]
             jobs = [*eng.running, *eng.swapped]
             assert rows["left_out"] == max(0, len(jobs) - MAX_ROWS)
-            want = [(j.req.id, f"request {j.req.id}", j.kv.block_table[:MAX_ROW_BLOCKS], admitted[j.req.id] // 16,
+            want = [(j.req.id, f"请求 {j.req.id} request", j.kv.block_table[:MAX_ROW_BLOCKS], admitted[j.req.id] // 16,
                      max(0, len(j.kv.block_table) - MAX_ROW_BLOCKS)) for j in jobs[:MAX_ROWS]]
             assert [(r["id"], r["label"], r["blocks"], r["hits"], r["more"]) for r in rows["rows"]] == want
             seen_hit += any(r["hits"] for r in rows["rows"])
@@ -130,7 +131,7 @@ def test_a_view_of_an_engine_follows_its_live_run():
     frames = [decode_frame(f) for f in run.recording]
     assert len(frames) == 31 and all("tables" in f.tail for f in frames)
     labels = {r["label"] for f in frames for r in f.tail["tables"]["rows"]}
-    assert labels and all(re.fullmatch(r"request \d+", x) for x in labels)
+    assert labels and all(re.fullmatch(r"请求 \d+ request", x) for x in labels)
     want = [j.kv.block_table for j in [*eng.running, *eng.swapped]][:MAX_ROWS]
     assert [r["blocks"] for r in frames[-1].tail["tables"]["rows"]] == want
     assert view.latest().data == run.recording[len(run.recording) - 1]
@@ -160,7 +161,7 @@ def test_a_swapped_out_entry_is_minus_one():
     rows, _ = frame_tables(f)
     assert rows[0].blocks == [-1, -1]
     fig = plot_block_table(f)  # drawn as "host", without a line
-    assert any(t.get_text() == "host" for t in fig.findobj(Text))
+    assert any(t.get_text() == "主机\nhost" for t in fig.findobj(Text))
 
 
 def live_recording() -> tuple[BlockPool, BlockTableView, LiveRun]:
@@ -207,7 +208,7 @@ def test_a_view_of_a_chat_draws_every_frame_the_chat_shows():
     chat.ask([3, 1, 4, 1, 5, 9, 2, 6, 5], n=2, temperature=1.0, seed=0)
     assert view.frame == chat.frame and len(view.history) == chat.frames_sent
     rows, _ = frame_tables(view.latest())
-    assert [r.label for r in rows] == ["answer 1", "answer 2"] and [r.hits for r in rows] == [2, 2]
+    assert [r.label for r in rows] == ["回答 1 answer", "回答 2 answer"] and [r.hits for r in rows] == [2, 2]
     assert sum(bool(r.copied) for r in rows) == 1  # the one copy on write of turn 2
     replay = BlockTableView(recording=chat.recording)  # a chat's recording is a block-table recording
     assert replay.frames_sent == len(chat.recording)
@@ -229,9 +230,10 @@ def test_the_still_is_readable_and_has_no_empty_panel():
     assert len(fig.axes) == 2 and len(fig.axes[0].patches) == sum(len(r["blocks"]) for r in
                                                                    f.tail["tables"]["rows"])
     words = " ".join(t.get_text() for t in fig.findobj(Text))
-    assert "copied on write" in words and "prefix hit" in words and "0\n×3" in words  # seqs 0, 1, 2 share block 0
+    assert "写时复制 (copied on write)" in words and "前缀命中" in words
+    assert "0\n×3" in words  # seqs 0, 1, 2 share block 0
     empty = plot_block_table(BlockPool(16, with_storage=False))  # no tables: the grid alone, and why
-    assert len(empty.axes) == 1 and "no block tables" in empty.axes[0].get_title()
+    assert len(empty.axes) == 1 and "不带块表 (no block tables)" in empty.axes[0].get_title()
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

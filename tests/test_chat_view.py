@@ -54,7 +54,7 @@ def test_a_turn_records_a_frame_per_token_with_the_chat_in_its_tail():
     last = frames[-1].tail["chat"]
     assert last["turns"] == [{"prompt": "token ids 3 1 4 1 5 9 2 6 5", "answers": [" ".join(map(str, reply.tokens))],
                               "status": last["turns"][0]["status"], "live": False}]
-    assert "9 prompt tokens, 0 from cache" in last["turns"][0]["status"] and "6 tokens generated (length)" in \
+    assert "提示 9 个 token，其中 0 个来自缓存" in last["turns"][0]["status"] and "共生成 6 个 token（length）" in \
         last["turns"][0]["status"]
     answers = [c["turns"][0]["answers"][0] for c in chats(v)[2:-1]]
     assert [len(a.split()) for a in answers] == [1, 2, 3, 4, 5, 6]  # streamed token by token
@@ -75,12 +75,12 @@ def test_a_second_turn_hits_the_cache_and_forks_share_with_refcount_two():
     reply = v.ask(PROMPT, n=2, temperature=1.0, seed=0)
     assert reply.prefix_hit_tokens == 8 and reply.cow_copies == 1
     turn = chats(v)[-1]["turns"][1]
-    assert "9 prompt tokens, 8 from cache, not recomputed" in turn["status"]
-    assert "2 answers forked, 1 block copied on write" in turn["status"] and len(turn["answers"]) == 2
+    assert "提示 9 个 token，其中 8 个来自缓存、不重算" in turn["status"]
+    assert "分叉出 2 个回答，1 个块写时复制" in turn["status"] and len(turn["answers"]) == 2
     first = decode_frame(v.recording[start + 1])  # after prefill and the fork, the first token sampled
     rows = tables(first.data)
     tail = rows[0]["blocks"][2]  # the block of the prompt's last token, computed (not a hit)
-    assert [r["label"] for r in rows] == ["answer 1", "answer 2"] and [r["hits"] for r in rows] == [2, 2]
+    assert [r["label"] for r in rows] == ["回答 1 answer", "回答 2 answer"] and [r["hits"] for r in rows] == [2, 2]
     assert [r["blocks"] for r in rows] == [[0, 1, tail]] * 2 and [r["copied"] for r in rows] == [[], []]
     assert first.refcount[[0, 1, tail]].tolist() == [2, 2, 2] and first.state[[0, 1, tail]].tolist() == [2, 2, 2]
     copied = decode_frame(v.recording[start + 2])  # both appended into the shared tail: one copied it first
@@ -98,9 +98,9 @@ def test_a_tiny_pool_evicts_cached_blocks_and_the_status_counts_them():
     v.session.pool.events.subscribe(lambda e: evicted.append(e) if isinstance(e, kvlab.core.events.Evicted) else None)
     v.ask(PROMPT)  # 12 tokens fed: 3 blocks cached afterwards
     v.ask(OTHER)   # another prompt needs 3 blocks of the 2 free: cached ones go
-    assert evicted and f"{len(evicted)} cached block{'s' * (len(evicted) != 1)} evicted" in \
+    assert evicted and f"淘汰了 {len(evicted)} 个缓存块" in \
         chats(v)[-1]["turns"][1]["status"]
-    assert "0 cached blocks evicted" in chats(v)[-1]["turns"][0]["status"]
+    assert "淘汰了 0 个缓存块" in chats(v)[-1]["turns"][0]["status"]
     assert decode_frame(v.recording[len(v.recording) - 1]).tail["evictions_total"] == len(evicted)
     assert_clean(v)
 
@@ -179,7 +179,7 @@ def test_a_notebook_run_headless_saves_the_final_chat(tmp_path):
     (chat,) = [w for w in states if w["state"].get("interactive")]
     (buf,) = [b for b in chat["buffers"] if b["path"] == ["frame"]]
     turns = decode_frame(base64.b64decode(buf["data"])).tail["chat"]["turns"]
-    assert len(turns) == 2 and "1 block copied on write" in turns[1]["status"]
+    assert len(turns) == 2 and "1 个块写时复制" in turns[1]["status"]
 
 
 def test_the_view_is_a_lazy_name_of_kvlab():
@@ -267,8 +267,8 @@ def test_a_real_chat_streams_words_hits_the_system_prompt_and_forks(smol):
     second = v.ask("What is the capital of Germany?", n=2, temperature=0.7, seed=0)
     assert second.prefix_hit_tokens == 16 and second.cow_copies == 1
     turn = chats(v)[-1]["turns"][1]
-    assert f"{second.prompt_tokens} prompt tokens, 16 from cache, not recomputed" in turn["status"]
-    assert "2 answers forked, 1 block copied on write" in turn["status"] and turn["answers"] == second.texts
+    assert f"提示 {second.prompt_tokens} 个 token，其中 16 个来自缓存、不重算" in turn["status"]
+    assert "分叉出 2 个回答，1 个块写时复制" in turn["status"] and turn["answers"] == second.texts
     shared = decode_frame(v.recording[start + 1])  # the first token: both forks hold the prompt's blocks
     rows = tables(shared.data)
     assert [r["hits"] for r in rows] == [1, 1] and rows[0]["blocks"][0] == rows[1]["blocks"][0]

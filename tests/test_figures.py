@@ -105,7 +105,7 @@ def test_the_legend_lists_exactly_the_colours_the_grids_draw(seed):
             assert drawn - listed <= SHADES, f.when  # and only the shades between "1 reference" and the darkest
     words = [t.get_text() for t in plot_pool(frame_of(mixed_pool())).legends[0].get_texts()]
     assert words == [palette.STATE_WORDS[k] for k in ("FREE", "PENDING", "ALLOC1")] + \
-        ["shared, 2 to 3 references (darker = more)"] + [palette.STATE_WORDS[k] for k in ("EVICTING", "CACHED")]
+        ["共享，2 到 3 个引用，越深越多 (shared)"] + [palette.STATE_WORDS[k] for k in ("EVICTING", "CACHED")]
 
 
 def test_the_eviction_legend_shows_runners_up_only_when_there_are_some():
@@ -128,24 +128,24 @@ def test_the_pool_title_and_the_gauges_print_what_memory_usage_prints_in_glossar
     each name is GLOSSARY.md's and each value is the one ``memory_usage`` prints."""
     p = mixed_pool()
     usage = memory_usage(p)
-    printed = {"blocks held": 100 * usage["used"] / usage["total"],
-               "cached (reusable)": 100 * usage["cached"] / usage["total"]}
+    printed = {palette.GAUGES[0][0]: 100 * usage["used"] / usage["total"],
+               palette.CACHED_GAUGE[0]: 100 * usage["cached"] / usage["total"]}
     title = _pool_title(plot_pool(p)).replace("\n", " ")
-    m = re.search(r"blocks held (\d+\.\d)% = (\d+) referenced \+ (\d+) cached \(reusable\) \+ (\d+) pending "
-                  r"\+ (\d+) evicting", title)
+    m = re.search(r"占用块 blocks held (\d+\.\d)% = (\d+) 被引用 referenced \+ (\d+) 可复用缓存块 cached \(reusable\) "
+                  r"\+ (\d+) 待定 pending \+ (\d+) 淘汰中 evicting", title)
     assert m, title
     counts = p.status_counts()
-    assert float(m[1]) == pytest.approx(printed["blocks held"], abs=0.051)
+    assert float(m[1]) == pytest.approx(printed[palette.GAUGES[0][0]], abs=0.051)
     assert int(m[3]) == p.num_cached_blocks == usage["cached"] // p.bytes_per_block
     assert int(m[2]) + int(m[3]) == counts["ALLOCATED"]
     assert (int(m[4]), int(m[5])) == (counts["PENDING"], counts["EVICTING"])
-    assert f"{counts['FREE']} free" in title
+    assert f"{counts['FREE']} 空闲 (free)" in title
     for fig in (plot_fragmentation(p), plot_dashboard(p, panels=["fragmentation"])):
         labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
         shown = {m[1]: float(m[2]) for m in (re.fullmatch(r"(.+) (\d+\.\d)%", s) for s in labels)}
-        assert list(shown)[:2] == ["blocks held", "cached (reusable)"]
+        assert list(shown)[:2] == ["占用块 blocks held", "可复用缓存块 cached (reusable)"]
         for name, value in printed.items():
-            assert f" {name}**" in GLOSSARY, name
+            assert f"**{name}**" in GLOSSARY, name
             assert shown[name] == pytest.approx(value, abs=0.051), name
 
 
@@ -160,7 +160,8 @@ def test_an_engine_pool_of_cached_blocks_says_so():
     title = _pool_title(plot_pool(pool)).replace("\n", " ")
     held = usage["used"] // pool.bytes_per_block
     assert usage["cached"] == usage["used"] > 0  # nothing referenced once every request finished
-    assert f"blocks held {100 * held / pool.num_blocks:.1f}% = 0 referenced + {held} cached (reusable)" in title
+    assert f"blocks held {100 * held / pool.num_blocks:.1f}% = 0 被引用 referenced + {held} " \
+        "可复用缓存块 cached (reusable)" in title
 
 
 def test_the_glossary_tells_utilisation_from_blocks_held():
@@ -187,6 +188,22 @@ def displayed_pt(fig, size: float, png: bytes) -> float:
     return size * dpi / 96 * min(1.0, COLUMN_PX / px)
 
 
+def block_table_figure():
+    """A still of block tables with a prefix hit, sharing and a copy on write."""
+    from kvlab.viz import BlockTables, plot_block_table
+
+    pool = BlockPool(16, spec=kvlab.KVSpec(block_size=4), with_storage=False)
+    mgr = kvlab.SequenceManager(pool, prefix_cache=True)
+    a = mgr.create(list(range(10)))
+    a.append(list(range(10)))
+    mgr.cache_full_blocks(a)
+    b = mgr.create(list(range(10)))
+    b.append(list(range(b.num_tokens, 10)))
+    b.fork().append([99])
+    with BlockTables(mgr) as tables:
+        return plot_block_table(frame_of(pool, **tables.tail()))
+
+
 def kvlab_figures():
     from kvlab.viz.chat import plot_chat
 
@@ -202,7 +219,8 @@ def kvlab_figures():
             "fragmentation": plot_fragmentation(f, [(0.5, 0.1, 0.2, 0.3)] * 5),
             "dashboard": plot_dashboard(f, evictions=evictions),
             "dashboard pool": plot_dashboard(f, panels=["pool"]), "race": race.plot(),
-            "sweep": kvlab.plot_sweep(sweep, "balanced"), "chat": plot_chat(f)}
+            "sweep": kvlab.plot_sweep(sweep, "balanced"), "chat": plot_chat(f),
+            "block tables": block_table_figure()}
 
 
 def test_every_text_of_every_kvlab_figure_is_at_least_9_points_as_displayed():
@@ -214,6 +232,25 @@ def test_every_text_of_every_kvlab_figure_is_at_least_9_points_as_displayed():
                      for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
                      and displayed_pt(fig, t.get_fontsize(), png) < 9]
             assert not small, (name, small)
+
+
+def english_first(text: str) -> bool:
+    """Whether ``text`` has two English words in a row before any Chinese (a lone word such as a policy's name,
+    LRU, or token, is the field's word and may come first)."""
+    words = re.search(r"[A-Za-z]{2,}[ -][A-Za-z]{2,}", text)
+    han = re.search(r"[\u4e00-\u9fff]", text)
+    return words is not None and (han is None or han.start() > words.start())
+
+
+def test_every_text_of_every_kvlab_figure_is_chinese_first():
+    """Titles, axis labels, legends and tick labels of each kvlab figure read Chinese first, the English after it
+    (as GLOSSARY.md names things): a student reads the figure in the language of the chapters."""
+    for name, fig in kvlab_figures().items():
+        figure_png(fig)  # drawn: ticks and legends exist
+        english = [t.get_text() for t in fig.findobj(Text) if t.get_visible() and english_first(t.get_text())]
+        assert not english, (name, english)
+    assert english_first("blocks held 3%") and not english_first("占用块 blocks held 3%")
+    assert not english_first("LRU 淘汰了块 7") and not english_first("lru")
 
 
 ALL_CHAPTERS = sorted(p.relative_to(CHAPTERS).as_posix() for p in CHAPTERS.rglob("*.ipynb"))

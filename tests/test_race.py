@@ -55,7 +55,7 @@ def test_table_and_figure(race):
     assert f"| 150 | {100 * race.hit_rate['lru'][0]:.1f}%" in md
     fig = race.plot()
     (ax,) = fig.axes
-    assert [line.get_label() for line in ax.get_lines()] == [*RACE_POLICIES, "never evicts"]
+    assert [line.get_label() for line in ax.get_lines()] == [*RACE_POLICIES, "从不淘汰 (never evicts)"]
     assert list(ax.get_lines()[0].get_xdata()) == SIZES
 
 

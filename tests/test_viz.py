@@ -549,7 +549,7 @@ def test_a_view_follows_its_run_and_its_pause_pauses_the_workload():
     (bundle,) = handle.updates  # the displays were redrawn once, from the final frame
     assert base64.b64decode(bundle["image/png"]) == figure_png(view.figure())
     last = decode_frame(view.frame)
-    assert last.when == "step 40 of 40" and last.step == p.clock.now()
+    assert last.when == "第 40 / 40 步 (step)" and last.step == p.clock.now()
     watched = PoolView(p)
     watched.frames_received = 1  # a browser said it draws the view: its display is left as it is
     watched.displays.append(other := Handle())
@@ -570,11 +570,11 @@ def test_frames_count_workload_steps_and_evictions_say_when():
 
     rec = record(p, step, 50)
     frames = [decode_frame(f) for f in rec]
-    assert [f.tail["run"]["step"] for f in frames] == list(range(31)) and frames[-1].when == "step 30 of 50"
-    assert frames[0].when == "step 0 of 50" and frames[-1].step > 30  # the pool clock is another count
+    assert [f.tail["run"]["step"] for f in frames] == list(range(31)) and frames[-1].when == "第 30 / 50 步 (step)"
+    assert frames[0].when == "第 0 / 50 步 (step)" and frames[-1].step > 30  # the pool clock is another count
     evictions = [(f.tail["run"]["step"], e) for f in frames for e in f.evictions]
     assert evictions and all(at == e["at"] for at, e in evictions)
-    assert decode_frame(build_frame(p)).when == f"the pool after {p.clock.now()} operations"
+    assert decode_frame(build_frame(p)).when == f"池的 {p.clock.now()} 次操作之后 (after pool operations)"
 
 
 def test_infinite_scores_travel_as_json_the_browser_can_parse():
@@ -961,17 +961,17 @@ def test_the_fragmentation_picture_names_and_shows_what_the_detector_prints(seed
             held.append(ids)
     d = FragmentationDetector(p).detect_fragmentation()
     usage = memory_usage(p)
-    printed = {"unusable free memory": d["fragmentation_percent"],
-               "external fragmentation (contiguity)": 100 * d["external_fragmentation"],
-               "internal waste": 100 * d["internal_waste"],
-               "blocks held": 100 * usage["used"] / usage["total"],
-               "cached (reusable)": 100 * usage["cached"] / usage["total"]}  # printed under blocks held
+    printed = {"不可用空闲内存 unusable free memory": d["fragmentation_percent"],
+               "外部碎片（连续性） external fragmentation (contiguity)": 100 * d["external_fragmentation"],
+               "内部浪费 internal waste": 100 * d["internal_waste"],
+               "占用块 blocks held": 100 * usage["used"] / usage["total"],
+               "可复用缓存块 cached (reusable)": 100 * usage["cached"] / usage["total"]}  # printed under blocks held
     fig = plot_fragmentation(p)
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     shown = {m.group(1): float(m.group(2)) for m in (re.fullmatch(r"(.+) (\d+\.\d)%", s) for s in labels)}
     assert set(shown) == set(printed), labels
     for name, value in shown.items():
-        assert f" {name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
+        assert f"**{name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
         assert value == pytest.approx(printed[name], abs=0.051), (name, value, printed[name])
     assert d["fragmentation_percent"] > 0 and d["external_fragmentation"] > 0  # both measures are exercised
 
@@ -1002,7 +1002,7 @@ def test_the_eviction_still_tells_a_victim_from_close_runners_up():
     ax = fig.axes[0]
     widths = [bar.get_width() for bar in ax.patches]
     assert widths[0] < 0.4 * widths[2] and ax.get_xlim()[0] == e["axis"] == 1107.0
-    assert "the axis starts at 1107" in ax.get_xlabel()
+    assert "坐标从 1107 起" in ax.get_xlabel()
 
 
 def test_the_block_size_dashboard_offers_8_to_512_and_its_waste_moves_with_the_block():

@@ -52,14 +52,14 @@ function kvChip(parent, f, b, pos, hit, copied, logical) {
   const out = b < 0, refs = out ? 0 : f.refcount[b];
   const c = kvEl("span", "kv-chip" + (out ? " kv-out" : ""), parent);
   if (logical) kvEl("span", "kv-lidx", c, String(pos));
-  kvEl("span", "kv-pid", c, out ? "host" : String(b) + (refs >= 2 ? ` ×${refs}` : ""));
+  kvEl("span", "kv-pid", c, out ? "主机 host" : String(b) + (refs >= 2 ? ` ×${refs}` : ""));
   if (out) {
     c.style.borderColor = kvCss(KV_RGB.EVICTING);
-    c.title = `logical block ${pos}: ${KV_W.HOST}`;
+    c.title = `逻辑块 ${pos} (logical block)：${KV_W.HOST}`;
   } else {
     c.style.background = kvCellCss(f, b);
     c.style.color = f.state[b] === 2 && refs > 2 ? "#fff" : "#111";
-    c.title = `logical block ${pos} → ${kvInfoText(kvBlockInfo(f, b))}`;
+    c.title = `逻辑块 ${pos} (logical block) → ${kvInfoText(kvBlockInfo(f, b))}`;
   }
   if (hit) c.style.borderColor = kvCss(KV_PALETTE_DATA.hit);
   if (copied) c.style.borderColor = kvCss(KV_PALETTE_DATA.copied);
@@ -81,9 +81,9 @@ function kvTableRows(box, f, logical, none) {
     const copied = new Set(r.copied);
     r.blocks.forEach((b, pos) => chips.push({ row: String(r.id), pos, b, copied: copied.has(pos),
       el: kvChip(row, f, b, pos, pos < r.hits, copied.has(pos), logical) }));
-    if (r.more) kvEl("span", "kv-explain", row, `+${r.more} more blocks`);
+    if (r.more) kvEl("span", "kv-explain", row, `另有 ${r.more} 块 (+${r.more} more)`);
   }
-  if (t.left_out) kvEl("div", "kv-explain", box, `${t.left_out} more sequence${t.left_out === 1 ? "" : "s"} not shown`);
+  if (t.left_out) kvEl("div", "kv-explain", box, `另有 ${t.left_out} 个序列未显示 (not shown)`);
   return chips;
 }
 
@@ -100,10 +100,9 @@ function kvBlockTablePanel(parent, model) {
   kvTableStyle();
   const box = kvEl("div", "kv-bt", parent);
   const left = kvEl("div", "kv-col", box), right = kvEl("div", "kv-col", box);
-  kvEl("div", "kv-title", left, "block tables: logical → physical blocks");
-  kvEl("div", "kv-explain", left, "One row per sequence. Box i is its logical block i (its tokens i·B to i·B+B−1), " +
-    "under it the physical block that holds them, where its line ends; ×n: n references share it. " +
-    "Hover a row to pick out its blocks.");
+  kvEl("div", "kv-title", left, "块表 (block tables)：逻辑块 → 物理块");
+  kvEl("div", "kv-explain", left, "每个序列一行。第 i 格是它的逻辑块 i（它的第 i·B 到 i·B+B−1 个 token），" +
+    "格里写着存这些 token 的物理块，连线终点就是它；×n：n 个引用共享它。鼠标移到一行上可以突出它的块。");
   const rows = kvEl("div", "kv-tables", left);
   kvTableLegend(left, true);
   const pool = kvPoolPanel(right, model, 480);
@@ -165,9 +164,9 @@ function kvBlockTablePanel(parent, model) {
     pool.draw(hist, i);
     shown = hist[i];
     const t = shown.tail.tables;
-    chips = kvTableRows(rows, shown, true, "no blocks yet");
+    chips = kvTableRows(rows, shown, true, "还没有块 (no blocks yet)");
     if (!t || !t.rows.length) {
-      kvEl("div", "kv-explain", rows, t ? "no live sequence in this picture" : "this picture carries no block tables");
+      kvEl("div", "kv-explain", rows, t ? "这幅画面里没有活着的序列 (no live sequence)" : "这幅画面不带块表 (no block tables)");
     }
     box.dataset.rows = t ? t.rows.length : 0;
     lines();

@@ -26,7 +26,7 @@ function kvChatStyle() {
 function kvChatPanel(parent, model) {
   const box = kvEl("div", "kv-chatlog", parent);
   const turns = kvEl("div", "kv-turns", box);
-  kvEl("div", "kv-title", box, "block tables");
+  kvEl("div", "kv-title", box, "块表 (block tables)");
   const tables = kvEl("div", "kv-tables", box);
   kvTableLegend(box, false);
 
@@ -34,23 +34,23 @@ function kvChatPanel(parent, model) {
     const f = hist[i], chat = f.tail.chat || { turns: [] };
     const scrolled = turns.scrollTop + turns.clientHeight >= turns.scrollHeight - 4;
     turns.replaceChildren();
-    if (!chat.turns.length) kvEl("div", "kv-explain", turns, "Ask a question: the answer streams in while the pool fills.");
+    if (!chat.turns.length) kvEl("div", "kv-explain", turns, "问一个问题：回答逐字出现，池随之填满。(Ask a question.)");
     chat.turns.forEach((t, k) => {
       const turn = kvEl("div", "kv-turn", turns);
       turn.dataset.turn = k;
-      kvEl("div", "kv-you", turn, `you: ${t.prompt}`);
+      kvEl("div", "kv-you", turn, `你 (you)：${t.prompt}`);
       t.answers.forEach((a, j) => {
-        const who = t.answers.length === 1 ? "model" : `answer ${j + 1}`;
-        kvEl("div", "kv-answer" + (t.live ? " kv-live" : ""), turn, `${who}: ${a}`);
+        const who = t.answers.length === 1 ? "模型 (model)" : `回答 ${j + 1} (answer)`;
+        kvEl("div", "kv-answer" + (t.live ? " kv-live" : ""), turn, `${who}：${a}`);
       });
       kvEl("div", "kv-status", turn, t.status);
     });
     if (scrolled) turns.scrollTop = turns.scrollHeight;
-    const shown = kvTableRows(tables, f, false, "ended (blocks released)").length;
+    const shown = kvTableRows(tables, f, false, "已结束，块已释放 (ended)").length;
     const last = chat.turns[chat.turns.length - 1];
-    if (!shown && !tables.childElementCount) kvEl("div", "kv-explain", tables, "no request yet");
-    else if (last && !last.live) tables.prepend(kvEl("div", "kv-explain", null, "at the last token (the request has " +
-      "ended: its blocks are released, full ones stay cached)"));
+    if (!shown && !tables.childElementCount) kvEl("div", "kv-explain", tables, "还没有请求 (no request yet)");
+    else if (last && !last.live) tables.prepend(kvEl("div", "kv-explain", null, "停在最后一个 token：请求已结束，" +
+      "它的块已释放，装满的块留作缓存 (at the last token)"));
   }
   return { draw };
 }
@@ -67,17 +67,17 @@ function kvChatControls(top, model, ask) {
   kvChatStyle();
   const row = kvEl("div", "kv-controls kv-chat-form", top);
   const prompt = kvEl("input", "kv-prompt", row);
-  prompt.type = "text"; prompt.placeholder = "Ask the model something"; prompt.setAttribute("aria-label", "question");
+  prompt.type = "text"; prompt.placeholder = "问模型一个问题 (ask the model)"; prompt.setAttribute("aria-label", "question");
   const field = (words, min, max, step, key) => {
     const lab = kvEl("label", "kv-field", row, words + " ");
     const inp = kvEl("input", "kv-num", lab);
     inp.type = "number"; inp.min = min; inp.max = max; inp.step = step; inp.dataset.key = key;
     return inp;
   };
-  const n = field("answers", 1, 8, 1, "n"), temp = field("temperature", 0, 2, 0.1, "temperature");
-  const send = kvEl("button", "kv-btn", row, "Send"), stop = kvEl("button", "kv-btn", row, "Stop");
+  const n = field("回答数 answers", 1, 8, 1, "n"), temp = field("温度 temperature", 0, 2, 0.1, "temperature");
+  const send = kvEl("button", "kv-btn", row, "发送 Send"), stop = kvEl("button", "kv-btn", row, "停止 Stop");
   send.dataset.ctl = "send"; stop.dataset.ctl = "stop";
-  stop.title = "stop the answer (its blocks are released)";
+  stop.title = "停止回答，它的块被释放 (stop the answer)";
   const msg = kvEl("span", "kv-message", row);
   const go = () => {
     if (model.get("busy")) return;

@@ -47,8 +47,8 @@ function kvDecode(v) {
 // outside a run, how many operations the pool has done (its clock).
 function kvStepText(f) {
   const r = f.tail.run;
-  if (r) return r.steps ? `step ${r.step} of ${r.steps}` : `step ${r.step}`;
-  return `the pool after ${f.step} operations`;
+  if (r) return r.steps ? `第 ${r.step} / ${r.steps} 步 (step)` : `第 ${r.step} 步 (step)`;
+  return `池的 ${f.step} 次操作之后 (after pool operations)`;
 }
 
 function kvBlockInfo(f, i) {
@@ -63,14 +63,13 @@ function kvBlockInfo(f, i) {
 }
 
 function kvInfoText(info) {
-  const parts = [`block ${info.block}`, info.state.toLowerCase(),
-    `${info.refcount}${info.refcount === 255 ? "+" : ""} reference${info.refcount === 1 ? "" : "s"}`,
-    `holds up to ${info.capacity} tokens`];
+  const parts = [`块 ${info.block} (block)`, info.state,
+    `${info.refcount}${info.refcount === 255 ? "+" : ""} 个引用 (references)`, `最多装 ${info.capacity} 个 token`];
   if (info.tokens !== undefined) {
-    parts.push(`${info.tokens} tokens`, info.owner >= 0 ? `sequence ${info.owner}` : "no owner",
-      `last used at pool tick ${info.last_access}`);
+    parts.push(`装着 ${info.tokens} 个 token`, info.owner >= 0 ? `序列 ${info.owner} (sequence)` : "无主 (no owner)",
+      `上次使用于池时钟 ${info.last_access} (last used)`);
   }
-  if (info.flash) parts.push(`just ${info.flash}`);
+  if (info.flash) parts.push(`${KV_PALETTE_DATA.flashVerbs[info.flash]} (just ${info.flash})`);
   return parts.join(" · ");
 }
 
@@ -231,10 +230,11 @@ async function kvUnpackReplay(v) {
 
 // A saved run's label: where its pictures came from and, for a long run, which of them were kept.
 const kvSavedWords = (p) =>
-  `saved run${p.every > 1 ? ` (every ${p.every === 2 ? "2nd" : p.every + "th"} of its ${p.total} pictures)` : ""}`;
+  `保存的运行 (saved run)${p.every > 1 ? `：${p.total} 幅画面每 ${p.every} 幅留一幅 (every ${p.every})` : ""}`;
 
-const KV_STATUS_WORDS = { idle: "ready to run", running: "running", paused: "paused", stopping: "stopping",
-  done: "finished", stopped: "stopped", failed: "failed: see the cell's error" };
+const KV_STATUS_WORDS = { idle: "就绪 (ready to run)", running: "运行中 (running)", paused: "已暂停 (paused)",
+  stopping: "正在停止 (stopping)", done: "已完成 (finished)", stopped: "已停止 (stopped)",
+  failed: "失败：见单元格的报错 (failed)" };
 const kvKernelRun = (status) => ["idle", "running", "paused", "stopping"].includes(status);
 
 // Mount panels on a model: keep every received frame (step back and scrub work while Python is busy), count
@@ -252,9 +252,9 @@ function kvMount(model, el, makePanels, extra) {
   let idx = -1, live = true, received = 0, histBytes = 0, timer = 0;
   let answers = 0, noKernel = globalThis.kvlabNoKernel === true, saved = null, fromKernel = false;
   const btn = (act, label, title) => { const b = kvEl("button", "kv-btn", bar, label); b.dataset.act = act; b.title = title; return b; };
-  const back = btn("back", "◀", "one picture back");
-  const toggle = btn("toggle", "pause", "pause or resume");
-  const fwd = btn("fwd", "▶", "one picture forward (at the latest picture of a paused run: one step of the workload)");
+  const back = btn("back", "◀", "后退一幅画面 (one picture back)");
+  const toggle = btn("toggle", "暂停 pause", "暂停或继续 (pause or resume)");
+  const fwd = btn("fwd", "▶", "前进一幅画面；暂停的运行停在最新画面时：工作负载走一步 (one picture forward)");
   const slider = kvEl("input", "kv-slider", bar);
   slider.type = "range"; slider.min = 0; slider.max = 0; slider.value = 0;
   const label = kvEl("span", "kv-label", bar);
@@ -277,13 +277,13 @@ function kvMount(model, el, makePanels, extra) {
     root.dataset.status = status();
     root.dataset.playing = timer ? "1" : "0";
     const f = hist[idx], s = status();
-    const orphan = noKernel && globalThis.kvlabNoKernel !== true ? " · no kernel answers: ▶ plays the saved pictures" : "";
-    const words = [s ? KV_STATUS_WORDS[s] || s : "", saved ? kvSavedWords(saved) : !s && hist.length > 1 ? "replay" : ""]
+    const orphan = noKernel && globalThis.kvlabNoKernel !== true ? " · 没有内核应答：▶ 播放保存的画面 (no kernel answers)" : "";
+    const words = [s ? KV_STATUS_WORDS[s] || s : "", saved ? kvSavedWords(saved) : !s && hist.length > 1 ? "回放 (replay)" : ""]
       .filter(Boolean).join(" · ") + orphan;
-    const where = idx < hist.length - 1 ? ` · an earlier picture (${idx + 1} of ${hist.length})` : "";
-    label.textContent = f ? `${kvStepText(f)}${words ? " · " + words : ""}${where}` : "waiting for the first picture";
+    const where = idx < hist.length - 1 ? ` · 较早的画面 ${idx + 1} / ${hist.length} (an earlier picture)` : "";
+    label.textContent = f ? `${kvStepText(f)}${words ? " · " + words : ""}${where}` : "等待第一幅画面 (waiting for the first picture)";
     for (const e of [back, toggle, fwd, slider]) e.hidden = noKernel && hist.length <= 1; // nothing to replay
-    toggle.textContent = kvKernelRun(s) ? (s === "running" ? "❚❚ pause" : "▶ run") : (timer ? "❚❚ pause" : "▶ play");
+    toggle.textContent = kvKernelRun(s) ? (s === "running" ? "❚❚ 暂停 pause" : "▶ 运行 run") : (timer ? "❚❚ 暂停 pause" : "▶ 播放 play");
     toggle.dataset.does = kvKernelRun(s) ? (s === "running" ? "pause" : "run") : (timer ? "stop-replay" : "replay");
   }
   function show(i) {

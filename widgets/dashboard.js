@@ -18,26 +18,28 @@ function kvDashboardPanels(body, model) {
   });
 }
 
+const KV_CONTROL_WORDS = { policy: "淘汰策略", block_size: "块大小", workload: "工作负载" };
+
 function kvDashboardControls(top, model, ask) {
   const row = kvEl("div", "kv-controls", top);
-  for (const [act, label, title] of [["step", "one step", "pause the workload and take one step"],
-    ["stop", "stop", "end this run (run again to start afresh)"]]) {
+  for (const [act, label, title] of [["step", "走一步 one step", "暂停工作负载并走一步 (pause, then one step)"],
+    ["stop", "停止 stop", "结束这次运行，再运行从头开始 (end this run)"]]) {
     const b = kvEl("button", "kv-btn", row, label);
     b.dataset.ctl = act; b.title = title;
     b.onclick = () => ask({ type: "control", action: act });
   }
-  const speedBox = kvEl("label", "kv-field", row, "speed ");
+  const speedBox = kvEl("label", "kv-field", row, "速度 speed ");
   const speed = kvEl("input", "kv-speed", speedBox);
   speed.type = "range"; speed.min = 0; speed.max = 3; speed.step = 0.1; // log10 of steps per second
   const speedText = kvEl("span", null, speedBox);
   const setSpeedUi = () => {
     const v = Number(model.get("speed")) || 1;
-    speed.value = Math.log10(Math.max(1, v)); speedText.textContent = ` ${Math.round(v)} steps/s`;
+    speed.value = Math.log10(Math.max(1, v)); speedText.textContent = ` ${Math.round(v)} 步/秒 (steps/s)`;
   };
   speed.oninput = () => { model.set("speed", Math.round(10 ** Number(speed.value))); model.save_changes(); setSpeedUi(); };
   const selects = {};
   for (const key of model.get("controls") || ["policy", "block_size", "workload"]) {
-    const lab = kvEl("label", "kv-field", row, key.replace("_", " ") + " ");
+    const lab = kvEl("label", "kv-field", row, `${KV_CONTROL_WORDS[key] || ""} ${key.replace("_", " ")} `);
     const sel = kvEl("select", "kv-select", lab);
     sel.dataset.key = key;
     sel.onchange = () => { model.set(key, key === "block_size" ? Number(sel.value) : sel.value); model.save_changes(); };

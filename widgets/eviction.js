@@ -3,7 +3,6 @@
 // list of the recent evictions in words.
 
 const KV_EV_LIST = 8;
-const KV_REASONS = { "allocation pressure": "an allocation needed room", explicit: "asked for directly" };
 
 // The evictions recorded in frames 0..i, newest last (at most `limit`).
 function kvRecentEvictions(hist, i, limit) {
@@ -16,9 +15,9 @@ function kvRecentEvictions(hist, i, limit) {
 }
 
 const kvScoreWords = (policy) => KV_PALETTE_DATA.scores[policy] || KV_PALETTE_DATA.unknownScore;
-const kvReason = (r) => KV_REASONS[r] || r;
+const kvReason = (r) => KV_PALETTE_DATA.reasons[r] || r;
 // When an eviction happened: the workload's step when a run recorded it, else the pool's clock.
-const kvWhen = (e) => e.at !== undefined && e.at !== null ? `step ${e.at}` : `pool tick ${e.step}`;
+const kvWhen = (e) => e.at !== undefined && e.at !== null ? `第 ${e.at} 步 (step)` : `池时钟 ${e.step} (pool tick)`;
 function kvFmt(x) {
   if (!Number.isFinite(x)) return x > 0 ? "∞" : "-∞";
   return Number.isInteger(x) ? String(x) : x.toFixed(3);
@@ -26,12 +25,12 @@ function kvFmt(x) {
 
 function kvEvictionPanel(parent, model) {
   const box = kvEl("div", "kv-evictions", parent);
-  const title = kvEl("div", "kv-title", box, "no eviction yet");
+  const title = kvEl("div", "kv-title", box, KV_PALETTE_DATA.noEviction);
   const explain = kvEl("div", "kv-explain", box);
   const bars = kvEl("div", "kv-bars", box);
   kvLegend(box, [["VICTIM", KV_W.VICTIM, "swatch", KV_PALETTE_DATA.victim],
     ["CANDIDATE", KV_W.CANDIDATE, "swatch", KV_PALETTE_DATA.candidate]]);
-  kvEl("div", "kv-caption", box, "recent evictions, newest first");
+  kvEl("div", "kv-caption", box, "最近的淘汰，新的在前 (recent evictions, newest first)");
   const list = kvEl("ol", "kv-evlist", box);
 
   function draw(hist, i) {
@@ -40,22 +39,22 @@ function kvEvictionPanel(parent, model) {
     for (let j = i; j >= 0; j--) if (hist[j].tail.evictions_total !== undefined) { total = hist[j].tail.evictions_total; break; }
     box.dataset.victim = last ? last.victim : "";
     if (!last) {
-      title.textContent = "no eviction yet"; explain.textContent = ""; bars.replaceChildren(); list.replaceChildren();
+      title.textContent = KV_PALETTE_DATA.noEviction; explain.textContent = ""; bars.replaceChildren(); list.replaceChildren();
       return;
     }
     const words = kvScoreWords(last.policy);
-    title.textContent = `${kvWhen(last)}: ${last.policy.toUpperCase()} evicted block ${last.victim} · ` +
-      `reason: ${kvReason(last.reason)} · ${total} eviction${total === 1 ? "" : "s"} so far`;
+    title.textContent = `${kvWhen(last)}：${last.policy.toUpperCase()} 淘汰了块 ${last.victim} (evicted) · ` +
+      `原因：${kvReason(last.reason)} · 到目前共淘汰 ${total} 次`;
     const shown = last.candidates.map(([, s]) => words.sign * Number(s));
     const top = Math.max(...shown.map((v) => Number.isFinite(v) ? Math.abs(v) : 0), 0);
     const base = Number(last.axis) || 0; // computed in Python (palette.bar_axis): 0, or below close scores
-    explain.textContent = `score = ${words.what}; ${words.order}. ` +
-      (base ? `Bars start at ${kvFmt(base)}, not zero: the scores are close.` : "Bars start at zero.");
+    explain.textContent = `分数 (score) = ${words.what}；${words.order}。` +
+      (base ? `条形从 ${kvFmt(base)} 起而不是从 0 起：分数太接近。` : "条形从 0 起。");
     bars.replaceChildren(...last.candidates.map(([b], r) => {
       const victim = b === last.victim, v = shown[r];
       const row = kvEl("div", "kv-bar-row");
       row.dataset.block = b; row.dataset.victim = victim ? "1" : "0";
-      kvEl("span", "kv-bar-name", row, `${victim ? "evicted" : "#" + (r + 1)} · block ${b}`);
+      kvEl("span", "kv-bar-name", row, `${victim ? "淘汰" : "#" + (r + 1)} · 块 ${b}`);
       const track = kvEl("span", "kv-bar-track", row), fill = kvEl("span", "kv-bar", track);
       fill.style.background = kvCss(victim ? KV_PALETTE_DATA.victim : KV_PALETTE_DATA.candidate);
       const frac = !Number.isFinite(v) ? 1 : top > base ? (Math.abs(v) - base) / (top - base) : 0;
@@ -65,8 +64,8 @@ function kvEvictionPanel(parent, model) {
     }));
     list.replaceChildren(...recent.slice().reverse().map((e) => {
       const rank = e.candidates.findIndex(([b]) => b === e.victim) + 1, n = e.candidates.length;
-      return kvEl("li", null, null, `${kvWhen(e)}: ${e.policy.toUpperCase()} evicted block ${e.victim} ` +
-        `(${kvReason(e.reason)})` + (rank ? `, ranked ${rank} of the ${n} candidate${n === 1 ? "" : "s"} shown` : ""));
+      return kvEl("li", null, null, `${kvWhen(e)}：${e.policy.toUpperCase()} 淘汰了块 ${e.victim} ` +
+        `（${kvReason(e.reason)}）` + (rank ? `，在显示的 ${n} 个候选中排第 ${rank}` : ""));
     }));
   }
   return { draw, bars };

@@ -25,7 +25,7 @@ function kvCachedShare(f) {
 
 function kvFragPanel(parent, model, maxWidth = 768) {
   const box = kvEl("div", "kv-frag", parent);
-  const caption = kvEl("div", "kv-title", box, "memory map");
+  const caption = kvEl("div", "kv-title", box, "内存布局 (memory map)");
   const map = kvEl("canvas", "kv-map", box), mctx = map.getContext("2d", { willReadFrequently: true });
   kvLegend(box, [...kvStateEntries().slice(0, 1), ["RUN", KV_W.RUN, "swatch", KV_PALETTE_DATA.run],
     ...kvStateEntries().slice(1), ...kvFlashEntries(), ["MOVE", KV_W.MOVE, "arrow", KV_PALETTE_DATA.move]]);
@@ -39,7 +39,7 @@ function kvFragPanel(parent, model, maxWidth = 768) {
     track.style.background = kvCss(KV_PALETTE_DATA.track); fill.style.background = kvCss(rgb);
     rows[key] = [fill, kvEl("span", "kv-gauge-value", row)];
   }
-  kvEl("div", "kv-caption", box, `the four gauges over the last ${KV_SERIES_LEN} pictures (0 to 100%)`);
+  kvEl("div", "kv-caption", box, `四个仪表在最近 ${KV_SERIES_LEN} 幅画面里的变化（0 到 100%）(the four gauges)`);
   const series = kvEl("canvas", "kv-series", box), sctx = series.getContext("2d", { willReadFrequently: true });
   kvLegend(box, KV_GAUGES.map(([name, key, rgb, dash]) => [`LINE_${key}`, name, "line", rgb, dash]));
   let g = null, anim = 0;
@@ -77,7 +77,7 @@ function kvFragPanel(parent, model, maxWidth = 768) {
       anim = requestAnimationFrame(tick);
     }
     const [, len] = kvLargestRun(f);
-    caption.textContent = `memory map · largest free run ${len} block${len === 1 ? "" : "s"}`;
+    caption.textContent = `内存布局 (memory map) · 最长空闲段 (largest free run) ${len} 块`;
     const shares = { cached: kvCachedShare(f) };
     for (const key of Object.keys(rows)) {
       const v = Math.max(0, Math.min(1, shares[key] ?? f[key])), [fill, value] = rows[key];

@@ -60,7 +60,7 @@ function kvPoolPanel(parent, model, maxWidth = 768) {
   function inspect(msg) {
     if (msg.block === hover && shown) {
       tip.textContent = kvInfoText(kvBlockInfo(shown, hover)) +
-        ` · now: ${msg.tokens} tokens, sequence ${msg.owner}, last used at pool tick ${msg.last_access}`;
+        ` · 现在 (now)：装着 ${msg.tokens} 个 token，序列 ${msg.owner}，上次使用于池时钟 ${msg.last_access}`;
     }
   }
   return { draw, inspect, canvas, layout: () => g };

@@ -55,18 +55,18 @@ MAX_ANSWERS = 8  # answers per turn the view offers: each is a fork listed with 
 
 def status_line(turn: dict[str, Any]) -> str:
     """What a turn did, in words: prefix hits, copies on write, evictions, tokens generated."""
-    parts = [f"{turn['prompt_tokens']} prompt tokens, {turn['hit_tokens']} from cache, not recomputed"]
+    parts = [f"提示 {turn['prompt_tokens']} 个 token，其中 {turn['hit_tokens']} 个来自缓存、不重算 "
+             "(prompt tokens, from cache)"]
     if turn["answers_n"] > 1 or turn["cow"]:
-        parts.append(f"{turn['answers_n']} answers forked, {turn['cow']} block{'s' * (turn['cow'] != 1)} "
-                     "copied on write")
-    parts.append(f"{turn['evicted']} cached block{'s' * (turn['evicted'] != 1)} evicted")
+        parts.append(f"分叉出 {turn['answers_n']} 个回答，{turn['cow']} 个块写时复制 (forked, copied on write)")
+    parts.append(f"淘汰了 {turn['evicted']} 个缓存块 (evicted)")
     if turn["error"]:
         parts.append(turn["error"])
     elif turn["live"]:
-        each = " in all answers" if turn["answers_n"] > 1 else ""
-        parts.append(f"answering: {turn['generated']} tokens so far{each}")
+        each = "（所有回答合计）" if turn["answers_n"] > 1 else ""
+        parts.append(f"回答中：已生成 {turn['generated']} 个 token{each} (answering)")
     else:
-        parts.append(f"{turn['generated']} tokens generated ({', '.join(turn['finish'])})")
+        parts.append(f"共生成 {turn['generated']} 个 token（{', '.join(turn['finish'])}）(generated)")
     return " · ".join(parts)
 
 
@@ -128,7 +128,8 @@ class ChatView(FrameView):
         :class:`~kvlab.viz.tables.BlockTables`: the first ``hit_blocks`` entries of each came from the prefix
         cache."""
         hits, n = self._turn.get("hit_blocks", 0), len(self.tables)
-        return [(j, "request" if n == 1 else f"answer {j + 1}", table, hits) for j, table in enumerate(self.tables)]
+        return [(j, "请求 request" if n == 1 else f"回答 {j + 1} answer", table, hits)
+                for j, table in enumerate(self.tables)]
 
     def update(self) -> None:
         """Send the pool's current state with the conversation (no flashes)."""
@@ -307,13 +308,13 @@ def plot_chat(x: Any) -> Picture:
     legend(fig, ["pool"], f, below=True)  # only the colours drawn; below: the transcript takes the right
     lines: list[str] = []
     for i, turn in list(enumerate(chat.get("turns", []), 1))[-3:]:
-        lines += textwrap.wrap(f"turn {i}, you: {turn['prompt']}", 80, max_lines=2)
+        lines += textwrap.wrap(f"第 {i} 轮，你 (you)：{turn['prompt']}", 80, max_lines=2)
         for j, answer in enumerate(turn["answers"], 1):
-            who = "model" if len(turn["answers"]) == 1 else f"answer {j}"
-            lines += textwrap.wrap(f"{who}: {answer}", 80, max_lines=4, initial_indent="  ", subsequent_indent="  ")
-        lines += textwrap.wrap(turn["status"], 80, initial_indent="  ", subsequent_indent="  ")
+            who = "模型 (model)" if len(turn["answers"]) == 1 else f"回答 {j} (answer)"
+            lines += textwrap.wrap(f"{who}：{answer}", 80, max_lines=4, initial_indent="  ", subsequent_indent="  ")
+        lines += textwrap.wrap(turn["status"], 56, initial_indent="  ", subsequent_indent="  ")  # CJK: two columns
     for row in frame_tables(f)[0]:
-        lines += textwrap.wrap(f"block table of the {row.label}: {' '.join(map(str, row.blocks))}", 80)
-    text_ax.text(0, 1, "\n".join(lines) or "no question yet", va="top", ha="left", fontsize=9, wrap=True)
+        lines += textwrap.wrap(f"{row.label} 的块表 (block table)：{' '.join(map(str, row.blocks))}", 80)
+    text_ax.text(0, 1, "\n".join(lines) or "还没有问题 (no question yet)", va="top", ha="left", fontsize=9, wrap=True)
     text_ax.set_axis_off()
     return fig

@@ -23,7 +23,7 @@ counts the rest); the first ``hits`` came from the prefix cache; ``copied`` list
 made on write. Who shares a block is the body's refcount.
 
 ``step`` in the header is the pool's clock (it ticks once per pool operation); ``run`` in the tail is the step of
-the workload driving the pool, the count the cells print ("step 507 of 600"), present when a live run or
+the workload driving the pool, the count the cells print ("第 507 / 600 步"), present when a live run or
 :func:`~kvlab.viz.record` built the frame. Each eviction carries ``at``, the workload step it happened in (or
 null), next to ``step``, the pool clock; an infinite score (OPT's "never used again") is the string
 ``"Infinity"``/``"-Infinity"``, since JSON has no infinities.
@@ -166,12 +166,12 @@ class Frame:
 
     @property
     def when(self) -> str:
-        """Where the frame stands, in the words the views use: "step 507 of 600" (the workload's steps), or
-        "the pool after 67 operations" for a frame built outside a run."""
+        """Where the frame stands, in the words the views use: "第 507 / 600 步 (step)" (the workload's steps),
+        or "池的 67 次操作之后 (after pool operations)" for a frame built outside a run."""
         run = self.tail.get("run")
         if run:
-            return f"step {run['step']} of {run['steps']}" if run.get("steps") else f"step {run['step']}"
-        return f"the pool after {self.step:g} operations"
+            return f"第 {run['step']} / {run['steps']} 步 (step)" if run.get("steps") else f"第 {run['step']} 步 (step)"
+        return f"池的 {self.step:g} 次操作之后 (after pool operations)"
 
 
 def _frame(data: bytes, header: dict[str, Any], tail: dict[str, Any]) -> Frame:
@@ -218,7 +218,7 @@ class FrameBuilder(ev.Listener):
     listening pool builds an event object for every mutation; a frame made afterwards reads the pool afresh.
 
     Whoever drives the workload sets :attr:`step` (the step being taken, then the last one taken) and
-    :attr:`steps` (how many the workload will take, None if unknown); frames then say "step 507 of 600".
+    :attr:`steps` (how many the workload will take, None if unknown); frames then say "第 507 / 600 步 (step)".
     Each function in :attr:`tail_sources` is called for every frame, and the entries of the dict it returns join
     the tail (a BlockTableView adds its block tables to the frames of the run it follows this way)."""
 

@@ -26,10 +26,11 @@ STATE_RGB: dict[str, RGB] = {
     "FREE": (236, 236, 236), "PENDING": OKABE_ITO["orange"], "ALLOC1": OKABE_ITO["sky blue"],
     "ALLOC8": (0, 63, 125), "EVICTING": OKABE_ITO["vermillion"], "CACHED": OKABE_ITO["bluish green"],
 }
+# Every word a view or a still shows is Chinese first, in GLOSSARY.md's terms, with the English after it.
 STATE_WORDS: dict[str, str] = {
-    "FREE": "free", "PENDING": "pending: reserved, not yet committed", "ALLOC1": "allocated, 1 reference",
-    "ALLOC8": "shared, 8+ references (darker = more)", "EVICTING": "evicting: being swapped out",
-    "CACHED": "cached: no reference, reusable, evictable",
+    "FREE": "空闲 (free)", "PENDING": "待定：已预留，数据未到 (pending)", "ALLOC1": "已分配，1 个引用 (allocated)",
+    "ALLOC8": "共享，8 个及以上引用，越深越多 (shared)", "EVICTING": "淘汰中：正在换出 (evicting)",
+    "CACHED": "缓存：无引用，可复用、可淘汰 (cached)",
 }
 # The key of each state code (kvlab.core.block.FREE .. frames.CACHED); ALLOCATED's colour depends on its refcount.
 STATE_KEYS = ("FREE", "PENDING", "ALLOC1", "EVICTING", "CACHED")
@@ -39,7 +40,10 @@ STATE_KEYS = ("FREE", "PENDING", "ALLOC1", "EVICTING", "CACHED")
 FLASH_RGB: tuple[RGB | None, ...] = (None, OKABE_ITO["reddish purple"], (255, 255, 255), OKABE_ITO["black"],
                                      OKABE_ITO["reddish purple"], (255, 255, 255))
 FLASH_WEIGHT = (1.0, 0.6, 0.35, 0.15)
-FLASH_WORDS = (("just allocated or moved in", 1), ("just freed or moved away", 2), ("just evicted", 3))
+FLASH_VERBS = {"allocated": "刚分配", "freed": "刚释放", "evicted": "刚淘汰", "moved in": "刚搬入",
+               "moved out": "刚搬走"}
+FLASH_WORDS = (("刚分配或搬入 (just allocated or moved in)", 1), ("刚释放或搬走 (just freed or moved away)", 2),
+               ("刚被淘汰 (just evicted)", 3))
 
 RUN_RGB = OKABE_ITO["yellow"]  # the largest free run, in the memory map
 MOVE_RGB = OKABE_ITO["reddish purple"]  # a compaction's move, drawn as an arrow (its target flashes the same)
@@ -55,45 +59,51 @@ GAP_RGB: RGB = (255, 255, 255)
 TRACK_RGB: RGB = (225, 225, 225)  # an empty gauge
 
 OTHER_WORDS = {
-    "RUN": "free, in the largest free run", "MOVE": "block moved by compaction (arrow: old place to new)",
-    "OUTLINE": "outline: one block of a larger size class", "VICTIM": "the block the policy evicted",
-    "CANDIDATE": "a cached block it passed over (its runners-up)", "USED": "in use (any number of references)",
-    "FADE": "a flash fades over the next 3 pictures",
-    "HIT": "prefix hit: served by the cache, not recomputed", "SHARED": "shared: 2 or more references (×n)",
-    "COPIED": "copied on write", "MAP": "line: logical block to the physical block holding it",
-    "COPYLINE": "dashed: to the block copied on write", "HOST": "swapped out to host memory",
+    "RUN": "空闲，在最长的空闲段里 (largest free run)",
+    "MOVE": "压缩搬动的块，箭头从旧位置指向新位置 (moved by compaction)",
+    "OUTLINE": "外框：一个更大大小级别的块 (larger size class)", "VICTIM": "策略淘汰的块 (evicted)",
+    "CANDIDATE": "它跳过的缓存块 (runners-up)", "USED": "在用，任意引用数 (in use)",
+    "FADE": "闪烁在之后 3 幅画面里淡去 (a flash fades)",
+    "HIT": "前缀命中：由缓存提供，不重算 (prefix hit)", "SHARED": "共享：2 个及以上引用，×n (shared)",
+    "COPIED": "写时复制 (copied on write)", "MAP": "连线：逻辑块到存它的物理块 (logical → physical)",
+    "COPYLINE": "虚线：到写时复制出的块 (to the copy)", "HOST": "已换出到主机内存 (swapped out to host)",
 }
+NO_EVICTION = "还没有淘汰 (no eviction yet)"
+# Why a block was evicted (the pool's reason, as a view says it).
+REASON_WORDS = {"allocation pressure": "分配需要空间 (an allocation needed room)",
+                "explicit": "被直接要求 (asked for directly)"}
 
 # Gauges: (label, Frame attribute, colour, line dash in the time series).
 GAUGES: tuple[tuple[str, str, RGB, tuple[int, ...]], ...] = (
-    ("blocks held", "blocks_held", OKABE_ITO["blue"], ()),
-    ("unusable free memory", "unusable_free", OKABE_ITO["vermillion"], (6, 3)),
-    ("internal waste", "internal_waste", OKABE_ITO["reddish purple"], (2, 2)),
-    ("external fragmentation (contiguity)", "external_fragmentation", OKABE_ITO["black"], (8, 3, 2, 3)),
+    ("占用块 blocks held", "blocks_held", OKABE_ITO["blue"], ()),
+    ("不可用空闲内存 unusable free memory", "unusable_free", OKABE_ITO["vermillion"], (6, 3)),
+    ("内部浪费 internal waste", "internal_waste", OKABE_ITO["reddish purple"], (2, 2)),
+    ("外部碎片（连续性） external fragmentation (contiguity)", "external_fragmentation", OKABE_ITO["black"],
+     (8, 3, 2, 3)),
 )
 # The bar under "blocks held", in the views and the stills: how much of what is held is only cached (no reference,
 # reusable, evictable); a frame has no field for it, it is counted from the state bytes.
-CACHED_GAUGE: tuple[str, str, RGB] = ("cached (reusable)", "cached", STATE_RGB["CACHED"])
+CACHED_GAUGE: tuple[str, str, RGB] = ("可复用缓存块 cached (reusable)", "cached", STATE_RGB["CACHED"])
 GAUGE_WORDS = {
-    "blocks_held": "share of blocks not free: referenced, cached (reusable) or in flight",
-    "cached": "share of blocks with no reference, kept for reuse (evictable)",
-    "unusable_free": "share of free memory a largest-class request cannot use",
-    "internal_waste": "share of held slots holding no token",
-    "external_fragmentation": "1 - largest free run / free blocks (contiguity)",
+    "blocks_held": "非空闲块的份额：被引用的、可复用缓存块 cached (reusable)、数据在途的",
+    "cached": "没有引用、留着复用（可淘汰）的块的份额",
+    "unusable_free": "最大大小级别的请求用不上的空闲内存的份额",
+    "internal_waste": "已占槽位中没有存 token 的份额",
+    "external_fragmentation": "1 − 最长空闲段 / 空闲块数（连续性）",
 }
 
 # What an eviction candidate's score means, per policy, and which way the order runs. A view shows the score as
 # the quantity named here ("shown"): OPT's score is minus the next use, so its bar is the next use itself.
 SCORES: dict[str, dict[str, Any]] = {
-    "lru": {"what": "last use (pool clock tick)", "order": "least recently used goes first", "sign": 1},
-    "lfu": {"what": "uses (allocations + references taken)", "order": "fewest uses go first", "sign": 1},
-    "fifo": {"what": "created at (pool clock tick)", "order": "oldest goes first", "sign": 1},
-    "opt": {"what": "next use (workload time; never = ∞)", "order": "farthest next use goes first", "sign": -1},
-    "clock": {"what": "place in the hand's sweep", "order": "0 goes first; a block read since the hand last "
-              "passed gets a second chance", "sign": 1},
-    "random": {"what": "place in this eviction's random draw", "order": "place 0 goes first", "sign": 1},
+    "lru": {"what": "上次使用，池时钟 (last use)", "order": "最久未用的先走", "sign": 1},
+    "lfu": {"what": "使用次数：分配 + 取引用 (uses)", "order": "用得最少的先走", "sign": 1},
+    "fifo": {"what": "创建时刻，池时钟 (created at)", "order": "最老的先走", "sign": 1},
+    "opt": {"what": "下次使用，工作负载时间；永不 = ∞ (next use)", "order": "下次使用最远的先走", "sign": -1},
+    "clock": {"what": "在指针一圈扫描中的位置 (place in the sweep)",
+              "order": "0 先走；指针上次经过后读过的块有第二次机会", "sign": 1},
+    "random": {"what": "在这次随机抽签中的位置 (place in the draw)", "order": "位置 0 先走", "sign": 1},
 }
-UNKNOWN_SCORE = {"what": "score", "order": "lowest goes first", "sign": 1}
+UNKNOWN_SCORE = {"what": "分数 (score)", "order": "最低的先走", "sign": 1}
 
 
 def score_words(policy: str) -> dict[str, Any]:
@@ -132,10 +142,11 @@ def palette_js() -> str:
     """The palette as the JavaScript constant ``KV_PALETTE_DATA`` that ``widgets/common.js`` reads."""
     data = {
         "name": PALETTE_NAME, "state": {**STATE_RGB, "GAP": GAP_RGB}, "stateWords": STATE_WORDS,
-        "flash": FLASH_RGB, "flashWeight": FLASH_WEIGHT, "flashWords": FLASH_WORDS, "run": RUN_RGB,
+        "flash": FLASH_RGB, "flashWeight": FLASH_WEIGHT, "flashWords": FLASH_WORDS, "flashVerbs": FLASH_VERBS,
+        "run": RUN_RGB,
         "move": MOVE_RGB, "victim": VICTIM_RGB, "candidate": CANDIDATE_RGB, "outline": OUTLINE_RGB,
         "track": TRACK_RGB, "hit": HIT_RGB, "copied": COPY_RGB, "copyDash": COPY_DASH, "words": OTHER_WORDS,
         "gauges": [list(g) for g in GAUGES], "cachedGauge": list(CACHED_GAUGE), "gaugeWords": GAUGE_WORDS,
-        "scores": SCORES, "unknownScore": UNKNOWN_SCORE,
+        "scores": SCORES, "unknownScore": UNKNOWN_SCORE, "reasons": REASON_WORDS, "noEviction": NO_EVICTION,
     }
     return f"const KV_PALETTE_DATA = {json.dumps(data, ensure_ascii=False)};\n"

@@ -16,7 +16,6 @@ same factor and none is below :data:`MIN_PT` points as the reader sees it.
 """
 from __future__ import annotations
 
-import functools
 import io
 import math
 import textwrap
@@ -30,43 +29,16 @@ from matplotlib.text import Text
 
 from kvlab.core.errors import ConfigError
 from kvlab.core.pool import BlockPool
+from kvlab.viz.fonts import use_cjk_font
 from kvlab.viz.frames import CACHED, Frame, decode_frame, frame_of, free_runs
-from kvlab.viz.palette import (CACHED_GAUGE, CANDIDATE_RGB, GAUGES, OTHER_WORDS, RUN_RGB, STATE_KEYS, STATE_RGB,
-                               STATE_WORDS, VICTIM_RGB, fmt_score, rgb01, score_words, shown_score)
+from kvlab.viz.palette import (CACHED_GAUGE, CANDIDATE_RGB, GAUGES, NO_EVICTION, OTHER_WORDS, REASON_WORDS, RUN_RGB,
+                               STATE_KEYS, STATE_RGB, STATE_WORDS, VICTIM_RGB, fmt_score, rgb01, score_words,
+                               shown_score)
 
 
 MIN_PT = 9.0  # the smallest text a reader sees, in points
 PNG_DPI = 100  # every still's PNG (a point is then at least a CSS pixel's 96 per inch: never drawn smaller)
 DISPLAY_WIDTH_IN = 10.0  # a notebook's output column (JupyterLab, the course site) at PNG_DPI: ~1000 px
-
-
-# Faces that draw Chinese, the README's (fonts-noto-cjk) first; matplotlib's default list names none of them.
-CJK_FAMILIES = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Zen Hei", "PingFang SC",
-                "Microsoft YaHei", "SimHei")
-
-
-@functools.cache
-def cjk_fallback() -> str | None:
-    """Let matplotlib draw the chapters' Chinese labels: the first of :data:`CJK_FAMILIES` this machine has joins
-    ``font.family`` after the default face (matplotlib falls back glyph by glyph along that list, so Latin text
-    keeps DejaVu Sans; a figure's texts take the list when they are made).
-    A font installed after matplotlib built its font cache is missing from that cache: the system's font files
-    are then registered once. Returns the family, or None where no CJK face is installed (Chinese shows as
-    boxes)."""
-    from matplotlib import font_manager, rcParams
-
-    def known() -> str | None:
-        names = {f.name for f in font_manager.fontManager.ttflist}
-        return next((f for f in CJK_FAMILIES if f in names), None)
-
-    if known() is None:
-        for path in font_manager.findSystemFonts():
-            if "cjk" in path.lower() or "wqy" in path.lower():
-                font_manager.fontManager.addfont(path)
-    family = known()
-    if family is not None and family not in rcParams["font.family"]:
-        rcParams["font.family"] = [*rcParams["font.family"], family]
-    return family
 
 
 class Picture(Figure):
@@ -75,12 +47,12 @@ class Picture(Figure):
 
     Drawn readable (:func:`readable`): a figure wider than :data:`DISPLAY_WIDTH_IN` is shown shrunk to the
     column, so its texts grow by that factor when it is first drawn, and no text is drawn below the floor.
-    Chinese labels draw in a CJK face (:func:`cjk_fallback`)."""
+    Chinese labels draw in a CJK face (:func:`~kvlab.viz.fonts.use_cjk_font`)."""
 
     _scaled = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        cjk_fallback()  # a text takes the font list when it is made: set it before the figure makes any
+        use_cjk_font()  # a text takes the font list when it is made: set it before the figure makes any
         super().__init__(*args, **kwargs)
 
     def draw(self, renderer: Any) -> None:
@@ -199,8 +171,8 @@ def state_handles(f: Frame, *, free: bool = True) -> list[Patch]:
     if (refs <= 1).any():
         out.append(_swatch(STATE_RGB["ALLOC1"], STATE_WORDS["ALLOC1"]))
     if top >= 2:  # the swatch is the darkest shade drawn, and the words say which counts the shades span
-        words = STATE_WORDS["ALLOC8"] if top >= 8 else "shared, 2 references" if top == 2 else \
-            f"shared, 2 to {top} references (darker = more)"
+        words = STATE_WORDS["ALLOC8"] if top >= 8 else "共享，2 个引用 (shared)" if top == 2 else \
+            f"共享，2 到 {top} 个引用，越深越多 (shared)"
         out.append(_swatch(np.round(_ramp(np.array([top])))[0], words))
     if counts[3]:
         out.append(_swatch(STATE_RGB["EVICTING"], STATE_WORDS["EVICTING"]))
@@ -249,27 +221,27 @@ def held_words(f: Frame) -> str:
     """What the grid's held blocks are, in GLOSSARY.md's names: blocks held (cached blocks included, and said to
     be) and how they split, in base blocks."""
     c = np.bincount(f.state, minlength=5)
-    parts = [f"{c[2]} referenced", f"{c[CACHED]} {CACHED_NAME}"] + \
-        [f"{c[k]} {w}" for k, w in ((1, "pending"), (3, "evicting")) if c[k]]
+    parts = [f"{c[2]} 被引用 referenced", f"{c[CACHED]} {CACHED_NAME}"] + \
+        [f"{c[k]} {w}" for k, w in ((1, "待定 pending"), (3, "淘汰中 evicting")) if c[k]]
     return f"{HELD} {100 * f.blocks_held:.1f}% = " + " + ".join(parts)
 
 
 def draw_pool(ax: Any, f: Frame) -> None:
     free = int(np.count_nonzero(f.state == 0))
     held, split = held_words(f).split(" = ")
-    lines = [f"{f.num_blocks} blocks, {f.when}", f"{free} free, {held} ="]  # short lines: a grid may be narrow
+    lines = [f"{f.num_blocks} 个块 (blocks)，{f.when}", f"{free} 空闲 (free)，{held} ="]  # short: a grid may be narrow
     _draw_grid(ax, pool_colors(f), "\n".join(lines + textwrap.wrap(split, 40, break_on_hyphens=False)))
 
 
 def _when(e: dict[str, Any]) -> str:
-    return f"step {e['at']}" if e.get("at") is not None else f"pool tick {e['step']:g}"
+    return f"第 {e['at']} 步 (step)" if e.get("at") is not None else f"池时钟 {e['step']:g} (pool tick)"
 
 
 def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
     """The latest eviction's candidates, bars of the quantity the policy ranks by, from the frame's ``axis``
     (:func:`~kvlab.viz.palette.bar_axis`: zero, or below the smallest score when the scores are close)."""
     if not evictions:
-        ax.set_title("no eviction yet", fontsize=10)
+        ax.set_title(NO_EVICTION, fontsize=10)
         ax.set_axis_off()
         return
     e = evictions[-1]
@@ -281,14 +253,15 @@ def draw_evictions(ax: Any, evictions: Sequence[dict[str, Any]]) -> None:
     lengths = [top - base if not math.isfinite(v) else abs(v) - base for v in shown]  # never again: the longest
     colors = [rgb01(VICTIM_RGB if b == e["victim"] else CANDIDATE_RGB) for b in ids]
     ax.barh(range(len(ids)), lengths, left=base, color=colors)
-    ax.set_yticks(range(len(ids)), [f"{'evicted' if b == e['victim'] else f'#{r + 1}'} · block {b} · {fmt_score(v)}"
+    ax.set_yticks(range(len(ids)), [f"{'淘汰' if b == e['victim'] else f'#{r + 1}'} · 块 {b} · {fmt_score(v)}"
                                     for r, (b, v) in enumerate(zip(ids, shown))], fontsize=MIN_PT)
     ax.invert_yaxis()
     ax.set_xlim(base, base + (top - base) * 1.05)
-    ax.set_xlabel(f"{words['what']}; {words['order']}" + (f" (the axis starts at {fmt_score(base)})" if base else ""),
+    ax.set_xlabel(f"{words['what']}；{words['order']}" + (f"（坐标从 {fmt_score(base)} 起）" if base else ""),
                   fontsize=MIN_PT)
     ax.tick_params(labelsize=MIN_PT)
-    ax.set_title(f"{_when(e)}: {e['policy'].upper()} evicted block {e['victim']}\nreason: {e['reason']}",
+    ax.set_title(f"{_when(e)}：{e['policy'].upper()} 淘汰了块 {e['victim']} (evicted)\n原因："
+                 f"{REASON_WORDS.get(e['reason'], e['reason'])}",
                  fontsize=10)
 
 
@@ -309,8 +282,8 @@ def gauge_rows(f: Frame) -> list[tuple[str, float, tuple[float, float, float]]]:
 
 def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
                        series: Sequence[Sequence[float]] = ()) -> None:
-    _draw_grid(map_ax, map_colors(f), f"memory map, {f.when}\nlargest free run "
-                                      f"{int(f.num_blocks and _largest(f))} blocks")
+    _draw_grid(map_ax, map_colors(f), f"内存布局 (memory map)，{f.when}\n最长空闲段 (largest free run) "
+                                      f"{int(f.num_blocks and _largest(f))} 块")
     rows = gauge_rows(f)
     gauge_ax.barh(range(len(rows)), [v for _, v, _ in rows], color=[c for _, _, c in rows])
     gauge_ax.set_yticks(range(len(rows)), [f"{name} {100 * v:.1f}%" for name, v, _ in rows], fontsize=MIN_PT)
@@ -325,7 +298,7 @@ def draw_fragmentation(map_ax: Any, gauge_ax: Any, series_ax: Any, f: Frame,
     series_ax.set_ylim(0, 1)
     if one:
         series_ax.set_xticks([0])  # one picture: no fractional picture numbers
-    series_ax.set_xlabel("picture (one so far: a still)" if one else "picture", fontsize=MIN_PT)
+    series_ax.set_xlabel("画面（目前一幅：静态图）(picture)" if one else "画面 (picture)", fontsize=MIN_PT)
     series_ax.tick_params(labelsize=MIN_PT)
     series_ax.legend(fontsize=MIN_PT, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=2,
                      frameon=False)  # under the axes: over the lines it hid them, beside them it took the map's room

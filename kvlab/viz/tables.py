@@ -121,7 +121,7 @@ def _reader(source: Any, pool: Any) -> tuple[BlockPool, Callable[[], list[Row]]]
                               f"got pool={show(pool)}")
         if isinstance(source, SequenceManager):
             manager = source
-            return manager.pool, lambda: [(s.seq_id, f"seq {s.seq_id}", s.block_table,
+            return manager.pool, lambda: [(s.seq_id, f"序列 {s.seq_id} seq", s.block_table,
                                            s.num_cached_tokens // manager.block_size) for s in manager.seqs.values()]
         memory = source.memory
         if not isinstance(memory, PagedMemory):
@@ -141,7 +141,7 @@ def _reader(source: Any, pool: Any) -> tuple[BlockPool, Callable[[], list[Row]]]
 def _engine_rows(engine: Engine, memory: PagedMemory) -> list[Row]:
     """The engine's running requests, then its swapped ones: each one's sequence (its ``kv``)."""
     seqs = [(job.req.id, memory.sequence(job)) for job in (*engine.running, *engine.swapped)]
-    return [(rid, f"request {rid}", s.block_table, s.num_cached_tokens // memory.bs) for rid, s in seqs]
+    return [(rid, f"请求 {rid} request", s.block_table, s.num_cached_tokens // memory.bs) for rid, s in seqs]
 
 
 def _checked_rows(rows: Any, pool: BlockPool) -> list[Row]:
@@ -210,7 +210,7 @@ def plot_block_table(x: FrameLike) -> Picture:
         fig = Picture(figsize=(9, 5), layout="constrained")
         ax = fig.add_subplot()
         draw_pool(ax, f)
-        ax.set_title(ax.get_title() + "\nno block tables in this frame", fontsize=10)
+        ax.set_title(ax.get_title() + "\n这幅画面不带块表 (no block tables)", fontsize=10)
         fig.legend(handles=state_handles(f), loc="outside right upper", fontsize=MIN_PT, frameon=False)
         return fig
     cols = min(STILL_BLOCKS, max(len(r.blocks) for r in rows))
@@ -239,7 +239,7 @@ def plot_block_table(x: FrameLike) -> Picture:
                                     linewidth=2.5 if hit or copy else 0.6, hatch=None if b >= 0 else "//"))
             refs = int(f.refcount[b]) if b >= 0 else 0
             dark = b >= 0 and float(np.dot(colors[b], (0.299, 0.587, 0.114))) < 0.45
-            tab.text(p, y, "host" if b < 0 else f"{b}\n×{refs}" if refs >= 2 else str(b), ha="center",
+            tab.text(p, y, "主机\nhost" if b < 0 else f"{b}\n×{refs}" if refs >= 2 else str(b), ha="center",
                      va="center", fontsize=MIN_PT, color="white" if dark else "black", linespacing=0.95)
             if b >= 0:  # the line, drawn by the grid's axes so that it passes under the boxes to its right
                 line = ConnectionPatch((p, y), (b % width, b // width), coordsA=tab.transData,
@@ -250,18 +250,18 @@ def plot_block_table(x: FrameLike) -> Picture:
                 line.set_in_layout(False)
                 grid.add_artist(line)
         if len(r.blocks) + r.more > cols:
-            tab.text(cols - 0.4, y, f" +{len(r.blocks) + r.more - cols}", ha="left", va="center", fontsize=MIN_PT)
+            tab.text(cols - 0.4, y, f" 另 {len(r.blocks) + r.more - cols} 块", ha="left", va="center", fontsize=MIN_PT)
     tab.set_xlim(-0.6, max(cols, 4) - 0.4)
     tab.set_ylim(len(rows) - 0.5, -0.5)
     tab.set_aspect("equal")  # square boxes, however few the rows
     tab.set_xticks(range(cols), [str(p) for p in range(cols)], fontsize=MIN_PT)
     tab.set_yticks(range(len(rows)), [r.label for r in rows], fontsize=MIN_PT)
-    tab.set_xlabel("logical block (box: its physical block, ×references when shared)", fontsize=MIN_PT)
+    tab.set_xlabel("逻辑块 (logical block)；格里是它的物理块，共享时 ×引用数", fontsize=MIN_PT)
     tab.tick_params(length=0)
     for spine in tab.spines.values():
         spine.set_visible(False)
-    more = f"\n({left_out} more not shown)" if left_out else ""
-    tab.set_title(f"block tables of {len(rows) + left_out} sequences{more}", fontsize=10)
+    more = f"\n（另有 {left_out} 个未显示）" if left_out else ""
+    tab.set_title(f"{len(rows) + left_out} 个序列的块表 (block tables){more}", fontsize=10)
     handles = state_handles(f) + [Line2D([], [], color="0.4", label=OTHER_WORDS["MAP"])]
     if "HIT" in marks:
         handles.append(Patch(facecolor="white", edgecolor=rgb01(HIT_RGB), linewidth=2.5, label=OTHER_WORDS["HIT"]))

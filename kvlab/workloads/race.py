@@ -62,11 +62,11 @@ class PolicyRace:
         ax = fig.subplots()
         for name, rates in self.hit_rate.items():
             ax.plot(self.sizes, [100 * r for r in rates], "o-" if name != "opt" else "k^--", label=name)
-        ax.axhline(100 * self.bound, color="grey", ls=":", label="never evicts")
+        ax.axhline(100 * self.bound, color="grey", ls=":", label="从不淘汰 (never evicts)")
         top = 100 * max([self.bound, *(r for rates in self.hit_rate.values() for r in rates)])
         ax.set_ylim(0, min(100.0, top * 1.1) if top > 0 else 1.0)  # headroom over the top line, never past 100%
-        ax.set(xscale="log", xlabel="pool size (blocks)", ylabel="prompt tokens served from cache (%)",
-               title=f"eviction policies on {self.workload} (block size {self.block_size})")
+        ax.set(xscale="log", xlabel="池的大小，块数 (pool size, blocks)", ylabel="由缓存提供的提示 token (%)",
+               title=f"淘汰策略在 {self.workload} 上 (eviction policies)，块大小 {self.block_size}")
         ax.set_xticks(self.sizes, [f"{s:,}" for s in self.sizes])  # the sizes raced, not 2x10^2
         ax.set_xticks([], minor=True)
         ax.legend(fontsize=MIN_PT)

@@ -71,7 +71,7 @@ def test_rows_lines_sharing_copies_and_hits_drawn_from_the_frames(harness, tmp_p
     frames = sharing_frames()
     mount(harness, "blocktable", frames)
     rows = harness.evaluate(CHIPS_JS)
-    assert [(r["row"], r["label"]) for r in rows] == [("1", "seq 1:"), ("2", "seq 2:")]  # one row per sequence
+    assert [(r["row"], r["label"]) for r in rows] == [("1", "序列 1 seq:"), ("2", "序列 2 seq:")]  # a row per sequence
     (b_tail, c_copy) = (rows[0]["chips"][2]["block"], rows[1]["chips"][2]["block"])
     assert [[c["block"] for c in r["chips"]] for r in rows] == [["0", "1", b_tail], ["0", "1", c_copy]]
     assert b_tail != c_copy
@@ -102,7 +102,10 @@ def test_rows_lines_sharing_copies_and_hits_drawn_from_the_frames(harness, tmp_p
     def corner(b: int) -> list[int]:  # lines come from the left and end at cell centres: none reaches here
         return screen(harness, grid["x"] + (b % g["cols"] + 1) * cell_px - 4,
                       grid["y"] + (b // g["cols"] + 1) * cell_px - 4)
-    assert corner(0) == shared and corner(int(c_copy)) == private and corner(15) == list(STATE_RGB["FREE"])
+    def near(got: list[int], want: list[int]) -> bool:  # a line's antialiased edge may pass 4 px from a corner
+        return max(abs(x - y) for x, y in zip(got, want)) <= 3
+
+    assert near(corner(0), shared) and near(corner(int(c_copy)), private) and near(corner(15), list(STATE_RGB["FREE"]))
     shots = DOCS_IMG if os.environ.get("KVLAB_SCREENSHOTS") == "1" else tmp_path
     harness.locator(".kv-root").screenshot(path=str(shots / "blocktable_view.png"))
     assert Image.open(shots / "blocktable_view.png").size[0] > 400

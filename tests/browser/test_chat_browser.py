@@ -48,7 +48,8 @@ def test_the_chat_module_draws_the_answer_tables_and_marks_hits_sharing_and_copi
     start = len(frames) - 1 - 1 - 6  # turn 2: its question, six tokens, its end
     mount(harness, frames[:start + 2], "{interactive: true, n: 1, temperature: 0, busy: false, message: ''}")
     text = harness.locator(".kv-turns").inner_text()
-    assert "you: token ids 3 1 4 1 5 9 2 6 5" in text and "answer 1:" in text and "answer 2:" in text
+    assert "你 (you)：token ids 3 1 4 1 5 9 2 6 5" in text
+    assert "回答 1 (answer)：" in text and "回答 2 (answer)：" in text
     got = chips(harness)  # the first token: two forks share the prompt's blocks, two of them prefix hits
     assert [c["block"] for c in got[:3]] == [c["block"] for c in got[3:]]
     assert [c["hit"] for c in got] == ["1", "1", "0"] * 2 and {c["shared"] for c in got} == {"1"}
@@ -62,7 +63,7 @@ def test_the_chat_module_draws_the_answer_tables_and_marks_hits_sharing_and_copi
     assert len(copied) == 1 and copied[0]["border"] == rgb(FLASH_RGB[1]) and copied[0]["refs"] == "1"
     for f in frames[start + 3:]:
         harness.evaluate("(s) => m.push(kvt.b64(s))", base64.b64encode(f).decode())
-    assert "2 answers forked, 1 block copied on write" in harness.locator(".kv-status").nth(1).inner_text()
+    assert "分叉出 2 个回答，1 个块写时复制" in harness.locator(".kv-status").nth(1).inner_text()
     sizes = harness.evaluate("() => [...document.querySelectorAll('.kv-root *')].filter(e => [...e.childNodes]"
                              ".some(n => n.nodeType === 3 && n.textContent.trim())).map(e => "
                              "parseFloat(getComputedStyle(e).fontSize))")
@@ -77,7 +78,7 @@ def test_the_chat_module_draws_the_answer_tables_and_marks_hits_sharing_and_copi
     mount(harness, frames)
     assert not harness.locator(".kv-chat-form").is_visible()
     harness.locator(".kv-slider").fill(str(start + 2))
-    assert len(harness.locator(".kv-answer").nth(1).inner_text().split()) == 2 + 2  # "answer 1:" and two tokens
+    assert len(harness.locator(".kv-answer").nth(1).inner_text().split("：", 1)[1].split()) == 2  # two tokens
 
 
 def test_an_exported_chat_replays_offline(open_offline, tmp_path):
@@ -86,7 +87,7 @@ def test_an_exported_chat_replays_offline(open_offline, tmp_path):
     page, outside = open_offline(path)
     page.wait_for_selector(f".kv-root[data-index='{len(v.recording) - 1}']")  # opens on the end of the chat
     assert page.locator(".kv-turn").count() == 2 and page.locator(".kv-answer").count() == 3
-    assert "1 block copied on write" in page.locator(".kv-status").nth(1).inner_text()
+    assert "1 个块写时复制" in page.locator(".kv-status").nth(1).inner_text()
     assert not page.locator(".kv-chat-form").is_visible()  # no kernel to ask
     page.locator(".kv-slider").fill("2")  # the first token of the first answer
     assert page.locator(".kv-turn").count() == 1 and len(page.locator(".kv-answer").inner_text().split()) == 2
@@ -136,8 +137,8 @@ def test_send_streams_an_answer_while_the_pool_fills_in_jupyterlab(browser, lab,
     wait_until(lambda: page.locator(".kv-chat-form").get_attribute("data-busy") == "0",
                120, "the end of the answer")
     status = page.locator(".kv-status").first  # the last frame was sent before busy fell; it draws on the next paint
-    wait_until(lambda: "tokens generated" in status.inner_text(), 10, "the final status line")
-    assert re.search(r"\d+ prompt tokens, 0 from cache, not recomputed", status.inner_text())
+    wait_until(lambda: "(generated)" in status.inner_text(), 10, "the final status line")
+    assert re.search(r"提示 \d+ 个 token，其中 0 个来自缓存、不重算", status.inner_text())
     assert page.evaluate(grid) != empty  # the grid changed: the prompt's and answer's blocks are cached now
     wait_until(lambda: data(page)["framesReceived"] == data(page)["framesSent"], 30, "every frame sent")
     page.locator(".jp-OutputArea-output .kv-root").first.screenshot(path=str(tmp_path / "chat_turn1.png"))
@@ -147,11 +148,11 @@ def test_send_streams_an_answer_while_the_pool_fills_in_jupyterlab(browser, lab,
     page.locator("[data-key=temperature]").fill("0.7")
     page.locator(".kv-prompt").fill("What is the capital of France?")
     page.locator(".kv-prompt").press("Enter")
-    wait_until(lambda: page.locator(".kv-status").count() == 2 and "tokens generated" in
+    wait_until(lambda: page.locator(".kv-status").count() == 2 and "(generated)" in
                page.locator(".kv-status").nth(1).inner_text(), 120, "the second answer")
     status = page.locator(".kv-status").nth(1).inner_text()
-    hit = int(re.search(r"(\d+) from cache", status).group(1))
-    assert hit >= 32 and "2 answers forked, 1 block copied on write" in status, status
+    hit = int(re.search(r"其中 (\d+) 个来自缓存", status).group(1))
+    assert hit >= 32 and "分叉出 2 个回答，1 个块写时复制" in status, status
     assert page.locator(".kv-answer").count() == 3
     shared = page.evaluate("""() => {  // the first frame of turn 2 with both forks' tables: show it
       const root = document.querySelector('.jp-OutputArea-output .kv-root'), hist = root.kv.hist;

@@ -219,20 +219,20 @@ def test_the_fragmentation_gauges_name_and_show_what_the_detector_prints(harness
     p.mark_reusable(held[1])
     p.free(held[1])  # cached
     d, usage = FragmentationDetector(p).detect_fragmentation(), memory_usage(p)
-    printed = {"blocks held": 100 * usage["used"] / usage["total"],
-               "cached (reusable)": 100 * usage["cached"] / usage["total"],
-               "unusable free memory": d["fragmentation_percent"],
-               "internal waste": 100 * d["internal_waste"],
-               "external fragmentation (contiguity)": 100 * d["external_fragmentation"]}
+    printed = {"占用块 blocks held": 100 * usage["used"] / usage["total"],
+               "可复用缓存块 cached (reusable)": 100 * usage["cached"] / usage["total"],
+               "不可用空闲内存 unusable free memory": d["fragmentation_percent"],
+               "内部浪费 internal waste": 100 * d["internal_waste"],
+               "外部碎片（连续性） external fragmentation (contiguity)": 100 * d["external_fragmentation"]}
     mount(harness, "fragmentation", [build_frame(p)])
     shown = dict(harness.evaluate("() => [...document.querySelectorAll('.kv-gauge')].map((g) => "
                                   "[g.querySelector('.kv-gauge-name').textContent, "
                                   "parseFloat(g.querySelector('.kv-gauge-value').textContent)])"))
     assert list(shown) == list(printed)
     for name, value in shown.items():
-        assert f" {name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
+        assert f"**{name}**" in glossary, f"{name!r} is not a GLOSSARY.md name"
         assert value == pytest.approx(printed[name], abs=0.051), name
-    assert shown["cached (reusable)"] > 0 and 0 < shown["unusable free memory"]
+    assert shown["可复用缓存块 cached (reusable)"] > 0 and 0 < shown["不可用空闲内存 unusable free memory"]
 
 
 def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_pool):
@@ -244,8 +244,8 @@ def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_
     g = harness.evaluate("() => document.querySelector('.kv-root').kv.panels[0].layout()")
     harness.mouse.move(box["x"] + 2.5 * g["cell"], box["y"] + 0.5 * g["cell"])  # block 2
     tip = harness.locator(".kv-tip").inner_text()
-    assert "block 2" in tip and "allocated" in tip and "9 references" in tip and "sequence 42" in tip
-    assert "11 tokens" in tip
+    assert "块 2 (block)" in tip and "ALLOCATED" in tip and "9 个引用" in tip and "序列 42" in tip
+    assert "装着 11 个 token" in tip
     big = BlockPool(8192, with_storage=False)
     big.allocate(3)
     harness.evaluate("() => { document.getElementById('app').innerHTML = ''; }")
@@ -254,7 +254,7 @@ def test_hover_shows_details_and_asks_the_kernel_for_large_pools(harness, known_
     harness.mouse.move(box["x"] + 1, box["y"] + 1)  # block 0
     assert harness.evaluate("() => m.sent.filter(s => s.type === 'inspect').map(s => s.block)") == [0]
     harness.evaluate("() => m.emit('msg:custom', {type: 'inspect', block: 0, tokens: 5, owner: 3, last_access: 9})")
-    assert "now: 5 tokens, sequence 3" in harness.locator(".kv-tip").inner_text()
+    assert "现在 (now)：装着 5 个 token，序列 3" in harness.locator(".kv-tip").inner_text()
 
 
 def test_player_step_back_scrub_and_replay(harness):
@@ -265,11 +265,12 @@ def test_player_step_back_scrub_and_replay(harness):
         frames.append(build_frame(p))
     mount(harness, "pool", frames)
     assert cell(harness, 2) == list(STATE_RGB["ALLOC1"])  # live: the latest frame
-    assert harness.locator(".kv-label").inner_text() == f"the pool after {p.clock.now()} operations · replay"
+    assert harness.locator(".kv-label").inner_text() == \
+        f"池的 {p.clock.now()} 次操作之后 (after pool operations) · 回放 (replay)"
     harness.click("[data-act=back]")
     assert root_data(harness)["live"] == "0"
     assert cell(harness, 2) == list(STATE_RGB["FREE"])  # one frame back: block 2 not yet allocated
-    assert "an earlier picture (3 of 4)" in harness.locator(".kv-label").inner_text()
+    assert "较早的画面 3 / 4 (an earlier picture)" in harness.locator(".kv-label").inner_text()
     harness.locator(".kv-slider").fill("0")
     assert cell(harness, 0) == list(STATE_RGB["FREE"])
     p.allocate(1)
@@ -293,12 +294,12 @@ def test_one_pause_pauses_the_workload_of_a_live_run(harness):
         p.allocate(2)
         frames = [b.build()]
     mount(harness, "pool", frames, '{status: "running"}')
-    assert harness.locator(".kv-label").inner_text() == "step 507 of 600 · running"
+    assert harness.locator(".kv-label").inner_text() == "第 507 / 600 步 (step) · 运行中 (running)"
     assert harness.locator("button:has-text('pause')").count() == 1  # exactly one pause
     harness.click("[data-act=toggle]")  # pause: a message to the kernel, which pauses the workload
     harness.evaluate("() => { m.set('status', 'paused'); m.emit('change:status'); }")
-    assert harness.locator(".kv-label").inner_text() == "step 507 of 600 · paused"
-    assert harness.locator("[data-act=toggle]").inner_text() == "▶ run"
+    assert harness.locator(".kv-label").inner_text() == "第 507 / 600 步 (step) · 已暂停 (paused)"
+    assert harness.locator("[data-act=toggle]").inner_text() == "▶ 运行 run"
     harness.click("[data-act=fwd]")  # at the newest picture of a paused run: one step of the workload
     harness.click("[data-act=toggle]")
     assert harness.evaluate("() => m.sent.filter(s => s.type === 'control').map(s => s.action)") == \
@@ -334,10 +335,10 @@ def test_eviction_view_explains_the_score_and_draws_bars_from_zero(harness):
     mount(harness, "eviction", [b.build()])
     assert harness.evaluate("() => document.querySelector('.kv-evictions').dataset.victim") == "7"
     title = harness.locator(".kv-evictions .kv-title").inner_text()
-    assert "LRU evicted block 7" in title and "reason: an allocation needed room" in title
-    assert "demo" not in title and "1 eviction so far" in title
-    assert harness.locator(".kv-explain").inner_text() == ("score = last use (pool clock tick); least recently used "
-                                                           "goes first. Bars start at zero.")
+    assert "LRU 淘汰了块 7 (evicted)" in title and "原因：分配需要空间 (an allocation needed room)" in title
+    assert "demo" not in title and "到目前共淘汰 1 次" in title
+    assert harness.locator(".kv-explain").inner_text() == \
+        "分数 (score) = 上次使用，池时钟 (last use)；最久未用的先走。条形从 0 起。"
     assert screen(harness, *centre(harness, ".kv-bar-row[data-victim='1'] .kv-bar")) == list(VICTIM_RGB)
     # Equal scores: from zero, each bar's length is its score over the largest score.
     widths = _bars(harness)
@@ -346,8 +347,8 @@ def test_eviction_view_explains_the_score_and_draws_bars_from_zero(harness):
         assert bar == pytest.approx(track * value / top, abs=1.5)
     assert len(widths) == 8
     assert harness.locator(".kv-evlist li").all_inner_texts() == [
-        f"pool tick {p.clock.now()}: LRU evicted block 7 (an allocation needed room), ranked 1 of the 8 "
-        "candidates shown"]
+        f"池时钟 {p.clock.now()} (pool tick)：LRU 淘汰了块 7 （分配需要空间 (an allocation needed room)），"
+        "在显示的 8 个候选中排第 1"]
     b.close()
 
 
@@ -364,7 +365,7 @@ def test_close_eviction_scores_get_bars_that_tell_the_victim_apart(harness):
         p.free([i])    # last uses one tick apart: block 0 is the least recently used
     p.allocate(1)
     mount(harness, "eviction", [b.build()])
-    assert harness.locator(".kv-explain").inner_text().endswith("not zero: the scores are close.")
+    assert harness.locator(".kv-explain").inner_text().endswith("起而不是从 0 起：分数太接近。")
     widths = _bars(harness)
     values = [v for *_, v in widths]
     lo, hi = min(values), max(values)
@@ -506,7 +507,7 @@ def test_exported_html_replays_offline(open_offline, tmp_path):
     page, outside = open_offline(path)
     page.wait_for_selector(f".kv-root[data-index='{len(rec) - 1}']")  # opens on the end of the run
     assert page.evaluate("() => document.querySelector('.kv-root').kv.hist.length") == len(rec)
-    assert page.locator(".kv-label").inner_text() == "step 120 of 120 · replay"
+    assert page.locator(".kv-label").inner_text() == "第 120 / 120 步 (step) · 回放 (replay)"
     first = page.evaluate("() => document.querySelector('.kv-root').kv.hist[0].seq")
     page.locator(".kv-slider").fill("0")
     page.click("[data-act=fwd]")
@@ -535,7 +536,7 @@ def test_docs_screenshots(harness, tmp_path):
         harness.evaluate("() => { const app = document.getElementById('app'); app.innerHTML = '';"
                          " app.style.width = '1100px'; }")
         mount(harness, view, list(rec), state)
-        assert harness.locator(".kv-label").inner_text().startswith("step 600 of 600 · ")
+        assert harness.locator(".kv-label").inner_text().startswith("第 600 / 600 步 (step) · ")
         harness.locator(".kv-root").screenshot(path=str(shots / f"{name}.png"))
         assert Image.open(shots / f"{name}.png").size[0] <= 1100
 

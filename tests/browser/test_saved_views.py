@@ -93,7 +93,7 @@ def test_a_saved_notebook_reopens_with_every_view_and_its_run(browser, front_end
             "(i) => document.querySelectorAll('.jp-OutputArea-output .kv-root')[i].kv.hist.length", i) == n,
             20, f"the saved run of view {i}")
         label = roots(page).nth(i).locator(".kv-label").inner_text()
-        assert label.startswith("step ") and "saved run" in label and "earlier" not in label, label
+        assert label.startswith("第 ") and "保存的运行 (saved run)" in label and "earlier" not in label, label
     assert pictures(page) == live_pictures  # pixel for pixel (and word for word) the picture the run ended on
     pool = roots(page).nth(0)
     assert pool.get_attribute("data-index") == str(frames - 1)
@@ -107,6 +107,6 @@ def test_a_saved_notebook_reopens_with_every_view_and_its_run(browser, front_end
     dash.locator("[data-ctl=step]").click()
     wait_until(lambda: "kv-no-kernel" in (dash.get_attribute("class") or ""), 10, "no kernel noticed")
     assert not dash.locator(".kv-controls").is_visible()
-    assert "no kernel answers" in dash.locator(".kv-label").inner_text()
+    assert "没有内核应答" in dash.locator(".kv-label").inner_text()
     assert not errors and not errors2, (errors, errors2)
     page.close()

@@ -208,7 +208,7 @@ def test_every_widget_draws_with_the_network_cut_off(browser, site):
             got = page.evaluate("(i) => { const r = document.querySelectorAll('.kv-root')[i]; "
                                 "return [r.kv.hist.length, r.kv.index, r.kv.saved && r.kv.saved.every]; }", i)
             assert got[0] == 202 and got[1:] == [201, 1], (name, i, got)  # its first frame, then 201 of the run
-            assert "saved run" in roots.nth(i).locator(".kv-label").inner_text()
+            assert "保存的运行 (saved run)" in roots.nth(i).locator(".kv-label").inner_text()
         pool = roots.nth(0)
         pool.locator("[data-act=toggle]").click()  # play the run from its first picture
         page.wait_for_function("() => document.querySelector('.kv-root').dataset.index !== '201'")
