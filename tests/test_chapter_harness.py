@@ -212,3 +212,38 @@ def test_unshared_logits_are_each_sequence_prefilled_alone():
         alone = SequenceManager(BlockPool(8, spec=spec))
         want = model.step(alone, [alone.create()], [tokens])[0]
         assert torch.allclose(row, want, atol=1e-5)
+
+
+def test_the_texts_lookup_matches_data_up_to_its_largest_size_read_as_bytes():
+    """The appendix's unit table: the text's get_best_block compares bytes with token counts, so data of t tokens
+    finds a block exactly while t x bytes per token <= the largest size, and "small" means under 1 MiB."""
+    from kvlab.exercises.ch2_2_2 import text_lookup_units
+
+    specs = {"tiny": KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu"),
+             "8b": KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16, device="cpu")}
+    got = text_lookup_units(specs, [16, 64, 2048])
+    for name, s in specs.items():
+        layer = s.bytes_per_token // s.num_layers
+        assert got.units[name]["most_tokens_found"] == [2048 // layer, 2048 // s.bytes_per_token]
+        assert got.units[name]["under_1mib"][16] == [16 * layer < 2**20, 16 * s.bytes_per_token < 2**20]
+    assert got.never_found == ["8b"] and got.small_at_16 == ["tiny"]
+    table = str(got).splitlines()
+    assert len(table) == 1 + len(specs) + 2 and table[2].startswith("8b") and "['8b']" in table[3]
+
+
+def test_the_compaction_curve_moves_every_block_above_the_new_boundary():
+    """2.2.4's curve: full compaction moves exactly the held blocks at or above the boundary (the number of
+    held blocks), computed here from the freed set alone; the shape and the table follow from those moves."""
+    from kvlab.exercises.ch2_2_4 import CURVES, compaction_curve
+
+    n = 64
+    curve = compaction_curve(n, bytes_per_block=1024, fractions=(0.1, 0.5, 0.9))
+    for f, (moves, *_), (one_moves, one_pct, *_) in zip(curve.fractions, curve.rows, curve.one_size):
+        freed = set(np.random.default_rng(1).permutation(n)[: int(f * n)].tolist())
+        held = [b for b in range(n) if b not in freed]
+        assert moves == one_moves == sum(b >= len(held) for b in held)
+        assert one_pct == 0  # one block size: every free block serves every request
+    assert curve.shape in CURVES and curve.moves[curve.peak] == max(curve.moves)
+    table = str(curve).splitlines()
+    assert len(table) == 1 + 3 + 1 and table[-1].startswith("结论") and "{0}" in table[-1]
+    assert len(curve.plot().axes[0].get_lines()) == 3

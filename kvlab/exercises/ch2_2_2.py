@@ -15,9 +15,69 @@ from kvlab.core.errors import ConfigError, KVLabError
 from kvlab.core.eviction import ClockPolicy, FutureUses, OPTPolicy
 from kvlab.core.pool import BlockPool
 from kvlab.core.spec import KVSpec
+from kvlab.textbook import as_written
 from kvlab.textbook.pool import KVBlock, TextbookPool
 from kvlab.exercises.framework import (Canon, Unreadable, Verdict, canon, metadata_pool, register, register_prediction,
                                        same)
+
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LookupUnits:
+    """The text's ``get_best_block`` asked for real K/V sizes (the appendix's unit error): per model, the bytes of
+    one token (one layer / all layers), the most tokens whose data it still matches with a block, and whether 16
+    and 64 tokens of data are "small" (under 1 MiB), one layer / all layers. ``str()`` is the appendix's table."""
+    units: dict[str, dict[str, Any]]
+
+    @property
+    def never_found(self) -> list[str]:
+        """Models for which not even one token of one layer finds a block."""
+        return [n for n, u in self.units.items() if u["most_tokens_found"][0] == 0]
+
+    @property
+    def small_at_16(self) -> list[str]:
+        """Models whose 16 tokens of all layers are under 1 MiB."""
+        return [n for n, u in self.units.items() if u["under_1mib"][16][1]]
+
+    def __str__(self) -> str:
+        yes = {True: "是", False: "否"}
+        lines = ["模型 (model)                每 token 字节：一层 / 全部层   找得到块的最多 token：一层 / 全部层   "
+                 "小于 1 MiB？16 token：一层/全部层；64 token：一层/全部层"]
+        for name, u in self.units.items():
+            (layer, whole), found, small = u["bytes_per_token"], u["most_tokens_found"], u["under_1mib"]
+            lines.append(f"{name:26s} {layer:>8,} / {whole:>9,}               {found[0]:>4} / {found[1]:<4}"
+                         f"                       {yes[small[16][0]]}/{yes[small[16][1]]}；"
+                         f"{yes[small[64][0]]}/{yes[small[64][1]]}")
+        lines.append("连一层一个 token 的数据都找不到块 (not even one token of one layer finds a block): "
+                     f"{self.never_found}")
+        lines.append("16 个 token、全部层的数据小于 1 MiB，算“小块” (16 tokens of all layers under 1 MiB): "
+                     f"{self.small_at_16}")
+        return "\n".join(lines)
+
+
+def text_lookup_units(models: dict[str, KVSpec], sizes: list[int]) -> LookupUnits:
+    """Ask the text's pool, built with ``block_sizes=sizes`` (tokens, as the text means them) and one FREE block
+    put in each list by hand, for each model's data in bytes, as the text's allocator asks: see which sizes it
+    matches. The text compares bytes with tokens, so the answer is ``max(sizes) // bytes`` tokens."""
+    pool = as_written.BlockPool(total_memory=1 << 30, block_sizes=list(sizes))
+    for i, size in enumerate(pool.block_sizes):
+        pool.blocks[size].append(as_written.make_block(i, np.zeros((2, 16, 2, 8), np.float32)))
+
+    def most_tokens_found(bytes_per_token: int) -> int:
+        t = 0
+        while pool.get_best_block((t + 1) * bytes_per_token) is not None:
+            t += 1
+        return t
+
+    units: dict[str, dict[str, Any]] = {}
+    for name, spec in models.items():
+        layer, whole = spec.bytes_per_token // spec.num_layers, spec.bytes_per_token
+        units[name] = {"bytes_per_token": [layer, whole],
+                       "most_tokens_found": [most_tokens_found(layer), most_tokens_found(whole)],
+                       "under_1mib": {t: [t * layer < MIB, t * whole < MIB] for t in (16, 64)}}
+    return LookupUnits(units)
 
 
 def legal_transitions() -> set[tuple[BlockStatus, BlockStatus]]:

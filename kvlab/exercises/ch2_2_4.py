@@ -4,6 +4,7 @@ chapter's predictions. The measures are named as in :mod:`kvlab.memory.fragmenta
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -254,6 +255,67 @@ FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 CURVES = ("rises", "falls", "rises, then falls")
 
 
+@dataclass(frozen=True)
+class CompactionCurve:
+    """:func:`compaction_experiment` at each of ``fractions``: ``rows`` on the buddy pool (sizes 16, 32, 64),
+    ``one_size`` on a pool of one block size, each row (moves, fragmentation_percent before, 64-token windows
+    free before, after). ``str()`` is the chapter's table and conclusion, :meth:`plot` its figure."""
+    fractions: tuple[float, ...]
+    rows: list[tuple[int, int, int, int]]
+    one_size: list[tuple[int, int, int, int]]
+    bytes_per_block: int
+
+    @property
+    def moves(self) -> list[int]:
+        return [r[0] for r in self.rows]
+
+    @property
+    def peak(self) -> int:
+        """The index of the fraction with the most moves (the first, on a tie)."""
+        return self.moves.index(max(self.moves))
+
+    @property
+    def shape(self) -> str:
+        """Which of :data:`CURVES` the moves draw."""
+        last = len(self.rows) - 1
+        return CURVES[0] if self.peak == last else CURVES[1] if self.peak == 0 else CURVES[2]
+
+    def __str__(self) -> str:
+        lines = [f"{'释放 freed':>10s} {'搬动 moves':>10s} {'搬动 KiB':>9s} {'不可用 %':>8s} "
+                 f"{'64-token 块数 前 -> 后':>22s} {'一种大小: 不可用 %':>18s}"]
+        for f, (m, pct, b0, b1), u in zip(self.fractions, self.rows, self.one_size):
+            lines.append(f"{int(100 * f):9d}% {m:10d} {m * self.bytes_per_block / 1024:9.1f} {pct:8d} "
+                         f"{b0:13d} -> {b1:<6d} {u[1]:18d}")
+        curve = "先升后降 (rise, then fall)" if self.shape == CURVES[2] else "不是先升后降 (do not rise, then fall)"
+        at = int(100 * self.fractions[self.peak])
+        lines.append(f"结论 (conclusion): 搬动数{curve}（释放 {at}% 时最多 (most at {at}% freed)）；"
+                     f"一种块大小时不可用空闲内存始终 (one block size: unusable free memory always) "
+                     f"{ {u[1] for u in self.one_size} }")
+        return "\n".join(lines)
+
+    def plot(self) -> Any:
+        """Blocks moved, and 64-token blocks that fit before and after, against the share freed."""
+        from kvlab.viz.static import Picture
+
+        fig = Picture(figsize=(6.5, 3.2), layout="constrained")
+        ax = fig.subplots()
+        x = [100 * f for f in self.fractions]
+        ax.plot(x, self.moves, "o-", label="搬动的块 (blocks moved)")
+        ax.plot(x, [r[3] for r in self.rows], "s-", label="整理后能放的 64-token 块 (64-token blocks after)")
+        ax.plot(x, [r[2] for r in self.rows], "^--", label="……整理前 (before)")
+        ax.set_xlabel("随机释放的块 % (% of blocks freed at random)")
+        ax.legend(fontsize=9)
+        return fig
+
+
+def compaction_curve(n: int = 128, bytes_per_block: int = 0,
+                     fractions: tuple[float, ...] = FRACTIONS) -> CompactionCurve:
+    """The compaction experiment of ``n`` blocks at each of ``fractions``, on the buddy pool and on one block
+    size; ``bytes_per_block`` (the chapter's spec) sizes the moves in KiB."""
+    return CompactionCurve(tuple(fractions), [compaction_experiment(f, n=n) for f in fractions],
+                           [compaction_experiment(f, n=n, block_sizes=(16,)) for f in fractions], bytes_per_block)
+
+
 @register("2.2.4-curve",
           f"本章的实验：随机释放 {', '.join(f'{int(100 * f)}%' for f in FRACTIONS)} 的块，再完整整理一次。"
           f"释放的比例从小到大，搬动的块数怎样变化？从 {list(CURVES)} 中选一个，并想一想为什么。",
@@ -265,10 +327,9 @@ def _judge_curve(answer: Any) -> Verdict:
     c = canon(answer)
     if c not in CURVES:
         raise Unreadable(f"请从 {list(CURVES)} 中选一个 (choose one of them), 而不是 {c!r}")
-    moves = [compaction_experiment(f)[0] for f in FRACTIONS]
-    peak = moves.index(max(moves))
-    truth = CURVES[0] if peak == len(moves) - 1 else CURVES[1] if peak == 0 else CURVES[2]
-    return c == truth, f"搬动数 (moves) {moves} → {truth}" if c == truth else f"不是 {c!r}；把实验跑一遍看看"
+    curve = compaction_curve()
+    truth = curve.shape
+    return c == truth, f"搬动数 (moves) {curve.moves} → {truth}" if c == truth else f"不是 {c!r}；把实验跑一遍看看"
 
 
 @register("2.2.4-one-size",
