@@ -71,3 +71,21 @@ def test_every_relative_link_in_the_course_resolves(folder):
     files = sorted(folder.rglob("*.ipynb")) + sorted(folder.glob("*.md"))
     dead = [(str(f.relative_to(ROOT)), t) for f in files for t in _links(f) if not (f.parent / t).exists()]
     assert not dead
+
+
+def _words(text: str) -> int:
+    """Words as a reader meets them: each Chinese character one, each run of Latin letters or digits one."""
+    return len(re.findall(r"[\u4e00-\u9fff]", text)) + len(re.findall(r"[A-Za-z0-9_]+", text))
+
+
+@pytest.mark.parametrize("name", WITH_CONCLUSIONS)
+def test_each_chapter_reads_as_prose_with_code_not_code_with_prose(name):
+    """A chapter is read more than run: its markdown holds at least 1.5 words for each word of its code, and no
+    code cell is longer than a screen (30 lines; the harness goes into the library, where it is tested).
+    Characters would mislead here: a Chinese sentence says in ten characters what its English says in forty."""
+    nb = _read(CHAPTERS / name)
+    prose = sum(_words(c.source) for c in nb.cells if c.cell_type == "markdown")
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert prose >= 1.5 * sum(map(_words, code)), (prose, sum(map(_words, code)))
+    long = [(i, n) for i, n in enumerate(len(src.splitlines()) for src in code) if n > 30]
+    assert not long, f"code cells over 30 lines (index, lines): {long}"
