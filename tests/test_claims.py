@@ -210,8 +210,8 @@ def test_prefix_hit_table_reuses_the_claims_runs_and_runs_other_memories(monkeyp
     roomy.run()
     assert hits.rows[small.long.name, 65536] == (*prefix_hit_share(roomy, small.long, 16)[:2], 0)
     lines = str(hits).splitlines()
-    assert lines[0].split()[:2] == ["workload", "blocks"] and len(lines) == 4
-    assert lines[3].split()[:2] == [small.long.name, "65536"]
+    assert lines[0].startswith("列 (columns)：") and lines[1].split()[:2] == ["workload", "blocks"] and len(lines) == 5
+    assert lines[4].split()[:2] == [small.long.name, "65536"]
     with pytest.raises(ConfigError, match="'chat' or 'long'"):
         kvlab.prefix_hit_table(small, [("azure", 512)])
 

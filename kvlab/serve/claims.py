@@ -202,8 +202,8 @@ class PrefixHitTable:
     preempted: dict[tuple[str, int], int]
 
     def __str__(self) -> str:
-        lines = [f"{'workload':32s} {'blocks':>7s} {'hit share':>9s} {'bound':>7s} {'preempted':>9s} {'evictions':>9s}"
-                 "   (命中比例、无界上限、被抢占的请求、淘汰次数)"]
+        lines = ["列 (columns)：负载、块数、前缀命中比例、无界上限 (bound)、被抢占的请求、淘汰次数",
+                 f"{'workload':32s} {'blocks':>7s} {'hit share':>9s} {'bound':>7s} {'preempted':>9s} {'evictions':>9s}"]
         lines += [f"{name:32s} {blocks:7d} {got:9.1%} {bound:7.1%} {self.preempted[name, blocks]:9d} {ev:9d}"
                   for (name, blocks), (got, bound, ev) in self.rows.items()]
         return "\n".join(lines)
