@@ -23,6 +23,7 @@ import torch
 import kvlab
 from kvlab import BlockPool, ConfigError, KVDataError, KVSpec, SequenceManager, TinyConfig, TinyLlama
 from kvlab import exercises as ex
+from kvlab.core.walk import text_table
 from kvlab.exercises import ch2_2_8
 from kvlab.serve.model import rms_norm, rope
 from _util import CHAPTERS, conclusions
@@ -92,6 +93,14 @@ def test_the_walk_keeps_the_online_softmax_rules():
     mass = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
     np.testing.assert_allclose(w.block_weights(), [mass[i * B:(i + 1) * B].sum() for i in range(5)], atol=1e-6)
     assert len(w.table().splitlines()) == 1 + len(table) and str(w) == w.table()
+
+
+def test_text_tables_align_columns_as_a_notebook_shows_them():
+    """A CJK character takes two columns: a bilingual header lines up with the numbers under it."""
+    assert text_table(("块 block", "n"), [("7", "12"), ("10", "3")]).splitlines() == \
+        ["块 block   n", "       7  12", "      10   3"]
+    assert text_table(("块 block", "what"), [("1", "复制"), ("22", "")], free_last=True).splitlines() == \
+        ["块 block  what", "       1  复制", "      22"]
 
 
 def test_the_walk_refuses_bad_arguments():

@@ -171,7 +171,8 @@ def test_decode_forks_copies_the_shared_tail_n_minus_1_times_and_keeps_the_model
     assert run.rows[-1][4] == sum(s.num_blocks for s in samples) and run.rows[-1][3] < run.rows[-1][4]
     assert run.texts == []  # a tiny model has no tokenizer
     lines = str(run).splitlines()
-    assert "4 copies would hold" in lines[0] and "block" in lines[1] and "copied to" in lines[1]
+    assert lines[0].startswith("步 step") and "4 copies would hold" in lines[0]  # bilingual header, Chinese first
+    assert lines[1].split()[:3] == ["1", str(len(prompt) + 1), str(n - 1)] and "写时复制 (copied on write)" in lines[1]
     # the same tokens fed to unshared sequences give the same last logits
     alone = SequenceManager(BlockPool(64, spec=model.cfg.kv_spec(B)))
     fresh = model.step(alone, [alone.create() for _ in samples], [prompt + out[:-1] for out in run.answers])

@@ -86,9 +86,7 @@ class BlockWalk:
 
     def table(self) -> str:
         """:meth:`rows` under :attr:`HEADER`, as aligned text."""
-        cells = [self.HEADER, *self.rows()]
-        widths = [max(_width(r[i]) for r in cells) for i in range(len(self.HEADER))]
-        return "\n".join("  ".join(" " * (w - _width(c)) + c for c, w in zip(r, widths)) for r in cells)
+        return text_table(self.HEADER, self.rows())
 
     def __str__(self) -> str:
         return self.table()
@@ -124,6 +122,17 @@ class BlockWalk:
 def _width(text: str) -> int:
     """Columns a string takes in a terminal or notebook output (a CJK character takes two)."""
     return sum(2 if ord(ch) > 0x2E80 else 1 for ch in text)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, free_last: bool = False) -> str:
+    """``rows`` of text cells under ``header``, each column right-aligned to its widest cell as a notebook shows it
+    (a bilingual header such as "块 block" is wider than its characters). With ``free_last`` the last column is
+    free text (what happened, a block's tokens): left-aligned and never padded."""
+    cells = [tuple(header), *(tuple(r) for r in rows)]
+    aligned = len(header) - free_last
+    widths = [max(_width(r[i]) for r in cells) for i in range(aligned)]
+    return "\n".join("  ".join([*(" " * (w - _width(c)) + c for c, w in zip(r, widths)), *r[aligned:]]).rstrip()
+                     for r in cells)
 
 
 def walk_block_table(q: torch.Tensor, kv: BlockPool | KVStorage, layer: int, block_table: Sequence[int],

@@ -32,7 +32,8 @@ def samples_blocks(prompt: int = 50, samples: int = 3, new_tokens: int = 20, blo
            "共享 = floor(50 / 16) 个满块；每个样本共 ceil((50 + 20) / 16) 块，其中私有的是总数减去共享的；"
            "held = 共享 + 3 × 私有；independent = 3 × ceil(70 / 16)。"))
 def _judge_samples(answer: Any) -> Verdict:
-    return same(answer, samples_blocks(), "(held, independent)", ("held", "independent"))
+    return same(answer, samples_blocks(), "(占用块, 独立副本的块) (held, independent)",
+                ("占用块 (held)", "独立副本的块 (independent)"))
 
 
 def hit_computed(prompt: int = 64, block_size: int = 16) -> int:

@@ -27,6 +27,7 @@ from kvlab.core.events import EventRecorder
 from kvlab.core.pool import BlockPool
 from kvlab.core.spec import KVSpec
 from kvlab.core.sequence import CopiedOnWrite, Sequence as Seq, SequenceManager
+from kvlab.core.walk import text_table
 from kvlab.serve.model import Llama
 
 
@@ -112,12 +113,12 @@ class ForkRun:
     logits: torch.Tensor
 
     def __str__(self) -> str:
-        lines = [f"{'step':>4s} {'tokens':>6s} {'copies':>6s} {'blocks held':>11s} "
-                 f"{f'{len(self.answers)} copies would hold':>19s}  "
-                 "what happened"]
-        lines += [f"{r[0]:4d} {r[1]:6d} {r[2]:6d} {r[3]:11d} {r[4]:19d}  {r[5]}"
-                  for r in self.rows if r[5] or r is self.rows[-1]]
-        lines += [f"sample {i}: {t!r}" for i, t in enumerate(self.texts)]
+        n = len(self.answers)
+        header = ("步 step", "token 数 tokens", "复制 copies", "占用块 blocks held",
+                  f"{n} 份副本要占 {n} copies would hold", "发生了什么 what happened")
+        shown = [(*(str(x) for x in r[:5]), r[5]) for r in self.rows if r[5] or r is self.rows[-1]]
+        lines = [text_table(header, shown, free_last=True)]
+        lines += [f"样本 {i} (sample {i}): {t!r}" for i, t in enumerate(self.texts)]
         return "\n".join(lines)
 
 
@@ -147,8 +148,10 @@ def decode_forks(model: Llama, manager: SequenceManager, samples: Sequence[Seq],
             new = [(i, b) for i, (s, old) in enumerate(zip(samples, before)) for b in s.block_table[old:]]
             held = len({b for s in samples for b in s.block_table})
             copied = [e for e in copies.events[seen:] if isinstance(e, CopiedOnWrite)]
-            event = "; ".join([f"sample {samples.index(manager.seqs[e.seq_id])}: block {e.src} copied to {e.dst}"
-                               for e in copied] + [f"sample {i}: new block {b}" for i, b in new])
+            moves = [f"样本 {samples.index(manager.seqs[e.seq_id])} 的块 {e.src} -> {e.dst}" for e in copied]
+            event = "；".join(f"{what}：{'，'.join(parts)}" for what, parts in
+                             (("写时复制 (copied on write)", moves),
+                              ("新块 (new blocks)", [f"样本 {i} -> {b}" for i, b in new])) if parts)
             rows.append((step, samples[0].num_tokens, len(copied), held, sum(s.num_blocks for s in samples), event))
             feed = [[t] for t in logits.argmax(-1).tolist()]
     finally:
