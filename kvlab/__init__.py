@@ -29,8 +29,9 @@ globals().pop("core", None)
 # Where each public name lives, in reading order, one folder after another (docs/architecture.md draws them).
 _MODULES: dict[str, str] = {
     # core/: one token's shape, the KV tensor, blocks, the pool, eviction, prefix caching, sequences, attention.
-    "kvlab.core.errors": "ConfigError DoubleFreeError IllegalTransitionError KVDataError KVLabError ModelFileError "
-                         "OutOfBlocksError RefcountUnderflowError TraceFormatError UnknownBlockError",
+    "kvlab.core.errors": "ConfigError DoubleFreeError IllegalTransitionError KVDataError KVEventError KVLabError "
+                         "ModelFileError NoEventsError OutOfBlocksError RefcountUnderflowError TraceFormatError "
+                         "UnknownBlockError",
     "kvlab.core.spec": "KVSpec",
     "kvlab.core.device": "default_device torch_threads",
     "kvlab.core.clock": "LogicalClock WallClock",
@@ -89,14 +90,15 @@ _MODULE_NAMES = {"exercises": "kvlab.exercises",
                  "text_as_written": "kvlab.textbook.as_written"}
 _RENAMED = {"hotpath_compiled": "COMPILED"}  # a public name -> its name in its module
 _WHERE: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names.split()}
-_FOLDERS = ("app", "core", "distributed", "exercises", "fast", "memory", "serve", "textbook", "viz", "workloads")
+_FOLDERS = ("app", "core", "distributed", "exercises", "fast", "kvevents", "memory", "serve", "textbook", "viz",
+            "workloads")
 # The widgets: kvlab.viz (and anywidget) loads on first use only; not in __all__, so `import *` leaves them out.
 _LAZY_VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "ChatView", "BlockTableView")
 
 if TYPE_CHECKING:  # the same names as _WHERE and _MODULE_NAMES, imported for mypy and IDEs only
-    from kvlab.core.errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVLabError,
-                                   ModelFileError, OutOfBlocksError, RefcountUnderflowError, TraceFormatError,
-                                   UnknownBlockError)
+    from kvlab.core.errors import (ConfigError, DoubleFreeError, IllegalTransitionError, KVDataError, KVEventError,
+                                   KVLabError, ModelFileError, NoEventsError, OutOfBlocksError,
+                                   RefcountUnderflowError, TraceFormatError, UnknownBlockError)
     from kvlab.core.spec import KVSpec
     from kvlab.core.device import default_device, torch_threads
     from kvlab.core.clock import LogicalClock, WallClock
@@ -169,7 +171,8 @@ __all__ = [
     "EngineEvent", "ConfigError",
     "DoubleFreeError", "Event", "EventBus",
     "EventRecorder", "Evicted", "EvictionPolicy", "FIFOPolicy", "Freed", "IllegalTransitionError", "KVBlock",
-    "KVDataError", "KVLabError", "KVSpec", "KVStorage", "LFUPolicy", "LRUPolicy", "LogicalClock", "Merged",
+    "KVDataError", "KVEventError", "KVLabError", "KVSpec", "NoEventsError", "KVStorage", "LFUPolicy", "LRUPolicy",
+    "LogicalClock", "Merged",
     "Migrated", "OutOfBlocksError", "RandomPolicy", "RefChanged", "RefcountUnderflowError", "ReferenceManager",
     "Split", "StatusChanged", "UnknownBlockError", "WallClock", "default_device", "make_policy", "torch_threads",
     "ClockPolicy", "FutureUses", "OPTPolicy", "TextbookPool", "TextChunkSizeOptimizer", "text_as_written",

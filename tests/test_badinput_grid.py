@@ -777,6 +777,8 @@ def _prefix_specs() -> list[Spec]:
              {"block_id": id_values("cached", ok_states=KVBLOCK)}, reader=True),
         Spec("PrefixCache.digest_of", method(C, "digest_of", ("block_id",)), {"block_id": wid("cached")},
              {"block_id": id_values("cached", ok_states=KVBLOCK)}, reader=True),
+        Spec("PrefixCache.entry", method(C, "entry", ("block_id",)), {"block_id": wid("cached")},
+             {"block_id": id_values("cached", ok_states=KVBLOCK)}, reader=True),
         Spec("PrefixCache.block_hash", method(C, "block_hash", ("parent", "token_ids", "tenant")),
              {"parent": None, "token_ids": [1, 2, 3, 4], "tenant": None},
              {"parent": parent + [ok("any bytes", b"\1" * 16)],

@@ -33,7 +33,7 @@ INT32_MAX = 2**31 - 1  # kvlab's counts, sizes and ids are int32 (kvlab.core.che
 # Optional modules -> the extra of kvlab that installs them (pyproject.toml), for a one-line "install this".
 EXTRAS = {"jupyterlab": "lab", "ipykernel": "lab", "nbformat": "lab", "nbclient": "lab", "nbconvert": "lab",
           "mistune": "lab", "anywidget": "widgets", "ipywidgets": "widgets", "gguf": "llm", "tokenizers": "llm",
-          "jinja2": "llm"}
+          "jinja2": "llm", "zmq": "events", "msgspec": "events"}
 
 
 def command(name: str, help: str, configure: Configure) -> Callable[[Handler], Handler]:
@@ -784,3 +784,92 @@ def _chat(args: argparse.Namespace) -> int:
     if not args.json:
         print(session.report())
     return 0
+
+
+def _watch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("endpoint", metavar="ENDPOINT",
+                   help="the server's KV event endpoint: tcp://SERVER:5557 when it binds (its endpoint tcp://*:5557), "
+                        "or tcp://*:5557 to listen when it connects here (its endpoint names this host)")
+    p.add_argument("--topic", default="", help="the server's topic (default: every topic)")
+    p.add_argument("--replay", default=None, metavar="ENDPOINT",
+                   help="the server's replay endpoint (tcp://SERVER:5558): fetches what its buffer holds, and "
+                        "batches lost in transit")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per event: type, seq, ts, data_parallel_rank and vLLM's fields")
+    p.add_argument("--count", type=_positive_int, default=None, metavar="N", help="stop after N events")
+    p.add_argument("--timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds without an event before saying what to check (default: %(default)s)")
+
+
+@command("watch", "print a vLLM, SGLang or kvlab server's KV cache events (blocks stored and removed) as they "
+                  "arrive, until interrupted or N events", _watch_args)
+def _watch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    require("zmq", "msgspec")
+    from kvlab.kvevents.subscriber import Subscriber
+
+    def warn(text: str) -> None:
+        print(f"kvlab watch: {text}", file=sys.stderr, flush=True)
+
+    sub = Subscriber(args.endpoint, topic=args.topic, replay_endpoint=args.replay, silence_s=args.timeout,
+                     on_warning=warn)  # checked here: a bad endpoint is bad use (exit 2)
+
+    async def follow() -> None:
+        shown = 0
+        async with sub:
+            async for got in sub:
+                if not args.json and (got.restarted or got.missed):
+                    print(f"-- {'发布端重启 (publisher restarted)' if got.restarted else ''}"
+                          f"{f'缺失 {got.missed} 批 (missed {got.missed} batches)' if got.missed else ''} --")
+                for event in got.batch.events:
+                    if args.json:
+                        _print_json(_event_json(got, event))
+                    else:
+                        print(_event_line(got.seq, event), flush=True)
+                    shown += 1
+                    if args.count is not None and shown >= args.count:
+                        return
+
+    asyncio.run(follow())
+    return 0
+
+
+def _event_json(got: Any, event: Any) -> dict[str, Any]:
+    """One event as ``kvlab watch --json`` prints it: type, seq, ts, rank, then vLLM's fields (hashes in bytes
+    as hex)."""
+    from kvlab.kvevents.wire import event_map
+
+    fields = event_map(event)
+    return {"type": fields.pop("type"), "seq": got.seq, "ts": got.batch.ts,
+            "data_parallel_rank": got.batch.data_parallel_rank, **_hex_bytes(fields)}
+
+
+def _hex_bytes(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: _hex_bytes(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_hex_bytes(x) for x in v]
+    return v
+
+
+def _event_line(seq: int, event: Any) -> str:
+    """One event in words, Chinese first: what happened to which blocks, where."""
+    kind = type(event).__name__
+    if kind == "AllBlocksCleared":
+        return f"seq {seq}  全部清空 (AllBlocksCleared)"
+    hashes = event.block_hashes
+    where = f"{event.medium or '?'} group {'?' if event.group_idx is None else event.group_idx}"
+    shown = ", ".join(_short_hash(h) for h in hashes[:3]) + (f", ... ({len(hashes)})" if len(hashes) > 3 else "")
+    if kind == "BlockStored":
+        parent = "无 (none)" if event.parent_block_hash is None else _short_hash(event.parent_block_hash)
+        return (f"seq {seq}  存入 (BlockStored) {len(hashes)} 块 (blocks) [{shown}] 父块 (parent) {parent}, "
+                f"{len(event.token_ids)} tokens, {where}")
+    return f"seq {seq}  移除 (BlockRemoved) {len(hashes)} 块 (blocks) [{shown}], {where}"
+
+
+def _short_hash(h: int | bytes) -> str:
+    """A block hash, short: 16 hex digits of an int hash, the first 8 bytes of a bytes one."""
+    return f"{h:016x}" if isinstance(h, int) else h[:8].hex() + ("..." if len(h) > 8 else "")

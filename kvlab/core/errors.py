@@ -58,3 +58,12 @@ class TraceFormatError(KVLabError, ValueError):
 class ModelFileError(KVLabError, ValueError):
     """A model file kvlab cannot run: truncated, not GGUF, or an architecture or tokenizer it does not implement.
     The message names the file or the value at fault; nothing is loaded."""
+
+
+class KVEventError(KVLabError, ValueError):
+    """A KV event message kvlab cannot take (:mod:`kvlab.kvevents`): frames other than ``[topic, 8-byte seq,
+    payload]``, a payload over the size cap, or bytes that are no KV event batch. The message names the value."""
+
+
+class NoEventsError(KVLabError, TimeoutError):
+    """No KV event arrived from an endpoint in the time given; the message says what to check (who binds)."""

@@ -266,6 +266,15 @@ class PrefixCache:
         return {b: (d, self._parent[b], tuple(np.frombuffer(self._tokens[b] or b"", dtype=np.int64).tolist()))
                 for b, d in enumerate(self._digest) if d is not None}
 
+    def entry(self, block_id: int) -> tuple[bytes, bytes | None, tuple[int, ...]] | None:
+        """``block_id``'s entry as :meth:`entries` gives it, ``(digest, parent digest, token ids)``, or None if it
+        is not (or no longer) registered: one block's, for an observer of :class:`PrefixStored` events."""
+        b = self.pool.check_id(block_id)
+        digest = self._digest[b]
+        if digest is None or not self._valid(b):
+            return None
+        return digest, self._parent[b], tuple(array("q", self._tokens[b] or b"").tolist())
+
     def _query(self, token_ids: TokenIds, tenant: str | None,
                max_blocks: int | None) -> tuple[bytes, hashlib.blake2b, int]:
         """The validated arguments of :meth:`match`/:meth:`peek` (tokens, the tenant's hasher, full blocks to
