@@ -1,0 +1,266 @@
+"""A server's KV cache as a router sees it: a view built only from the server's KV events.
+
+The idea: a KV-aware router never sees the server's pool. It sees a stream of events, blocks stored (each named by
+its hash, its parent's hash and its tokens) and removed, and rebuilds from them the tree of cached prefixes
+(:class:`~kvlab.kvevents.remote.RemoteCache`). This view draws that tree, per tier (medium, KV group), as an icicle:
+column ``i`` holds the cached blocks that are the ``i``-th block of some prompt, each as tall as the prompts it
+starts; the leading blocks a typed prompt would hit are outlined. Under it, blocks stored and removed per batch,
+with the holes in the stream marked (batches lost and not replayed: the tree may then hold blocks that are gone).
+
+What the events never say, and so no router knows: :data:`NEVER_SEEN`. kvlab's own views show all of it for a
+kvlab run, which can publish the same events (:class:`~kvlab.kvevents.publisher.KVEventPublisher`): put the two
+side by side and compare.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as widgets  # type: ignore[import-untyped]
+import numpy as np
+from matplotlib.patches import Rectangle
+
+from kvlab.core.checks import check_positive
+from kvlab.core.errors import ConfigError
+from kvlab.kvevents.remote import RemoteBlock, RemoteCache, Tier
+from kvlab.kvevents.subscriber import Received, Subscriber
+from kvlab.kvevents.wire import BlockHash, BlockRemoved, BlockStored
+from kvlab.viz.palette import OKABE_ITO, STATE_RGB, rgb01
+from kvlab.viz.static import MIN_PT, Picture, figure_png
+
+NEVER_SEEN = (
+    "物理块号 (physical block ids)：事件只给哈希，块在显存里的位置不出现",
+    "空闲链表和它的顺序 (the free list and its order)：下一个被分配、被淘汰的是谁",
+    "引用计数 (reference counts)：一个块被几个运行中的请求共享",
+    "正在填的部分块 (running partial blocks)：只有满块才登记、才发 BlockStored",
+    "拥有者 (owners)：哪个请求持有哪个块",
+    "抢占 (preemptions) 和换出 (swaps)：请求丢了块，事件里只见 BlockRemoved（或什么也不见）",
+    "复制 (copies)：写时复制、换入换出搬的数据",
+)
+MAX_DRAWN = 4000  # blocks drawn one by one; past it each column is one bar of its count
+TIER_RGB = (OKABE_ITO["bluish green"], OKABE_ITO["blue"], OKABE_ITO["orange"], OKABE_ITO["reddish purple"])
+
+
+@dataclass(slots=True)
+class BatchMark:
+    """One delivered batch in the timeline: blocks stored and removed in it, batches lost just before it."""
+    seq: int
+    ts: float
+    stored: int
+    removed: int
+    missed: int
+    restarted: bool
+
+
+class RemoteState:
+    """The view's model: a :class:`~kvlab.kvevents.remote.RemoteCache` fed with :class:`Received` batches, and the
+    last ``keep`` batches' marks. A restart forgets the cache (it describes a server that is gone)."""
+
+    def __init__(self, keep: int = 600) -> None:
+        self.cache = RemoteCache()
+        self.timeline: deque[BatchMark] = deque(maxlen=check_positive(keep, "keep"))
+        self.batches = self.missed = self.restarts = 0
+
+    def apply(self, r: Received) -> None:
+        """Take one delivered batch into the model."""
+        if r.restarted:
+            self.cache.clear()
+            self.restarts += 1
+        events = r.batch.events
+        self.cache.apply(events)
+        stored = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+        removed = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+        self.timeline.append(BatchMark(r.seq, float(r.batch.ts), stored, removed, r.missed, r.restarted))
+        self.batches += 1
+        self.missed += r.missed
+
+
+def _children(blocks: dict[BlockHash, RemoteBlock]) -> tuple[list[BlockHash], dict[BlockHash, list[BlockHash]]]:
+    """The tier's roots (no parent, or a parent never seen: an orphan) and each block's children."""
+    kids: dict[BlockHash, list[BlockHash]] = {}
+    roots: list[BlockHash] = []
+    for h, b in blocks.items():
+        if b.parent is None or b.parent not in blocks:
+            roots.append(h)
+        else:
+            kids.setdefault(b.parent, []).append(h)
+    return roots, kids
+
+
+def icicle(blocks: dict[BlockHash, RemoteBlock]) -> list[tuple[BlockHash, int, float, float]]:
+    """Each block's place in the icicle: ``(hash, depth, y0, height)``, a leaf 1 high and every block as high as
+    the leaves under it, siblings stacked in the order the tree has them (iteratively: a prefix can be
+    thousands of blocks deep)."""
+    roots, kids = _children(blocks)
+    leaves: dict[BlockHash, int] = {}
+    order: list[BlockHash] = []  # parents before children
+    stack = list(reversed(roots))
+    while stack:
+        h = stack.pop()
+        order.append(h)
+        stack.extend(reversed(kids.get(h, [])))
+    for h in reversed(order):
+        leaves[h] = sum(leaves[k] for k in kids.get(h, [])) or 1
+    out: list[tuple[BlockHash, int, float, float]] = []
+    place: dict[BlockHash, tuple[int, float]] = {}
+    y = 0.0
+    for h in roots:
+        place[h] = (0, y)
+        y += leaves[h]
+    for h in order:
+        depth, y0 = place[h]
+        out.append((h, depth, y0, float(leaves[h])))
+        at = y0
+        for k in kids.get(h, []):
+            place[k] = (depth + 1, at)
+            at += leaves[k]
+    return out
+
+
+def hit_path(cache: RemoteCache, tier: Tier, tokens: Sequence[int]) -> list[BlockHash]:
+    """The hashes of the leading blocks of ``tokens`` that ``tier`` holds, walked by their tokens as
+    :meth:`~kvlab.kvevents.remote.RemoteCache.hit_blocks` walks them."""
+    size = cache.block_size
+    blocks = cache.blocks.get(tier, {})
+    if not size:
+        return []
+    by_tokens: dict[tuple[BlockHash | None, tuple[int, ...]], BlockHash] = {(b.parent, b.tokens): h
+                                                                            for h, b in blocks.items()}
+    path: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for at in range(0, len(tokens) - size + 1, size):
+        h = by_tokens.get((parent, tuple(tokens[at:at + size])))
+        if h is None:
+            break
+        path.append(h)
+        parent = h
+    return path
+
+
+def _tier_name(tier: Tier) -> str:
+    medium, group = tier
+    return f"{medium or '介质未标 (no medium)'} · KV 组 {group if group is not None else 0} (group)"
+
+
+def plot_remote(state: RemoteState, prompt: Sequence[int] | None = None, title: str = "") -> Picture:
+    """The still of :class:`RemoteCacheView`: the icicle of each tier's cached prefixes (the blocks ``prompt``
+    would hit outlined), and blocks stored and removed per batch (holes in the stream marked)."""
+    cache = state.cache
+    tiers = cache.tiers() or [(None, None)]
+    fig = Picture(figsize=(10, 2.6 * len(tiers) + 2.4), layout="constrained")
+    axes = fig.subplots(len(tiers) + 1, 1, height_ratios=[2.6] * len(tiers) + [1.6])
+    for t, (ax, tier) in enumerate(zip(axes, tiers)):
+        blocks = cache.blocks.get(tier, {})
+        color = rgb01(TIER_RGB[t % len(TIER_RGB)])
+        hits = set(hit_path(cache, tier, prompt)) if prompt else set()
+        placed = icicle(blocks)
+        if len(blocks) <= MAX_DRAWN:
+            for h, depth, y0, height in placed:
+                orphan = blocks[h].parent is not None and blocks[h].parent not in blocks  # its parent never seen
+                ax.add_patch(Rectangle((depth, y0), 0.92, height, linewidth=2.2 if h in hits else 0.4,
+                                       facecolor=rgb01(STATE_RGB["FREE"]) if orphan else color,
+                                       edgecolor="black" if h in hits else "white"))
+            ax.set_xlim(0, max((d for _, d, _, _ in placed), default=0) + 1)
+            ax.set_ylim(0, max((y0 + height for _, _, y0, height in placed), default=1.0))
+            ax.set_yticks([])
+        else:  # too many to draw one by one: blocks per column
+            depths = np.bincount([d for _, d, _, _ in placed])
+            ax.bar(np.arange(len(depths)) + 0.46, depths, width=0.92, color=color)
+            ax.set_ylabel("块数 (blocks)", fontsize=MIN_PT)
+        ax.invert_yaxis()
+        hit_words = f"；这个提示命中前 {len(hits)} 块 (would hit)" if prompt else ""
+        ax.set_title(f"{_tier_name(tier)}：{len(blocks)} 个缓存块 (cached blocks){hit_words}", fontsize=10)
+        ax.set_xlabel("块在提示里的位置 (block position in the prompt)", fontsize=MIN_PT)
+    ax = axes[-1]
+    marks = list(state.timeline)
+    x = np.arange(len(marks))
+    ax.bar(x, [m.stored for m in marks], color=rgb01(OKABE_ITO["bluish green"]), label="存入 (stored)")
+    ax.bar(x, [-m.removed for m in marks], color=rgb01(OKABE_ITO["vermillion"]), label="移除 (removed)")
+    for i, m in enumerate(marks):
+        if m.missed or m.restarted:
+            ax.axvline(i - 0.5, color="black", ls=":", lw=1.2)
+    ax.axhline(0, color="0.5", lw=0.6)
+    ax.set_xlabel(f"最近 {len(marks)} 批 (batches)；虚线：流里的缺口或重启 (a gap or a restart)", fontsize=MIN_PT)
+    ax.set_ylabel("块 (blocks)", fontsize=MIN_PT)
+    ax.legend(fontsize=MIN_PT, loc="upper left", frameon=False)
+    counts = cache.counts()
+    fig.suptitle(title or f"路由器看到的缓存 (the cache a router sees)：存入 {counts['stored']}、"
+                 f"移除 {counts['removed']}、缺失的批 {state.missed} (batches missed)", fontsize=11)
+    return fig
+
+
+class RemoteCacheView(widgets.VBox):
+    """The live view: follows a :class:`~kvlab.kvevents.subscriber.Subscriber` (started on the running loop if it
+    is not yet), redraws at most ``fps`` times a second, and answers a typed prompt with the blocks the server
+    would hit. ``tokenize`` turns the typed text into token ids (a model's ``tokenizer.encode``, or a chat
+    template); without it the box takes token ids separated by spaces."""
+
+    def __init__(self, subscriber: Subscriber, *, tokenize: Callable[[str], Sequence[int]] | None = None,
+                 fps: float = 4.0, keep: int = 600) -> None:
+        if not isinstance(subscriber, Subscriber):
+            raise ConfigError(f"RemoteCacheView follows a kvlab.kvevents.Subscriber, got {type(subscriber).__name__}")
+        if tokenize is not None and not callable(tokenize):
+            raise ConfigError(f"tokenize must be callable (text -> token ids) or None, got {tokenize!r:.80}")
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or not 0 < fps <= 30:
+            raise ConfigError(f"fps must be a number in (0, 30], got {fps!r:.80}")
+        self.subscriber, self.tokenize, self.interval = subscriber, tokenize, 1.0 / fps
+        self.state = RemoteState(keep)
+        self.prompt: list[int] | None = None
+        self.image = widgets.Image(format="png")
+        self.box = widgets.Text(placeholder="输入一个提示，看服务器会命中几块 (type a prompt)" if tokenize else
+                                "输入 token id，空格分开 (token ids)", layout=widgets.Layout(width="100%"))
+        self.answer = widgets.Label()
+        self.box.observe(self._typed, names="value")
+        super().__init__([self.image, self.box, self.answer])
+        self._pending: asyncio.TimerHandle | None = None
+        self._unsubscribe = subscriber.subscribe(self._on_batch)
+        self.redraw()
+        if not subscriber.running:
+            subscriber.start()
+
+    def close(self) -> None:
+        """Stop following (the subscriber keeps running for its other listeners)."""
+        if hasattr(self, "_unsubscribe"):  # not on a view whose construction was refused (ipywidgets' __del__)
+            self._unsubscribe()
+            if self._pending is not None:
+                self._pending.cancel()
+        super().close()
+
+    def _on_batch(self, r: Received) -> None:
+        self.state.apply(r)
+        if self._pending is None:  # at most one redraw waiting: a burst of batches costs one picture
+            self._pending = asyncio.get_running_loop().call_later(self.interval, self._flush)
+
+    def _flush(self) -> None:
+        self._pending = None
+        self.redraw()
+
+    def _typed(self, change: dict[str, Any]) -> None:
+        text = str(change["new"]).strip()
+        try:
+            self.prompt = (list(self.tokenize(text)) if self.tokenize else [int(t) for t in text.split()]) or None
+        except (ValueError, TypeError) as e:
+            self.prompt = None
+            self.answer.value = f"读不懂这个提示 (unreadable): {e}"
+            return
+        self.redraw()
+
+    def hit_blocks(self) -> int:
+        """The leading blocks of the typed prompt the server holds (0 with no prompt)."""
+        return self.state.cache.hit_blocks(self.prompt) if self.prompt else 0
+
+    def redraw(self) -> None:
+        """Draw the picture and the answer from the model now."""
+        fig = plot_remote(self.state, self.prompt)
+        self.image.value = figure_png(fig)
+        if self.prompt:
+            size = self.state.cache.block_size or 0
+            self.answer.value = (f"{len(self.prompt)} 个 token；服务器会命中前 {self.hit_blocks()} 块 = "
+                                 f"{self.hit_blocks() * size} 个 token，不必重算 (would hit, not recomputed)")
+
+
+__all__ = ["BatchMark", "MAX_DRAWN", "NEVER_SEEN", "RemoteCacheView", "RemoteState", "hit_path", "icicle",
+           "plot_remote"]
