@@ -264,8 +264,11 @@ def test_chapter_2_2_7_conclusions(printed):
         "skipped_blocks_are_the_shared_prefix": True, "disagg_tokens_equal": True, "disagg_logits_identical": True,
         "two_pools_differ": True, "rechunked_tokens_equal": True, "spec_mismatch_on_both_ranks": True,
         "spec_mismatch_pools_untouched": True, "silent_peer_error": "TransferTimeoutError", "survivor_clean": True,
-        "tp": {"tp=2": tp, "tp=4": tp}, "tp3_refused": True}
+        "tp": {"tp=2": tp, "tp=4": tp}, "tp3_refused": True, "router_blocks_vs_pool": "fewer",
+        "router_is_cached_plus_registered": True, "router_missed_no_batch": True}
     assert c["magnitudes"]["blocks_skipped"] == 16  # fast mode: 4 prompts x 64 shared tokens / 16
+    r = c["magnitudes"]["router"]  # the router's blocks: the cached ones and the registered full ones, no others
+    assert r["blocks"] == r["cached"] + r["registered"] < r["held"] and r["partial"] > 0
 
 
 def test_2_2_7_move_or_recompute_moves_the_bytes_of_each_length():

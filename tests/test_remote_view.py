@@ -188,3 +188,20 @@ def test_the_view_follows_a_kvlab_engine_and_its_hits_are_the_engines():
     assert view.image.value[:8] == b"\x89PNG\r\n\x1a\n"
     view.box.value = "not token ids"
     assert view.prompt is None and "读不懂" in view.answer.value
+
+
+def test_watch_engine_counts_what_each_side_saw():
+    """A kvlab run stopped half way, seen by its pool and by the router's view: the router knows exactly the
+    registered blocks (cached, and the running requests' registered full ones), fewer than the pool holds."""
+    w = make_workload("chat", 30, seed=0)
+    engine = Engine(w, EngineConfig(num_blocks=256, block_size=16, prefix_caching=True))
+    seen = asyncio.run(asyncio.wait_for(rv.watch_engine(engine, steps=40), 60))
+    pool = engine.memory.pool
+    assert seen.steps == 40 and seen.missed == 0
+    assert seen.held == pool.num_blocks - pool.num_free_blocks and seen.cached == pool.num_cached_blocks
+    assert seen.router_blocks == seen.cached + seen.registered == len(engine.memory.cache.entries())
+    assert seen.router_blocks < seen.held and seen.partial > 0
+    assert seen.unregistered >= 0  # registered and partial blocks are among the referenced ones
+    assert "路由器从" in str(seen) and "(refcount >= 2)" in str(seen)
+    with pytest.raises(ConfigError, match="steps"):
+        asyncio.run(rv.watch_engine(engine, steps=0))

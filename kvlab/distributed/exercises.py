@@ -18,6 +18,10 @@ register_prediction("2.2.7-skipped", "演示的第二批里，decode 进程会�
 register_prediction("2.2.7-long-prompt", "本章测得最长的提示（完整模式 32k token，快速模式 4k）上，把 KV 传过来和在 "
                     "decode 端重新计算，哪个更快？(for the longest prompt measured, is moving its KV or recomputing it "
                     "faster?)", choices=("transfer", "recompute"))
+register_prediction("2.2.7-router-blocks", "kvlab 的引擎边跑边发布 KV 事件，跑到一半停下。路由器从事件里知道的块数，"
+                    "和池里占用的块数相比如何？(the blocks a router knows from the events, against the blocks the pool "
+                    "holds)",
+                    choices=("equal", "fewer", "more"))
 
 
 def transfer_bytes(prompt_len: int, shared: int, prompts: int = 1) -> int:

@@ -18,6 +18,7 @@ from kvlab.viz.static import Picture, plot_dashboard, plot_evictions, plot_fragm
 from kvlab.viz.tables import BlockTables, frame_tables, plot_block_table
 
 _VIEWS = ("PoolView", "EvictionView", "FragmentationView", "Dashboard", "FrameView", "DASHBOARD_PRESETS")
+_REMOTE = ("NEVER_SEEN", "RemoteCacheView", "plot_remote", "watch_engine")
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,9 @@ def __getattr__(name: str) -> Any:
     if name == "BlockTableView":
         from kvlab.viz.blocktable import BlockTableView
         return BlockTableView
+    if name in _REMOTE:  # the router's view of a server's cache: needs the events extra (pyzmq, msgspec)
+        from kvlab.viz import remote
+        return getattr(remote, name)
     raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
 
 
@@ -39,5 +43,5 @@ __all__ = [
     "FragmentationView", "LiveRun", "PRESETS", "Pacer", "Picture", "PoolView", "RandomWorkload", "Recording",
     "STATE_NAMES", "build_frame", "decode_frame", "export_html", "frame_of", "palette", "plot_dashboard",
     "plot_evictions", "plot_fragmentation", "plot_pool", "record", "frame_tables", "plot_block_table",
-    "use_cjk_font",
+    "use_cjk_font", "NEVER_SEEN", "RemoteCacheView", "plot_remote", "watch_engine",
 ]

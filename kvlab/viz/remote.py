@@ -262,5 +262,100 @@ class RemoteCacheView(widgets.VBox):
                                  f"{self.hit_blocks() * size} 个 token，不必重算 (would hit, not recomputed)")
 
 
-__all__ = ["BatchMark", "MAX_DRAWN", "NEVER_SEEN", "RemoteCacheView", "RemoteState", "hit_path", "icicle",
-           "plot_remote"]
+@dataclass(frozen=True)
+class SideBySide:
+    """A kvlab run seen twice when it stopped: the blocks the router's view holds (from events alone) beside what
+    the pool holds. ``registered`` of the pool's referenced blocks are full blocks with a hash (the events told
+    of them); ``partial`` are running requests' blocks still filling, ``shared`` have two or more references:
+    no event tells of either."""
+    steps: int
+    router_blocks: int
+    held: int
+    cached: int
+    referenced: int
+    registered: int
+    partial: int
+    shared: int
+    batches: int
+    missed: int
+
+    @property
+    def unregistered(self) -> int:
+        """Full blocks of running requests not yet registered (kvlab's metadata engine registers the blocks a
+        request decoded when it ends, as SGLang does): held, and no event told of them."""
+        return self.referenced - self.registered - self.partial
+
+    def __str__(self) -> str:
+        return "\n".join([
+            f"第 {self.steps} 步停下 (stopped at step)：路由器从 {self.batches} 批事件里知道 {self.router_blocks} 个块 "
+            f"(blocks the router knows)；缺失的批 {self.missed} (missed)",
+            f"池里占用 {self.held} 块 (blocks held) = 可复用缓存块 {self.cached} (cached) + 运行中的请求持有 "
+            f"{self.referenced} (referenced)",
+            f"  其中满块、已登记 {self.registered} (registered: in the events)；满块、请求结束时才登记 "
+            f"{self.unregistered} (full, registered at the end)；正在填的部分块 {self.partial} (partial: never)",
+            f"  被共享的块 {self.shared} 个 (refcount >= 2)：事件从不说引用计数 (the events never say)",
+        ])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def watch_engine(engine: Any, *, steps: int | None = None, steps_per_second: float | None = None,
+                       fps: float = 4.0, tokenize: Callable[[str], Sequence[int]] | None = None) -> SideBySide:
+    """Run a paged kvlab ``engine`` (prefix caching on) for ``steps`` steps (None: to the end) while it publishes
+    its KV events in vLLM's format on this machine; show, side by side, kvlab's own pool view of the run and the
+    router's view built from the events alone; when it stops, count what each saw. For a notebook cell:
+    ``seen = await watch_engine(engine, steps=40)``. Both views' last states are then shown as pictures too."""
+    from IPython.display import display
+
+    from kvlab.core.block import ALLOCATED
+    from kvlab.kvevents.publisher import KVEventPublisher
+    from kvlab.viz.static import plot_pool
+    from kvlab.viz.views import PoolView
+
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError(f"steps must be a positive int or None (to the end), got {steps!r:.80}")
+    port, replay = _free_port(), _free_port()
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
+    pool = engine.memory.pool
+    with KVEventPublisher(engine, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}") as pub:
+        router = RemoteCacheView(sub, tokenize=tokenize, fps=fps)
+        pool_view = PoolView(pool)
+        display(widgets.HBox([widgets.VBox([widgets.Label("kvlab 的池：所有状态 (kvlab's pool: everything)"),
+                                            pool_view]),
+                              widgets.VBox([widgets.Label("路由器只从事件看到的 (the router: events only)"),
+                                            router])]))
+        taken = 0
+
+        def step() -> bool:
+            nonlocal taken
+            taken += 1
+            return engine.step() and (steps is None or taken < steps)
+
+        await pool_view.live(step, steps_per_second=steps_per_second)
+        sub.catch_up()  # what the live stream missed (a first batch sent before the subscription landed)
+        for _ in range(500):
+            if sub.stats.batches >= pub.seq:
+                break
+            await asyncio.sleep(0.01)
+        router.redraw()
+    await sub.aclose()
+    display(plot_pool(pool))  # the same two states as pictures, for readers without a live kernel
+    display(plot_remote(router.state))
+    snap = pool.snapshot()
+    referenced = (snap["status"] == ALLOCATED) & (snap["refcount"] > 0)
+    registered = set(engine.memory.cache.entries())
+    seqs = engine.memory.manager.seqs.values()
+    partial = {s.block_table[-1] for s in seqs if s.block_table and s.num_tokens % pool.spec.block_size}
+    return SideBySide(taken, len(router.state.cache), int((snap["status"] != 0).sum()), int(snap["cached"].sum()),
+                      int(referenced.sum()), len(registered & set(np.flatnonzero(referenced).tolist())),
+                      len(partial), int((snap["refcount"] >= 2).sum()), router.state.batches, router.state.missed)
+
+
+__all__ = ["BatchMark", "MAX_DRAWN", "NEVER_SEEN", "RemoteCacheView", "RemoteState", "SideBySide", "hit_path",
+           "icicle", "plot_remote", "watch_engine"]
