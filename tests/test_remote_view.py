@@ -10,7 +10,7 @@ import random
 import socket
 
 import pytest
-from matplotlib.patches import Rectangle
+from matplotlib.patches import StepPatch
 from matplotlib.text import Text
 
 from kvlab import Engine, EngineConfig, make_workload
@@ -123,18 +123,21 @@ def test_the_still_outlines_the_hits_greys_orphans_and_reads_chinese_first(monke
     state.apply(received(1, [orphan], missed=2))
     prompt = max(prompts, key=state.cache.hit_blocks)
     fig = rv.plot_remote(state, prompt)
-    rects = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
-    assert len(rects) == len(state.cache)
-    assert sum(r.get_linewidth() > 2 for r in rects) == state.cache.hit_blocks(prompt) > 0
-    grey = [r for r in rects if r.get_facecolor()[:3] == pytest.approx(rv.rgb01(rv.STATE_RGB["FREE"]))]
+    (boxes,) = fig.axes[0].collections  # one box per block, in one collection
+    assert len(boxes.get_paths()) == len(state.cache)
+    assert sum(w > 2 for w in boxes.get_linewidths()) == state.cache.hit_blocks(prompt) > 0
+    grey = [c for c in boxes.get_facecolors() if c[:3] == pytest.approx(rv.rgb01(rv.STATE_RGB["FREE"]))]
     assert len(grey) == 1  # the block whose parent never arrived
     assert f"命中前 {state.cache.hit_blocks(prompt)} 块" in fig.axes[0].get_title()
-    assert any(line.get_linestyle() == ":" for line in fig.axes[-1].get_lines())  # the hole before batch 1
+    (holes,) = fig.axes[-1].collections  # the dotted line before batch 1, the hole
+    assert holes.get_linestyle()[0][1] is not None and len(holes.get_segments()) == 1
+    stored, removed = (p for p in fig.axes[-1].patches if isinstance(p, StepPatch))
+    assert list(stored.get_data().values) == [m.stored for m in state.timeline]
     rv.figure_png(fig)
     assert not [t.get_text() for t in fig.findobj(Text) if english_first(t.get_text())]
-    monkeypatch.setattr(rv, "MAX_DRAWN", 5)  # a large cache: one bar per column, as many blocks as it holds
-    bars = rv.plot_remote(state).axes[0].patches
-    assert sum(round(b.get_height()) for b in bars) == len(state.cache)
+    monkeypatch.setattr(rv, "MAX_DRAWN", 5)  # a large cache: blocks per column, as many as it holds
+    (column,) = [p for p in rv.plot_remote(state).axes[0].patches if isinstance(p, StepPatch)]
+    assert column.get_data().values.sum() == len(state.cache)
 
 
 def test_the_view_refuses_what_it_cannot_follow():
@@ -205,3 +208,25 @@ def test_watch_engine_counts_what_each_side_saw():
     assert "路由器从" in str(seen) and "(refcount >= 2)" in str(seen)
     with pytest.raises(ConfigError, match="steps"):
         asyncio.run(rv.watch_engine(engine, steps=0))
+
+
+def test_a_slow_picture_makes_the_next_one_wait_twice_its_time(monkeypatch):
+    """A redraw that took longer than the fps allows makes the next wait twice as long: the loop keeps two thirds
+    of its time for the stream and the notebook; a quick one leaves the fps interval as it is."""
+    async def go() -> list[float]:
+        sub = Subscriber("tcp://127.0.0.1:5557")
+        view = rv.RemoteCacheView(sub, fps=4)
+        sub.close()
+        delays: list[float] = []
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(loop, "call_later", lambda delay, fn: delays.append(delay) or loop.call_soon(fn))
+        clock = iter([0.0, 0.9, 1.0, 1.01])  # the first picture takes 0.9 s, the second 0.01 s
+        monkeypatch.setattr(rv.time, "perf_counter", lambda: next(clock))
+        monkeypatch.setattr(view, "redraw", lambda: None)
+        for seq in range(2):
+            view._on_batch(received(seq, []))
+            await asyncio.sleep(0)
+        view._on_batch(received(2, []))
+        return delays
+
+    assert asyncio.run(go()) == [0.25, 1.8, 0.25]

@@ -14,6 +14,7 @@ side by side and compare.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 
 import ipywidgets as widgets  # type: ignore[import-untyped]
 import numpy as np
-from matplotlib.patches import Rectangle
+from matplotlib.collections import PolyCollection
 
 from kvlab.core.checks import check_positive
 from kvlab.core.errors import ConfigError
@@ -157,18 +158,23 @@ def plot_remote(state: RemoteState, prompt: Sequence[int] | None = None, title: 
         color = rgb01(TIER_RGB[t % len(TIER_RGB)])
         hits = set(hit_path(cache, tier, prompt)) if prompt else set()
         placed = icicle(blocks)
-        if len(blocks) <= MAX_DRAWN:
-            for h, depth, y0, height in placed:
-                orphan = blocks[h].parent is not None and blocks[h].parent not in blocks  # its parent never seen
-                ax.add_patch(Rectangle((depth, y0), 0.92, height, linewidth=2.2 if h in hits else 0.4,
-                                       facecolor=rgb01(STATE_RGB["FREE"]) if orphan else color,
-                                       edgecolor="black" if h in hits else "white"))
-            ax.set_xlim(0, max((d for _, d, _, _ in placed), default=0) + 1)
-            ax.set_ylim(0, max((y0 + height for _, _, y0, height in placed), default=1.0))
+        if len(blocks) <= MAX_DRAWN:  # one collection for every block: a patch each cost ~0.5 ms a block
+            x0, y0, hgt = (np.array([p[i] for p in placed], np.float64).reshape(-1) for i in (1, 2, 3))
+            boxes = np.stack([np.stack([x0, y0], 1), np.stack([x0 + 0.92, y0], 1),
+                              np.stack([x0 + 0.92, y0 + hgt], 1), np.stack([x0, y0 + hgt], 1)], 1)
+            hit = np.array([h in hits for h, _, _, _ in placed], bool)
+            orphan = np.array([blocks[h].parent is not None and blocks[h].parent not in blocks  # parent never seen
+                               for h, _, _, _ in placed], bool)
+            faces = np.where(orphan[:, None], rgb01(STATE_RGB["FREE"]), color)
+            edges = np.where(hit[:, None], (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # a hit outlined black
+            ax.add_collection(PolyCollection(list(boxes), facecolors=faces, edgecolors=edges,
+                                             linewidths=np.where(hit, 2.2, 0.4)))
+            ax.set_xlim(0, float(x0.max(initial=0)) + 1)
+            ax.set_ylim(0, float((y0 + hgt).max(initial=1.0)))
             ax.set_yticks([])
         else:  # too many to draw one by one: blocks per column
             depths = np.bincount([d for _, d, _, _ in placed])
-            ax.bar(np.arange(len(depths)) + 0.46, depths, width=0.92, color=color)
+            ax.stairs(depths, np.arange(len(depths) + 1), fill=True, color=color)
             ax.set_ylabel("块数 (blocks)", fontsize=MIN_PT)
         ax.invert_yaxis()
         hit_words = f"；这个提示命中前 {len(hits)} 块 (would hit)" if prompt else ""
@@ -176,12 +182,14 @@ def plot_remote(state: RemoteState, prompt: Sequence[int] | None = None, title: 
         ax.set_xlabel("块在提示里的位置 (block position in the prompt)", fontsize=MIN_PT)
     ax = axes[-1]
     marks = list(state.timeline)
-    x = np.arange(len(marks))
-    ax.bar(x, [m.stored for m in marks], color=rgb01(OKABE_ITO["bluish green"]), label="存入 (stored)")
-    ax.bar(x, [-m.removed for m in marks], color=rgb01(OKABE_ITO["vermillion"]), label="移除 (removed)")
-    for i, m in enumerate(marks):
-        if m.missed or m.restarted:
-            ax.axvline(i - 0.5, color="black", ls=":", lw=1.2)
+    steps = np.arange(len(marks) + 1) - 0.5  # one step per batch: two artists, however many batches
+    ax.stairs([m.stored for m in marks], steps, fill=True, color=rgb01(OKABE_ITO["bluish green"]),
+              label="存入 (stored)")
+    ax.stairs([-m.removed for m in marks], steps, fill=True, color=rgb01(OKABE_ITO["vermillion"]),
+              label="移除 (removed)")
+    holes = [i - 0.5 for i, m in enumerate(marks) if m.missed or m.restarted]
+    if holes:
+        ax.vlines(holes, 0, 1, transform=ax.get_xaxis_transform(), colors="black", linestyles=":", lw=1.2)
     ax.axhline(0, color="0.5", lw=0.6)
     ax.set_xlabel(f"最近 {len(marks)} 批 (batches)；虚线：流里的缺口或重启 (a gap or a restart)", fontsize=MIN_PT)
     ax.set_ylabel("块 (blocks)", fontsize=MIN_PT)
@@ -194,7 +202,8 @@ def plot_remote(state: RemoteState, prompt: Sequence[int] | None = None, title: 
 
 class RemoteCacheView(widgets.VBox):
     """The live view: follows a :class:`~kvlab.kvevents.subscriber.Subscriber` (started on the running loop if it
-    is not yet), redraws at most ``fps`` times a second, and answers a typed prompt with the blocks the server
+    is not yet), redraws at most ``fps`` times a second (and, when a picture is slow, waits twice its time, so the
+    loop keeps two thirds for the stream and the notebook), and answers a typed prompt with the blocks the server
     would hit. ``tokenize`` turns the typed text into token ids (a model's ``tokenizer.encode``, or a chat
     template); without it the box takes token ids separated by spaces."""
 
@@ -216,6 +225,7 @@ class RemoteCacheView(widgets.VBox):
         self.box.observe(self._typed, names="value")
         super().__init__([self.image, self.box, self.answer])
         self._pending: asyncio.TimerHandle | None = None
+        self._cost = 0.0  # seconds the last picture took
         self._unsubscribe = subscriber.subscribe(self._on_batch)
         self.redraw()
         if not subscriber.running:
@@ -232,11 +242,15 @@ class RemoteCacheView(widgets.VBox):
     def _on_batch(self, r: Received) -> None:
         self.state.apply(r)
         if self._pending is None:  # at most one redraw waiting: a burst of batches costs one picture
-            self._pending = asyncio.get_running_loop().call_later(self.interval, self._flush)
+            # and a slow picture waits twice its cost: drawing never takes more than a third of the loop
+            delay = max(self.interval, 2 * self._cost)
+            self._pending = asyncio.get_running_loop().call_later(delay, self._flush)
 
     def _flush(self) -> None:
         self._pending = None
+        t0 = time.perf_counter()
         self.redraw()
+        self._cost = time.perf_counter() - t0
 
     def _typed(self, change: dict[str, Any]) -> None:
         text = str(change["new"]).strip()
