@@ -24,7 +24,7 @@ import ipywidgets as widgets  # type: ignore[import-untyped]
 import numpy as np
 from matplotlib.collections import PolyCollection
 
-from kvlab.core.checks import check_positive
+from kvlab.core.checks import check_positive, check_real
 from kvlab.core.errors import ConfigError
 from kvlab.kvevents.remote import RemoteBlock, RemoteCache, Tier
 from kvlab.kvevents.subscriber import Received, Subscriber
@@ -213,9 +213,8 @@ class RemoteCacheView(widgets.VBox):
             raise ConfigError(f"RemoteCacheView follows a kvlab.kvevents.Subscriber, got {type(subscriber).__name__}")
         if tokenize is not None and not callable(tokenize):
             raise ConfigError(f"tokenize must be callable (text -> token ids) or None, got {tokenize!r:.80}")
-        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or not 0 < fps <= 30:
-            raise ConfigError(f"fps must be a number in (0, 30], got {fps!r:.80}")
-        self.subscriber, self.tokenize, self.interval = subscriber, tokenize, 1.0 / fps
+        self.interval = 1.0 / check_real(fps, "fps", 0, 30, lo_open=True)
+        self.subscriber, self.tokenize = subscriber, tokenize
         self.state = RemoteState(keep)
         self.prompt: list[int] | None = None
         self.image = widgets.Image(format="png")
@@ -332,8 +331,8 @@ async def watch_engine(engine: Any, *, steps: int | None = None, steps_per_secon
     from kvlab.viz.static import plot_pool
     from kvlab.viz.views import PoolView
 
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ConfigError(f"steps must be a positive int or None (to the end), got {steps!r:.80}")
+    if steps is not None:
+        check_positive(steps, "steps")
     port, replay = _free_port(), _free_port()
     sub = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
     pool = engine.memory.pool
