@@ -27,7 +27,6 @@ import asyncio
 import gc
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -99,26 +98,13 @@ def dict_floor(events: list[BlockStored]) -> None:
             d[h] = tuple(e.token_ids[i * size:(i + 1) * size])
 
 
-def best_s(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Best seconds of one call per variant, variants in turn within each round, the collector off while timing."""
-    best = dict.fromkeys(cases, float("inf"))
-    for _ in range(rounds):
-        for name, call in cases.items():
-            gc.disable()
-            try:
-                t = time.perf_counter()
-                call()
-                best[name] = min(best[name], time.perf_counter() - t)
-            finally:
-                gc.enable()
-    return best
-
-
 def model_rows(rounds: int, n_batches: int) -> list[dict[str, Any]]:
     rows = []
     for n_events, blocks_each in ((64, 1), (1, 64)):
         events = [e for k in range(n_batches) for e in stored_events(n_events, blocks_each, seed=1000 + k)]
-        s = best_s({"kvlab": lambda: RemoteCache().apply(events), "floor": lambda: dict_floor(events)}, rounds)
+        ns = ns_per_item_together({"kvlab": lambda: RemoteCache().apply(events),
+                                   "floor": lambda: dict_floor(events)}, 1, 1, rounds)
+        s = {name: t / 1e9 for name, t in ns.items()}  # seconds a call
         rate, base = len(events) / s["kvlab"], len(events) / s["floor"]
         rows.append({"name": f"RemoteCache.apply, {len(events):,} BlockStored x {blocks_each} "
                              f"block{'s' * (blocks_each > 1)} into a fresh cache",

@@ -3,6 +3,7 @@ and against what a stream may hold that no engine sends on purpose."""
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,19 +16,11 @@ from kvlab.kvevents.wire import (AllBlocksCleared, BlockRemoved, BlockStored, KV
                                  encode_batch, event_map, split_message, split_replay)
 
 HERE = Path(__file__).parent / "fixtures" / "kv_events"
+sys.path.insert(0, str(HERE))
+from make_fixtures import plain  # noqa: E402  (values as expected.json writes them, by the script that wrote it)
 EXPECTED = json.loads((HERE / "expected.json").read_text())
 pack = msgspec.msgpack.encode
 
-
-def plain(v):
-    """As expected.json writes values: bytes as {"bytes": hex}, tuples as lists."""
-    if isinstance(v, bytes):
-        return {"bytes": v.hex()}
-    if isinstance(v, list | tuple):
-        return [plain(x) for x in v]
-    if isinstance(v, dict):
-        return {k: plain(x) for k, x in v.items()}
-    return v
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
