@@ -184,7 +184,9 @@ typedef struct {
     PyObject *acquire, *release;          /* the pool lock's bound methods */
     PoolLock *plock;                      /* the pool lock itself when it is a PoolLock: taken directly */
     PyObject *stack, *frombytes;          /* free stack 0 (array('i')) and its frombytes */
-    PyObject *pop, *append;               /* and its pop and append: one block moves with no slice or bytes */
+    PyObject *pop;                        /* and its pop: one block leaves with no slice object */
+    PyObject *one_id;                     /* a private 4-byte bytearray: one block returns by frombytes, which
+                                             is ~20 ns faster than append's PyArg_Parse of an int */
     PyObject *clock, *tick;               /* the pool clock and its tick (called unless step_offset) */
     Py_ssize_t step_offset;               /* where a LogicalClock keeps `step`: ticked in place */
     PyObject *events;                     /* the pool's EventBus: the list of its subscribers */
@@ -204,7 +206,7 @@ static int traverse(FastPath *h, visitproc visit, void *arg) {
     Py_VISIT(h->py_incref); Py_VISIT(h->py_mark_reusable); Py_VISIT(h->discard); Py_VISIT(h->refchanged_cls);
     Py_VISIT(h->py_set_owner); Py_VISIT(h->add); Py_VISIT(h->cached_cls);
     Py_VISIT(h->release); Py_VISIT(h->plock);
-    Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->pop); Py_VISIT(h->append); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
+    Py_VISIT(h->stack); Py_VISIT(h->frombytes); Py_VISIT(h->pop); Py_VISIT(h->one_id); Py_VISIT(h->clock); Py_VISIT(h->tick); Py_VISIT(h->events);
     Py_VISIT(h->allocated_cls); Py_VISIT(h->freed_cls);
     for (int i = 0; i < NLAYOUT; i++) Py_VISIT(h->layout[i].spare);
     for (int i = 0; i < h->nbuf; i++) Py_VISIT(h->buf[i].obj);
@@ -219,7 +221,7 @@ static int clear(FastPath *h) {
     Py_CLEAR(h->py_incref); Py_CLEAR(h->py_mark_reusable); Py_CLEAR(h->discard); Py_CLEAR(h->refchanged_cls);
     Py_CLEAR(h->py_set_owner); Py_CLEAR(h->add); Py_CLEAR(h->cached_cls);
     Py_CLEAR(h->release); Py_CLEAR(h->plock);
-    Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->pop); Py_CLEAR(h->append); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
+    Py_CLEAR(h->stack); Py_CLEAR(h->frombytes); Py_CLEAR(h->pop); Py_CLEAR(h->one_id); Py_CLEAR(h->clock); Py_CLEAR(h->tick); Py_CLEAR(h->events);
     Py_CLEAR(h->allocated_cls); Py_CLEAR(h->freed_cls);
     while (h->nbuf) PyBuffer_Release(&h->buf[--h->nbuf]);
     PyMem_Free(h->seen);
@@ -290,7 +292,8 @@ static PyObject *bind(FastPath *h, PyObject *args, PyObject *kw) {
     if (!(h->acquire = PyObject_GetAttrString(lock, "acquire")) ||
         !(h->release = PyObject_GetAttrString(lock, "release")) ||
         !(h->frombytes = PyObject_GetAttrString(stack, "frombytes")) ||
-        !(h->pop = PyObject_GetAttrString(stack, "pop")) || !(h->append = PyObject_GetAttrString(stack, "append")) ||
+        !(h->pop = PyObject_GetAttrString(stack, "pop")) ||
+        !(h->one_id = PyByteArray_FromStringAndSize(NULL, sizeof(int32_t))) ||
         !(h->tick = PyObject_GetAttrString(clock, "tick")))
         return NULL;
     for (int f = 0; f < NFIELDS; f++) {
@@ -725,7 +728,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         }
         ids[i] = (int32_t)v;
     }
-    PyObject *out = NULL, *t = NULL, *pushed = NULL, *tuple = NULL;  /* pushed: the id, or the ids as bytes */
+    PyObject *out = NULL, *t = NULL, *pushed = NULL, *tuple = NULL;  /* pushed: the ids as bytes */
     long long step;
     if (lock(h) < 0) goto done;
     int plain = 1, held = 1;
@@ -746,8 +749,9 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         out = release_held(h, list, ids, n);
         goto unlock;
     }
-    if (n == 1) {  /* stack.append(id): no bytes object */
-        if (!(pushed = PyLong_FromLong(ids[0]))) goto unlock;
+    if (n == 1) {  /* the id into the private bytearray: no new object */
+        pushed = Py_NewRef(h->one_id);
+        memcpy(PyByteArray_AS_STRING(pushed), ids, sizeof(int32_t));
     } else {
         if (!(pushed = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t)))) goto unlock;
         int32_t *rev = (int32_t *)PyBytes_AS_STRING(pushed);
@@ -755,7 +759,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
     }
     h->lock_acquisitions++;
     if (!(t = tick(h, &step))) goto unlock;
-    PyObject *r = PyObject_CallOneArg(n == 1 ? h->append : h->frombytes, pushed);
+    PyObject *r = PyObject_CallOneArg(h->frombytes, pushed);
     if (!r) goto unlock;
     Py_DECREF(r);
     for (Py_ssize_t j = 0; j < n; j++) {
