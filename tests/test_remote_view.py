@@ -85,16 +85,24 @@ def test_every_block_is_as_tall_as_its_leaves_and_holds_its_children(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_outlined_path_is_what_the_cache_says_the_prompt_hits(seed):
+def test_the_hit_path_is_the_longest_stored_chain_that_spells_the_prompt(seed):
+    """RemoteCache.hit_path (which the still outlines and hit_blocks counts) against a brute force over every
+    block's chain from the root."""
     events, prompts = random_stores(seed)
     cache = RemoteCache()
     cache.apply(events)
+    tier = ("GPU", None)
+    chains = [cache.chain(h, tier) for h in cache.blocks[tier]]
+    rooted = [c for c in chains if c[0].parent is None]  # a chain up to a parent never seen reaches no prompt
     rng = random.Random(seed)
     for prompt in prompts + [[rng.randrange(3) for _ in range(B * 5)] for _ in range(30)]:
-        path = rv.hit_path(cache, ("GPU", None), prompt)
-        assert len(path) == cache.hit_blocks(prompt)
-        assert [t for h in path for t in cache.blocks[("GPU", None)][h].tokens] == prompt[:B * len(path)]
-    assert rv.hit_path(RemoteCache(), ("GPU", None), prompts[0]) == []  # no block size known yet
+        spelled = [c for c in rooted if [t for b in c for t in b.tokens] == prompt[:B * len(c)]]
+        longest = max(spelled, key=len, default=[])
+        path = cache.hit_path(prompt, tier=tier)
+        assert path == [b.block_hash for b in longest]
+        assert cache.hit_blocks(prompt) == len(path)
+    assert RemoteCache().hit_path(prompts[0], tier=tier) == []  # no block size known yet
+    assert cache.hit_path(prompts[0], tier=("CPU", None)) == []  # a tier that holds nothing
 
 
 def test_a_restart_forgets_the_cache_and_holes_are_marked():

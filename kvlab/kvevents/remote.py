@@ -4,7 +4,7 @@ The idea: a ``BlockStored`` names each new block by its hash, its parent's hash 
 rebuild the tree of cached prefixes; a ``BlockRemoved`` takes a block out, ``AllBlocksCleared`` empties it. kvlab
 cannot recompute the server's hashes (vLLM hashes with its own function and seed, and extra keys), so a prompt is
 matched the way the tree is built: from the root, each next full block of the prompt's tokens must be a stored
-child, by its token ids, of the block before (:meth:`RemoteCache.hit_blocks`). A block whose parent was never seen
+child, by its token ids, of the block before (:meth:`RemoteCache.hit_path`). A block whose parent was never seen
 (the stream was joined late, or a gap lost its store) is kept but no prompt reaches it.
 
 Blocks live per tier, ``(medium, group_idx)``: the same hash can be on the GPU and offloaded to the CPU, and a
@@ -104,28 +104,29 @@ class RemoteCache:
         """The ``(medium, group_idx)`` pairs that hold blocks now."""
         return [t for t, b in self.blocks.items() if b]
 
+    def hit_path(self, token_ids: Sequence[int], block_size: int | None = None, *, tier: Tier) -> list[BlockHash]:
+        """The hashes of the leading full blocks of ``token_ids`` that ``tier`` holds, root first, walking the tree
+        of stored blocks by their tokens. ``block_size`` defaults to the one the events gave; with none known, []."""
+        tokens = token_list(token_ids, "hit_path")
+        size = self.block_size if block_size is None else check_positive(block_size, "block_size")
+        kids = self._children.get(tier, {})
+        path: list[BlockHash] = []
+        if size is None:
+            return path
+        for at in range(0, len(tokens) - size + 1, size):
+            child = kids.get(path[-1] if path else None, {}).get(tuple(tokens[at:at + size]))
+            if child is None:
+                break
+            path.append(child)
+        return path
+
     def hit_blocks(self, token_ids: Sequence[int], block_size: int | None = None, *, medium: str | None = None,
                    group: int | None = None) -> int:
-        """How many leading full blocks of ``token_ids`` the server holds, walking the tree of stored blocks by
-        their tokens: the best tier among those matching ``medium`` and ``group`` (None: any). ``block_size``
-        defaults to the one the events gave; with none known, 0."""
+        """How many leading full blocks of ``token_ids`` the server holds (:meth:`hit_path`): the best tier among
+        those matching ``medium`` and ``group`` (None: any). With no block size known, 0."""
         tokens = token_list(token_ids, "hit_blocks")
-        size = self.block_size if block_size is None else check_positive(block_size, "block_size")
-        if size is None:
-            return 0
-        best = 0
-        for (m, g), kids in self._children.items():
-            if (medium is not None and m != medium) or (group is not None and g != group):
-                continue
-            parent: BlockHash | None = None
-            n = 0
-            for at in range(0, len(tokens) - size + 1, size):
-                child = kids.get(parent, {}).get(tuple(tokens[at:at + size]))
-                if child is None:
-                    break
-                parent, n = child, n + 1
-            best = max(best, n)
-        return best
+        return max((len(self.hit_path(tokens, block_size, tier=(m, g))) for m, g in self._children
+                    if (medium is None or m == medium) and (group is None or g == group)), default=0)
 
     def chain(self, block_hash: BlockHash, tier: Tier) -> list[RemoteBlock]:
         """``block_hash``'s blocks from the root down to it, as far up as its ancestors are known."""

@@ -121,26 +121,6 @@ def icicle(blocks: dict[BlockHash, RemoteBlock]) -> list[tuple[BlockHash, int, f
     return out
 
 
-def hit_path(cache: RemoteCache, tier: Tier, tokens: Sequence[int]) -> list[BlockHash]:
-    """The hashes of the leading blocks of ``tokens`` that ``tier`` holds, walked by their tokens as
-    :meth:`~kvlab.kvevents.remote.RemoteCache.hit_blocks` walks them."""
-    size = cache.block_size
-    blocks = cache.blocks.get(tier, {})
-    if not size:
-        return []
-    by_tokens: dict[tuple[BlockHash | None, tuple[int, ...]], BlockHash] = {(b.parent, b.tokens): h
-                                                                            for h, b in blocks.items()}
-    path: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for at in range(0, len(tokens) - size + 1, size):
-        h = by_tokens.get((parent, tuple(tokens[at:at + size])))
-        if h is None:
-            break
-        path.append(h)
-        parent = h
-    return path
-
-
 def _tier_name(tier: Tier) -> str:
     medium, group = tier
     return f"{medium or '介质未标 (no medium)'} · KV 组 {group if group is not None else 0} (group)"
@@ -156,7 +136,7 @@ def plot_remote(state: RemoteState, prompt: Sequence[int] | None = None, title: 
     for t, (ax, tier) in enumerate(zip(axes, tiers)):
         blocks = cache.blocks.get(tier, {})
         color = rgb01(TIER_RGB[t % len(TIER_RGB)])
-        hits = set(hit_path(cache, tier, prompt)) if prompt else set()
+        hits = set(cache.hit_path(prompt, tier=tier)) if prompt else set()
         placed = icicle(blocks)
         if len(blocks) <= MAX_DRAWN:  # one collection for every block: a patch each cost ~0.5 ms a block
             x0, y0, hgt = (np.array([p[i] for p in placed], np.float64).reshape(-1) for i in (1, 2, 3))
@@ -370,5 +350,5 @@ async def watch_engine(engine: Any, *, steps: int | None = None, steps_per_secon
                       len(partial), int((snap["refcount"] >= 2).sum()), router.state.batches, router.state.missed)
 
 
-__all__ = ["BatchMark", "MAX_DRAWN", "NEVER_SEEN", "RemoteCacheView", "RemoteState", "SideBySide", "hit_path",
+__all__ = ["BatchMark", "MAX_DRAWN", "NEVER_SEEN", "RemoteCacheView", "RemoteState", "SideBySide",
            "icicle", "plot_remote", "watch_engine"]
