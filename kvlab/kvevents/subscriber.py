@@ -253,12 +253,10 @@ class Subscriber:
     async def _take(self, ctx: zmq.asyncio.Context, frames: list[bytes]) -> None:
         """One live message: classify its seq, fill a gap before it, deliver it."""
         self.stats.messages += 1
-        try:
-            topic, seq, payload = split_message(frames)
-        except KVEventError as e:
-            self.stats.malformed += 1
-            self._warn(f"格式错误的消息 (malformed message), skipped: {e}")
+        framed = self._framed(split_message, frames, "格式错误的消息 (malformed message)")
+        if framed is None:
             return
+        topic, seq, payload = framed
         live = self._live
         if live is not None and seq <= live:
             if seq == live:
@@ -285,6 +283,16 @@ class Subscriber:
         if seq > self._last + 1:
             self._lose(seq - self._last - 1, seq)
         self._deliver(seq, payload, topic, replayed=False)
+
+    def _framed(self, split: Callable[[list[bytes]], tuple[bytes, int, bytes]], frames: list[bytes],
+                what: str) -> tuple[bytes, int, bytes] | None:
+        """``split(frames)``: (topic, seq, payload), or None after counting and saying why it is malformed."""
+        try:
+            return split(frames)
+        except KVEventError as e:
+            self.stats.malformed += 1
+            self._warn(f"{what}, skipped: {e}")
+            return None
 
     def _lose(self, n: int, before: int) -> None:
         self._lost += n
@@ -313,13 +321,11 @@ class Subscriber:
                     self._warn(f"重放无应答 (the replay service at {self.replay_endpoint} sent nothing for "
                                f"{self.replay_timeout_s:g} s)")
                     return
-                frames = await dealer.recv_multipart()
-                try:
-                    topic, seq, payload = split_replay(frames)
-                except KVEventError as e:
-                    self.stats.malformed += 1
-                    self._warn(f"格式错误的重放 (malformed replay reply), skipped: {e}")
+                framed = self._framed(split_replay, await dealer.recv_multipart(),
+                                      "格式错误的重放 (malformed replay reply)")
+                if framed is None:
                     continue
+                topic, seq, payload = framed
                 if seq == END_SEQ:
                     return
                 if seq > self._last and (stop is None or seq < stop):
