@@ -16,6 +16,7 @@ from kvlab.serve.model import TinyConfig, TinyLlama
 from kvlab.core.prefix import PrefixHit, PrefixStored
 from kvlab.core.sequence import SequenceManager
 from kvlab.workloads.mixes import Request, make_workload
+from kvlab.workloads.traces import prefix_hit_bound
 
 
 def _drained(e: Engine, aborted: str = "") -> None:
@@ -257,12 +258,21 @@ def test_usage_gauges_equal_a_pass_over_the_pool(mode):
 
 
 def test_prefix_counters_are_in_tokens_and_lifetimes_come_from_evictions():
+    """The hit counters are vLLM 0.34.0's: a request's first admission counts as a query (its prompt) and a hit
+    (its cached prefix); a readmission after a preemption finds the request's own blocks again and is counted
+    apart (vLLM's preempted_queries and preempted_hits). Together they are every lookup the cache saw."""
     w = make_workload("chat", 150, seed=2, rate=300, prefix_share=0.9)
     e = Engine(w, num_blocks=200, max_batched_tokens=256)
     s = e.run()
-    cache = e.memory.cache
-    assert s["prefix_cache_queries"] == cache.query_tokens >= sum(r.prompt_len for r in w.requests)
-    assert s["prefix_cache_hits"] == cache.hit_tokens == s["prefix_hit_tokens"] > 0
+    cache, records = e.memory.cache, e.log.requests
+    assert s["preemptions"] > 0 and s["preempted_hit_tokens"] == sum(r.preempted_hit_tokens
+                                                                    for r in records.values()) > 0
+    assert s["prefix_cache_queries"] == sum(r.prompt_len for r in w.requests)
+    assert s["prefix_cache_queries"] + e.preempted_query_tokens == cache.query_tokens
+    assert s["prefix_cache_hits"] + s["preempted_hit_tokens"] == cache.hit_tokens
+    assert s["prefix_cache_hits"] == s["prefix_hit_tokens"] == sum(r.prefix_hit_tokens for r in records.values())
+    assert 0 < s["prefix_hit_tokens"] <= prefix_hit_bound(w, 16)  # an unbounded cache serves no more
+    assert all(records[r.id].prefix_hit_tokens <= (r.prompt_len - 1) // 16 * 16 for r in w.requests)
     assert s["prefix_hit_rate"] == pytest.approx(s["prefix_cache_hits"] / s["prefix_cache_queries"])
     life = e.memory.lifetimes
     assert s["block_lifetime_count"] == s["idle_before_evict_count"] == len(life.lifetime) == s["evictions"] > 0

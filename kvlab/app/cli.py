@@ -506,7 +506,7 @@ def _fit(workload: Workload, total: int, args: argparse.Namespace) -> dict[str, 
 
 
 RUN_KEYS = ("requests", "finished", "prompt_tokens", "prefix_hit_tokens", "prefix_hit_rate", "prefix_hit_bound",
-            "preemptions", "utilisation", "usage_by_block", "usage_by_token", "wall_s")
+            "preemptions", "preempted_hit_tokens", "utilisation", "usage_by_block", "usage_by_token", "wall_s")
 
 
 @command("run", "run a workload or a real trace through the paged serving engine (metadata mode) and print a "

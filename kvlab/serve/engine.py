@@ -102,7 +102,8 @@ class Engine:
         self._refuse_impossible(reqs, set())
         self._ids = {r.id for r in reqs}  # every id given, to refuse one given again
         self._tenants = {r.tenant for r in reqs} | set(cfg.quotas) | set(cfg.reservations)
-        if cfg.policy == "opt" and not (cfg.memory == "paged" and cfg.prefix_caching):
+        self.caching = cfg.memory == "paged" and cfg.prefix_caching  # admissions look prompts up in a prefix cache
+        if cfg.policy == "opt" and not self.caching:
             raise ConfigError("policy 'opt' ranks cached prefix blocks by their next lookup: it needs "
                               "memory='paged' and prefix_caching=True")
         self.memory: Memory = (PagedMemory(cfg, model, reqs) if cfg.memory == "paged"
@@ -124,6 +125,11 @@ class Engine:
         self.now_s = 0.0
         self.step_count = 0
         self.preemptions = 0
+        # Prompt tokens looked up in the prefix cache and served by it, counted as vLLM 0.34.0 counts them
+        # (PrefixCacheStats): a request readmitted after a preemption finds its own blocks again, which saves
+        # recomputing them but shares nothing, so those lookups are kept apart from the hit rate.
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
+        self.preempted_query_tokens = self.preempted_hit_tokens = 0
         self.finished_count = 0
         self.swap_ins = self.prefetched_ins = 0
         self.swap_in_stall_s = 0.0  # the part of the stall prefetching can hide
@@ -202,7 +208,8 @@ class Engine:
         out = {"memory": self.config.memory, "block_size": self.config.block_size, "policy": self.config.policy,
                "preemption": self.config.preemption, "clock": "simulated" if self.model is None else "wall"}
         out.update(self.log.summary())
-        out["prefix_hit_tokens"] = sum(r.prefix_hit_tokens for r in self.log.requests.values())
+        out["prefix_hit_tokens"] = self.prefix_hit_tokens
+        out["preempted_hit_tokens"] = self.preempted_hit_tokens
         out["swap_ins"], out["prefetched_swap_ins"] = self.swap_ins, self.prefetched_ins
         out["swap_in_stall_s"] = self.swap_in_stall_s
         out.update(self.memory.summary())
@@ -394,7 +401,14 @@ class Engine:
             mem.admit(job)
             cached = job.kv.num_tokens
             n = min(len(job.tokens) - cached, budget)
-            job.rec.prefix_hit_tokens += cached
+            if self.caching and job.rec.preemptions:  # vLLM's preempted_queries and preempted_hits
+                self.preempted_query_tokens += len(job.tokens)
+                self.preempted_hit_tokens += cached
+                job.rec.preempted_hit_tokens += cached
+            elif self.caching:
+                self.prefix_query_tokens += len(job.tokens)
+                self.prefix_hit_tokens += cached
+                job.rec.prefix_hit_tokens = cached
             job.state = RUNNING
             self.running.append(job)
             job.pending = mem.blocks_for(job, n)
@@ -546,12 +560,12 @@ class Engine:
     def _record(self, prefill: int, decode: int, stall: float) -> None:
         mem = self.memory
         g = mem.gauges()
-        hit_rate = g.prefix_hit_tokens / g.prefix_query_tokens if g.prefix_query_tokens else 0.0
+        hit_rate = self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         m = StepMetrics(self._now(), self.step_count, self.now_s, len(self.running), self.num_waiting,
                         len(self.swapped), prefill, decode, mem.capacity_slots, g.reserved_slots, g.token_slots,
                         g.fragmentation, g.evictions, self.preemptions, hit_rate, self.finished_count,
                         tuple(sorted((t, n) for t, n in self.held.items() if n)), stall, g.used_slots,
-                        g.used_tokens, g.prefix_query_tokens, g.prefix_hit_tokens)
+                        g.used_tokens, self.prefix_query_tokens, self.prefix_hit_tokens)
         self.log.steps.append(m)
         if self.events:
             self.events.publish(m)

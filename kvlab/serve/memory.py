@@ -48,8 +48,6 @@ class Gauges(NamedTuple):
     used_slots: int  # slots of the blocks (or regions) requests hold
     used_tokens: int  # tokens in them
     evictions: int  # cached blocks evicted so far
-    prefix_query_tokens: int  # prompt tokens looked up in the prefix cache so far
-    prefix_hit_tokens: int  # prompt tokens it served so far
 
 
 class Memory(Protocol):
@@ -278,12 +276,11 @@ class PagedMemory:
     def gauges(self) -> Gauges:
         """Cached blocks count as reserved, and their tokens as held. No pass over the pool: a cached block is
         registered, hence full."""
-        pool, cache, bs = self.pool, self.cache, self.bs
+        pool, bs = self.pool, self.bs
         used_slots, used_tokens = self._usage()
         frag = unusable_free_percent(pool) / 100 if pool.max_order else 0.0  # one size: none, by construction
-        queried, hit = (cache.query_tokens, cache.hit_tokens) if cache is not None else (0, 0)
         return Gauges((pool.num_blocks - pool.num_free_blocks) * bs, used_tokens + pool.num_cached_blocks * bs, frag,
-                      used_slots, used_tokens, pool.counts["evictions"], queried, hit)
+                      used_slots, used_tokens, pool.counts["evictions"])
 
     def _usage(self) -> tuple[int, int]:
         """(slots of the blocks requests hold, tokens in them), from the sequences in O(sequences): summing their
@@ -410,7 +407,7 @@ class ContiguousMemory:
     def gauges(self) -> Gauges:
         """Every reserved slot is used: a region is its request's alone; nothing is cached or evicted."""
         reserved = self.arena.reserved
-        return Gauges(reserved, self._tokens, self.arena.fragmentation(), reserved, self._tokens, 0, 0, 0)
+        return Gauges(reserved, self._tokens, self.arena.fragmentation(), reserved, self._tokens, 0)
 
     def summary(self) -> dict[str, Any]:
         return {}

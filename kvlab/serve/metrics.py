@@ -54,14 +54,14 @@ class StepMetrics(EngineEvent):
     fragmentation: float
     evictions: int
     preemptions: int
-    prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens looked up, so far
+    prefix_hit_rate: float  # prompt tokens served by the prefix cache / looked up, so far (first admissions)
     finished: int
     tenant_blocks: tuple[tuple[str, int], ...] = ()
     stall_s: float = 0.0
     used_slots: int = 0  # slots of the blocks (or regions) running requests hold
     used_tokens: int = 0  # tokens in them
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache so far (vLLM's queries)
-    prefix_hit_tokens: int = 0  # prompt tokens it served so far (vLLM's hits)
+    prefix_query_tokens: int = 0  # prompt tokens looked up at first admission so far (vLLM's queries)
+    prefix_hit_tokens: int = 0  # of those, served by the prefix cache (vLLM's hits)
 
     @property
     def utilisation(self) -> float:
@@ -98,7 +98,8 @@ class RequestRecord:
     finish_step: int = -1
     finish_s: float = -1.0
     preemptions: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0  # of its prompt, served by the prefix cache when it was first admitted
+    preempted_hit_tokens: int = 0  # its own blocks found again when readmitted after preemptions (not sharing)
 
     @property
     def ttft_s(self) -> float:

@@ -139,8 +139,8 @@ def answer_blocks(real: Engine, requests: Sequence[Request], tokenizer: Any, lim
         out = real.outputs[r.id]
         seq, rec = [*(r.prompt_tokens or ()), *out], real.log.requests[r.id]
         first, blocks = r.prompt_len // B, -(-len(seq) // B)   # the block where the answer starts; blocks in all
-        again = (f"，被抢占 {rec.preemptions} 次：重新接纳时也命中了它自己的块 (preempted, re-admitted)"
-                 if rec.preemptions else "")
+        again = (f"；被抢占 {rec.preemptions} 次，重新接纳时从缓存拿回自己的 {rec.preempted_hit_tokens} 个 token "
+                 f"(preempted, re-admitted: its own blocks found again)" if rec.preemptions else "")
         lines.append(f"\n请求 (request) {r.id}：提示 {r.prompt_len} 个 token + 回答 {len(out)} 个 token = "
                      f"{blocks} 块 | 前缀缓存命中 (prefix-cache hits) {rec.prefix_hit_tokens} 个 token{again}")
         lines.append(f"  回答 (answer): {tokenizer.decode(out)!r}")
