@@ -85,6 +85,23 @@ def test_every_block_is_as_tall_as_its_leaves_and_holds_its_children(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_the_columns_drawn_for_a_large_cache_count_the_icicles_blocks_by_depth(seed):
+    """depth_counts (the still's bars past MAX_DRAWN blocks) against the icicle's own placement; a cycle of
+    parents (a lying stream) is reachable from no root and is counted in neither."""
+    events, _ = random_stores(seed)
+    events.append(BlockStored(block_hashes=[10_001], parent_block_hash=10_002, token_ids=[1] * B, block_size=B,
+                              medium="GPU"))
+    events.append(BlockStored(block_hashes=[10_002], parent_block_hash=10_001, token_ids=[2] * B, block_size=B,
+                              medium="GPU"))
+    cache = RemoteCache()
+    cache.apply(events)
+    blocks = cache.blocks[("GPU", None)]
+    depths = [d for _, d, _, _ in rv.icicle(blocks)]
+    assert rv.depth_counts(blocks) == [depths.count(d) for d in range(max(depths) + 1)]
+    assert sum(rv.depth_counts(blocks)) == len(blocks) - 2
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_the_hit_path_is_the_longest_stored_chain_that_spells_the_prompt(seed):
     """RemoteCache.hit_path (which the still outlines and hit_blocks counts) against a brute force over every
     block's chain from the root."""
