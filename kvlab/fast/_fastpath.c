@@ -728,6 +728,7 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
         }
         ids[i] = (int32_t)v;
     }
+    PyObject *first = Py_NewRef(PyList_GET_ITEM(list, 0));  /* a one-block free's id, for its event */
     PyObject *out = NULL, *t = NULL, *pushed = NULL, *tuple = NULL;  /* pushed: the ids as bytes */
     long long step;
     if (lock(h) < 0) goto done;
@@ -771,7 +772,13 @@ static PyObject *fast_free(FastPath *h, PyObject *list) {
     }
     h->frees += n;
     if (PyList_GET_SIZE(h->events)) {
-        if (!(tuple = ids_tuple(layout_for(h, h->freed_cls, 2), ids, n))) goto unlock;
+        Layout *l = layout_for(h, h->freed_cls, 2);
+        if (n == 1) {  /* the caller's int, read before the lock: no new one */
+            if ((tuple = ids_for(l, 1))) set_item(tuple, 0, Py_NewRef(first));
+        } else {
+            tuple = ids_tuple(l, ids, n);
+        }
+        if (!tuple) goto unlock;
         PyObject *ev[2] = {t, tuple};
         if (publish(h, h->freed_cls, ev, 2) < 0) goto unlock;
     }
@@ -780,6 +787,7 @@ unlock:
     if (unlock(h) < 0) Py_CLEAR(out);
 done:
     if (ids != small) PyMem_Free(ids);
+    Py_DECREF(first);
     Py_XDECREF(t);
     Py_XDECREF(pushed);
     Py_XDECREF(tuple);
