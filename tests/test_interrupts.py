@@ -189,7 +189,7 @@ def _rank_interrupted_at(here: int, fire_at: int | None) -> tuple[int, bool]:
     """Rank ``here`` (PREFILL or DECODE) on the main thread, the one signals reach, the other in a thread, over
     one gloo pair; a SIGINT at kvlab's line ``fire_at`` of rank ``here``. Checks what each side holds after;
     returns (lines run, whether rank ``here`` was interrupted)."""
-    store, timeout = dist.HashStore(), 10.0
+    store, timeout = dist.HashStore(), 30.0  # bounds only a failure; a loaded CI once needed more than 10 s to connect
     managers = {PREFILL: make_manager(CFG, 16, 128), DECODE: make_manager(CFG, 16, 128)}
     calls = {PREFILL: lambda link: prefill_rank(link, BATCHES, manager=managers[PREFILL]),
              DECODE: lambda link: decode_rank(link, manager=managers[DECODE], max_new_tokens=2)}
