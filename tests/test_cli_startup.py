@@ -29,9 +29,15 @@ ENV = {**os.environ, "KVLAB_DEVICE": "cpu"}
 HEAVY = ("torch", "numpy")
 
 
+def as_from_a_terminal() -> None:
+    """The child's Ctrl-C as a terminal gives it: a suite started in the background of a shell without job control
+    (`make test &`) inherits SIGINT ignored, and Python then leaves it ignored in every child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def python(code: str, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env or ENV,
-                          cwd=cwd, timeout=300)
+                          cwd=cwd, timeout=300, preexec_fn=as_from_a_terminal)
 
 
 # ---------------------------------------------------------------------------------------------------- no torch
@@ -197,7 +203,7 @@ def test_ctrl_c_from_a_terminal_at_any_moment_is_one_line_and_130():
     for delay in (0.0, 1.0):
         child = subprocess.Popen([sys.executable, "-m", "kvlab", "run", "--requests", "200000", "--no-progress"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"})
+                                 env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"}, preexec_fn=as_from_a_terminal)
         assert child.stderr is not None
         for line in child.stderr:  # -X importtime lists each import as it ends
             if line.rstrip().endswith("| kvlab.app.cli"):
