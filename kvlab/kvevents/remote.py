@@ -107,8 +107,20 @@ class RemoteCache:
     def hit_path(self, token_ids: Sequence[int], block_size: int | None = None, *, tier: Tier) -> list[BlockHash]:
         """The hashes of the leading full blocks of ``token_ids`` that ``tier`` holds, root first, walking the tree
         of stored blocks by their tokens. ``block_size`` defaults to the one the events gave; with none known, []."""
-        tokens = token_list(token_ids, "hit_path")
-        size = self.block_size if block_size is None else check_positive(block_size, "block_size")
+        return self._walk(token_list(token_ids, "hit_path"), self._size(block_size), tier)
+
+    def hit_blocks(self, token_ids: Sequence[int], block_size: int | None = None, *, medium: str | None = None,
+                   group: int | None = None) -> int:
+        """How many leading full blocks of ``token_ids`` the server holds (:meth:`hit_path`): the best tier among
+        those matching ``medium`` and ``group`` (None: any). With no block size known, 0."""
+        tokens, size = token_list(token_ids, "hit_blocks"), self._size(block_size)
+        return max((len(self._walk(tokens, size, (m, g))) for m, g in self._children
+                    if (medium is None or m == medium) and (group is None or g == group)), default=0)
+
+    def _size(self, block_size: int | None) -> int | None:
+        return self.block_size if block_size is None else check_positive(block_size, "block_size")
+
+    def _walk(self, tokens: list[int], size: int | None, tier: Tier) -> list[BlockHash]:
         kids = self._children.get(tier, {})
         path: list[BlockHash] = []
         if size is None:
@@ -119,14 +131,6 @@ class RemoteCache:
                 break
             path.append(child)
         return path
-
-    def hit_blocks(self, token_ids: Sequence[int], block_size: int | None = None, *, medium: str | None = None,
-                   group: int | None = None) -> int:
-        """How many leading full blocks of ``token_ids`` the server holds (:meth:`hit_path`): the best tier among
-        those matching ``medium`` and ``group`` (None: any). With no block size known, 0."""
-        tokens = token_list(token_ids, "hit_blocks")
-        return max((len(self.hit_path(tokens, block_size, tier=(m, g))) for m, g in self._children
-                    if (medium is None or m == medium) and (group is None or g == group)), default=0)
 
     def chain(self, block_hash: BlockHash, tier: Tier) -> list[RemoteBlock]:
         """``block_hash``'s blocks from the root down to it, as far up as its ancestors are known."""

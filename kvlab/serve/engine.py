@@ -401,14 +401,8 @@ class Engine:
             mem.admit(job)
             cached = job.kv.num_tokens
             n = min(len(job.tokens) - cached, budget)
-            if self.caching and job.rec.preemptions:  # vLLM's preempted_queries and preempted_hits
-                self.preempted_query_tokens += len(job.tokens)
-                self.preempted_hit_tokens += cached
-                job.rec.preempted_hit_tokens += cached
-            elif self.caching:
-                self.prefix_query_tokens += len(job.tokens)
-                self.prefix_hit_tokens += cached
-                job.rec.prefix_hit_tokens = cached
+            if self.caching:
+                self._count_lookup(job, cached)
             job.state = RUNNING
             self.running.append(job)
             job.pending = mem.blocks_for(job, n)
@@ -556,6 +550,18 @@ class Engine:
                 if self.events:
                     self.events.publish(Finished(self._now(), step, job.req.id, job.req.tenant, rec.ttft_s,
                                                  rec.tpot_s))
+
+    def _count_lookup(self, job: Job, cached: int) -> None:
+        """An admission's prefix-cache lookup: a first one is a query with ``cached`` hits; a readmission after a
+        preemption (vLLM's preempted_queries and preempted_hits) finds the request's own blocks again."""
+        if job.rec.preemptions:
+            self.preempted_query_tokens += len(job.tokens)
+            self.preempted_hit_tokens += cached
+            job.rec.preempted_hit_tokens += cached
+        else:
+            self.prefix_query_tokens += len(job.tokens)
+            self.prefix_hit_tokens += cached
+            job.rec.prefix_hit_tokens = cached
 
     def _record(self, prefill: int, decode: int, stall: float) -> None:
         mem = self.memory
